@@ -1,0 +1,67 @@
+"""Helpers shared by the benchmarks: machine facts, result files, local launching."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
+    """Facts a reader needs to judge a result: where, on what, with which versions."""
+    import torch
+
+    info = {
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": device,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import ringdp
+
+        info["ringdp"] = ringdp.build_info()
+    except Exception as e:  # the baseline-only runs still want machine facts
+        info["ringdp"] = f"unavailable: {e}"
+    if world_size is not None:
+        info["world_size"] = world_size
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def save_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
+    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ

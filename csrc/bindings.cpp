@@ -1,0 +1,120 @@
+// The one binding file: converts between torch/Python and ringdp's torch-free C++ API.
+// No logic lives here beyond argument conversion.
+#include <torch/extension.h>
+
+#include "common/error.h"
+#include "common/types.h"
+#include "kernels/cpu/reduce.h"
+#include "ring/ring.h"
+#include "ring/schedule.h"
+#include "ring/trace.h"
+#include "transport/shm/shm_comm.h"
+
+namespace py = pybind11;
+using namespace ringdp;
+
+namespace {
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kDouble: return DType::kFloat64;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kInt: return DType::kInt32;
+    case at::kLong: return DType::kInt64;
+    default: break;
+  }
+  throw py::type_error(std::string("ringdp does not support dtype ") + c10::toString(t));
+}
+
+at::ScalarType to_scalar(int code) {
+  switch (static_cast<DType>(code)) {
+    case DType::kFloat32: return at::kFloat;
+    case DType::kFloat64: return at::kDouble;
+    case DType::kFloat16: return at::kHalf;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kInt32: return at::kInt;
+    case DType::kInt64: return at::kLong;
+  }
+  throw py::value_error("unknown ringdp dtype code");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "ringdp native extension";
+  py::register_exception<RingError>(m, "RingError", PyExc_RuntimeError);
+
+#ifdef RINGDP_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+
+  py::class_<ShmConfig>(m, "ShmConfig")
+      .def(py::init<>())
+      .def_readwrite("rank", &ShmConfig::rank)
+      .def_readwrite("world", &ShmConfig::world)
+      .def_readwrite("name", &ShmConfig::name)
+      .def_readwrite("host", &ShmConfig::host)
+      .def_readwrite("fifo_slots", &ShmConfig::fifo_slots)
+      .def_readwrite("slot_bytes", &ShmConfig::slot_bytes)
+      .def_readwrite("small_bytes", &ShmConfig::small_bytes)
+      .def_readwrite("arena_bytes", &ShmConfig::arena_bytes)
+      .def_readwrite("spin_ns", &ShmConfig::spin_ns);
+
+  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
+      .def(py::init<const ShmConfig&>())
+      .def_property_readonly("name", &ShmComm::name)
+      .def_property_readonly("rank", &ShmComm::rank)
+      .def_property_readonly("world", &ShmComm::world)
+      .def_property_readonly("calls", &ShmComm::calls)
+      .def_property_readonly("aborted", &ShmComm::is_aborted)
+      .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
+      .def("connect", &ShmComm::connect, py::call_guard<py::gil_scoped_release>())
+      .def("unlink_own", &ShmComm::unlink_own)
+      .def("unlink_all", &ShmComm::unlink_all)
+      .def("abort", &ShmComm::abort)
+      .def(
+          "all_reduce",
+          [](ShmComm& c, const torch::Tensor& t, int op, int algo, double timeout_s) {
+            c.all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), to_dtype(t.scalar_type()),
+                         static_cast<RedOp>(op), static_cast<Algo>(algo), timeout_s);
+          },
+          py::call_guard<py::gil_scoped_release>())
+      .def("reject", &ShmComm::reject, py::call_guard<py::gil_scoped_release>())
+      .def("is_registered",
+           [](const ShmComm& c, const torch::Tensor& t) {
+             return c.arena_offset_of(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()) >= 0;
+           })
+      .def("empty", [](std::shared_ptr<ShmComm> c, std::vector<int64_t> sizes, int dtype_code) {
+        const at::ScalarType st = to_scalar(dtype_code);
+        int64_t numel = 1;
+        for (int64_t s : sizes) {
+          if (s < 0) throw py::value_error("ringdp.empty: negative dimension");
+          numel *= s;
+        }
+        const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(st);
+        const size_t off = c->arena_alloc(bytes);
+        void* p = c->arena_base() + off;
+        // The deleter keeps the communicator (and so the mapping) alive until the last
+        // tensor sharing this storage is gone.
+        return torch::from_blob(
+            p, sizes, [c, off](void*) { c->arena_free(off); },
+            torch::TensorOptions().dtype(st).device(torch::kCPU));
+      });
+
+  // Schedule arithmetic, for the unit tests.
+  m.def("chunk_begin", &ring::chunk_begin);
+  m.def("chunk_end", &ring::chunk_end);
+  m.def("rs_send_chunk", &ring::rs_send_chunk);
+  m.def("rs_recv_chunk", &ring::rs_recv_chunk);
+  m.def("ag_send_chunk", &ring::ag_send_chunk);
+  m.def("ag_recv_chunk", &ring::ag_recv_chunk);
+  m.def("owned_chunk", &ring::owned_chunk);
+  m.def("ring_trace", &ring_trace, py::arg("count"), py::arg("world"), py::arg("rank"),
+        py::arg("slice_elems"), py::arg("align"));
+  m.def("half_roundtrip", [](float f) { return cpu::half_to_float(cpu::float_to_half(f)); });
+  m.def("bf16_roundtrip", [](float f) { return cpu::bf16_to_float(cpu::float_to_bf16(f)); });
+}

@@ -1,0 +1,37 @@
+// A transport that only records what the engine asks of it: lets tests check the real
+// schedule (every slice sent is the slice its successor receives, chunks tile the buffer,
+// a dataflow replay gives the right sums) without moving data.
+#pragma once
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../transport/transport.h"
+#include "ring.h"
+
+namespace ringdp {
+
+using TraceEntry = std::tuple<std::string, size_t, size_t>;  // primitive, offset, count
+
+class RecordingTransport final : public RingTransport {
+ public:
+  std::vector<TraceEntry> log;
+  void send(const Slice& s) override { add("send", s); }
+  void recv_reduce_send(const Slice& s) override { add("recv_reduce_send", s); }
+  void recv_reduce_copy_send(const Slice& s) override { add("recv_reduce_copy_send", s); }
+  void recv_copy_send(const Slice& s) override { add("recv_copy_send", s); }
+  void recv(const Slice& s) override { add("recv", s); }
+  void finish() override { log.emplace_back("finish", 0, 0); }
+
+ private:
+  void add(const char* p, const Slice& s) { log.emplace_back(p, s.offset, s.count); }
+};
+
+inline std::vector<TraceEntry> ring_trace(size_t count, int world, int rank, size_t slice_elems,
+                                          size_t align) {
+  RecordingTransport t;
+  ring_all_reduce(t, RingPlan{count, world, rank, slice_elems, align});
+  return t.log;
+}
+
+}  // namespace ringdp

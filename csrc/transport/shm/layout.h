@@ -1,0 +1,94 @@
+// Layout of one rank's POSIX shared-memory segment. Every rank creates one segment and
+// maps every peer's. Each word in here is written by its owner only; peers only read it
+// (the one exception, `sleepers`, is a counter peers bump before sleeping on a futex).
+//
+//   [ Control (4 KiB) | FIFO: slots x slot_bytes | one-shot: 2 x small_bytes | arena ]
+//
+// Counters are monotonic 32-bit and compared wrap-safely, so a fast rank can never
+// overwrite a flag a slow rank has not read yet.
+#pragma once
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+namespace ringdp {
+namespace shm {
+
+constexpr size_t kCacheLine = 64;
+constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr size_t kMsgBytes = 256;
+
+// One 32-bit flag alone on its cache line.
+struct alignas(kCacheLine) Flag {
+  std::atomic<uint32_t> v;
+  char pad[kCacheLine - sizeof(std::atomic<uint32_t>)];
+};
+static_assert(sizeof(Flag) == kCacheLine, "a flag owns exactly one cache line");
+static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free across processes");
+static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock-free across processes");
+
+// What a rank announces at the start of each collective. Two of these alternate by the
+// parity of the call number, so a fast rank writes call s+1's header while a slow one may
+// still read call s's.
+struct alignas(kCacheLine) CallHeader {
+  Flag seq;               // call number (1-based), published last, with release
+  int32_t status;         // 0 ok, 1 this rank rejected its input (message in `msg`)
+  int32_t dtype;          // DType
+  int32_t op;             // RedOp
+  int32_t algo;           // Algo
+  uint64_t count;         // elements
+  int64_t reg_offset;     // arena offset of the tensor, -1 when not registered
+  uint64_t slice_bytes;   // configuration that must agree across ranks
+  char pad[kCacheLine - 40];
+  char msg[kMsgBytes];
+};
+static_assert(sizeof(CallHeader) == 2 * kCacheLine + kMsgBytes, "header layout changed");
+static_assert(offsetof(CallHeader, seq) == 0, "the published word leads the header");
+
+struct Control {
+  // Identity, written once at creation.
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t world;
+  int32_t pid;
+  uint64_t segment_bytes;
+  uint64_t fifo_slots;
+  uint64_t slot_bytes;
+  uint64_t small_bytes;
+  uint64_t arena_bytes;
+  char host[64];
+  char pad0[kCacheLine - 16];
+  Flag posted;     // slices I have made available to my successor (total, wraps)
+  Flag consumed;   // slices I have taken from my predecessor (total, wraps)
+  Flag sleepers;   // peers sleeping on one of my flags: wake them after a store
+  Flag aborted;    // nonzero once this rank gave up; reason in abort_msg
+  CallHeader hdr[2];
+  char abort_msg[kMsgBytes];
+};
+static_assert(offsetof(Control, posted) % kCacheLine == 0, "flags start on a cache line");
+static_assert(offsetof(Control, consumed) == offsetof(Control, posted) + kCacheLine, "one line per flag");
+static_assert(offsetof(Control, hdr) % kCacheLine == 0, "headers start on a cache line");
+static_assert(sizeof(Control) <= 4096, "control block fits its page");
+
+constexpr size_t kControlBytes = 4096;
+
+inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+struct Geometry {
+  size_t fifo_slots;
+  size_t slot_bytes;
+  size_t small_bytes;
+  size_t arena_bytes;
+  size_t fifo_offset() const { return kControlBytes; }
+  size_t small_offset(int parity) const {
+    return fifo_offset() + fifo_slots * slot_bytes + static_cast<size_t>(parity) * small_bytes;
+  }
+  size_t fixed_bytes() const { return align_up(small_offset(2), 1 << 21); }
+  size_t arena_offset() const { return fixed_bytes(); }
+  size_t total_bytes() const { return arena_offset() + arena_bytes; }
+};
+
+}  // namespace shm
+}  // namespace ringdp

@@ -1,0 +1,48 @@
+// A POSIX shared-memory segment: created owner-only (0600) with O_EXCL, pre-faulted, and
+// unlinked as soon as every peer has mapped it. Unmapped (and closed) by the destructor.
+#pragma once
+#include <cstddef>
+#include <string>
+
+namespace ringdp {
+namespace shm {
+
+class Segment {
+ public:
+  // Create `name` of `bytes` (sparse), pre-fault the first `prefault` bytes.
+  static Segment create(const std::string& name, size_t bytes, size_t prefault);
+  // Map an existing segment of a peer; populate the first `prefault` bytes.
+  static Segment open(const std::string& name, size_t prefault);
+
+  Segment() = default;
+  Segment(Segment&& o) noexcept { *this = std::move(o); }
+  Segment& operator=(Segment&& o) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment();
+
+  char* base() const { return base_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  // Remove the name from /dev/shm (mappings stay valid). Idempotent.
+  void unlink();
+  // Reserve and fault in [offset, offset+bytes) of this (owned) segment. Throws RingError
+  // when /dev/shm is full, instead of a SIGBUS on first touch.
+  void commit(size_t offset, size_t bytes);
+  // Give the pages of [offset, offset+bytes) back to the system.
+  void decommit(size_t offset, size_t bytes);
+
+ private:
+  std::string name_;
+  char* base_ = nullptr;
+  size_t size_ = 0;
+  int fd_ = -1;
+  bool owner_ = false;
+  bool linked_ = false;
+};
+
+// Unlink a name if it exists (cleanup of a dead peer's segment); never throws.
+void unlink_name(const std::string& name);
+
+}  // namespace shm
+}  // namespace ringdp

@@ -1,0 +1,317 @@
+#include "shm_comm.h"
+
+#include <errno.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "../../common/error.h"
+#include "../../kernels/cpu/reduce.h"
+#include "../../ring/ring.h"
+#include "shm_transports.h"
+
+namespace ringdp {
+
+using shm::Clock;
+using shm::Control;
+
+namespace {
+
+constexpr size_t kArenaAlign = 4096;
+
+void copy_msg(char* dst, const std::string& s) {
+  size_t n = s.size() < shm::kMsgBytes - 1 ? s.size() : shm::kMsgBytes - 1;
+  std::memcpy(dst, s.data(), n);
+  dst[n] = '\0';
+}
+
+std::string read_msg(const char* src) { return std::string(src, strnlen(src, shm::kMsgBytes)); }
+
+const char* algo_name(int32_t a) { return a == static_cast<int32_t>(Algo::kOneShot) ? "oneshot" : "ring"; }
+
+}  // namespace
+
+ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
+  if (cfg_.world < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.world)
+    throw RingError(cat("invalid rank ", cfg_.rank, " for world size ", cfg_.world));
+  if (cfg_.fifo_slots < 2) throw RingError("fifo_slots must be at least 2");
+  if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes % 64 != 0)
+    throw RingError("slot_bytes must be a multiple of 64 and at least 4096");
+  cfg_.small_bytes = shm::align_up(cfg_.small_bytes, 64);
+  cfg_.arena_bytes = shm::align_up(cfg_.arena_bytes, kArenaAlign);
+  geo_ = shm::Geometry{cfg_.fifo_slots, cfg_.slot_bytes, cfg_.small_bytes, cfg_.arena_bytes};
+  wait_policy_.spin_ns = cfg_.spin_ns;
+
+  segs_.resize(static_cast<size_t>(cfg_.world));
+  pid_usable_.assign(static_cast<size_t>(cfg_.world), false);
+  shm::Segment own = shm::Segment::create(cfg_.name, geo_.total_bytes(), geo_.fixed_bytes());
+  Control* c = new (own.base()) Control();
+  c->version = shm::kLayoutVersion;
+  c->rank = cfg_.rank;
+  c->world = cfg_.world;
+  c->pid = static_cast<int32_t>(::getpid());
+  c->segment_bytes = geo_.total_bytes();
+  c->fifo_slots = geo_.fifo_slots;
+  c->slot_bytes = geo_.slot_bytes;
+  c->small_bytes = geo_.small_bytes;
+  c->arena_bytes = geo_.arena_bytes;
+  copy_msg(c->host, cfg_.host.substr(0, sizeof(c->host) - 1));
+  std::atomic_thread_fence(std::memory_order_release);
+  c->magic = shm::kMagic;  // last: a peer that sees the magic sees the rest
+  segs_[static_cast<size_t>(cfg_.rank)] = std::move(own);
+  free_[0] = geo_.arena_bytes;
+}
+
+ShmComm::~ShmComm() = default;  // Segments unmap (and unlink, if still linked) themselves.
+
+void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
+  if (static_cast<int>(names.size()) != cfg_.world)
+    throw RingError(cat("rank ", cfg_.rank, ": expected ", cfg_.world, " segment names, got ", names.size()));
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank) continue;
+    shm::Segment s = shm::Segment::open(names[static_cast<size_t>(r)], geo_.fixed_bytes());
+    const Control* c = reinterpret_cast<const Control*>(s.base());
+    if (s.size() < shm::kControlBytes || c->magic != shm::kMagic || c->version != shm::kLayoutVersion)
+      throw RingError(cat("rank ", cfg_.rank, ": segment ", s.name(), " of rank ", r,
+                          " is not a ringdp segment of this version (different ringdp builds?)"));
+    if (c->rank != r || c->world != cfg_.world)
+      throw RingError(cat("rank ", cfg_.rank, ": segment of rank ", r, " says rank ", c->rank,
+                          " of world ", c->world, ", expected world ", cfg_.world));
+    if (c->fifo_slots != geo_.fifo_slots || c->slot_bytes != geo_.slot_bytes ||
+        c->small_bytes != geo_.small_bytes || c->arena_bytes != geo_.arena_bytes ||
+        c->segment_bytes != s.size())
+      throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
+                          " uses a different shared-memory configuration (slots/slot bytes/"
+                          "one-shot bytes/arena differ): set the same RINGDP_* variables on every rank"));
+    // Use the peer's pid for liveness checks only if it is visible from this process
+    // (same pid namespace).
+    pid_usable_[static_cast<size_t>(r)] = (::kill(c->pid, 0) == 0 || errno == EPERM);
+    segs_[static_cast<size_t>(r)] = std::move(s);
+  }
+  (void)timeout_s;
+}
+
+void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
+
+void ShmComm::unlink_all(const std::vector<std::string>& names) {
+  unlink_own();
+  for (const auto& n : names) shm::unlink_name(n);
+}
+
+void ShmComm::check_health(int waiting_on, const char* what) {
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank || !segs_[static_cast<size_t>(r)].base()) continue;
+    const Control& c = ctrl(r);
+    if (c.aborted.v.load(std::memory_order_acquire) != 0)
+      fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " failed because rank ", r,
+               " aborted: ", read_msg(c.abort_msg)));
+    if (pid_usable_[static_cast<size_t>(r)] && ::kill(c.pid, 0) != 0 && errno == ESRCH)
+      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.pid, ") died during all_reduce #", call_));
+  }
+  if (Clock::now() >= deadline_)
+    fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " timed out after ", timeout_s_,
+             " s waiting for rank ", waiting_on, " (", what,
+             "); that rank is alive but did not make progress: is it running the same collectives "
+             "in the same order? (set the timeout with RINGDP_TIMEOUT_S or timeout=)"));
+}
+
+void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char* what) {
+  shm::wait_reached(flag, ctrl(owner).sleepers, target, wait_policy_,
+                    [&] { check_health(owner, what); });
+}
+
+void ShmComm::abort(const std::string& why) {
+  if (poison_.empty()) poison_ = why.empty() ? "aborted" : why;
+  Control& me = ctrl(cfg_.rank);
+  copy_msg(me.abort_msg, poison_);
+  me.aborted.v.store(1, std::memory_order_seq_cst);
+  // Wake whoever sleeps on any of my flags so they notice promptly.
+  shm::wake_all(me.posted);
+  shm::wake_all(me.consumed);
+  shm::wake_all(me.hdr[0].seq);
+  shm::wake_all(me.hdr[1].seq);
+}
+
+void ShmComm::fail(const std::string& why) {
+  abort(why);
+  throw RingError(why);
+}
+
+std::string ShmComm::describe_header(int r, int parity) const {
+  const shm::CallHeader& h = ctrl(r).hdr[parity];
+  return cat("rank ", r, ": ", h.count, " x ", dtype_name(static_cast<DType>(h.dtype)), " ",
+             redop_name(static_cast<RedOp>(h.op)), " ", algo_name(h.algo));
+}
+
+void ShmComm::exchange_headers(uint32_t s) {
+  const int par = static_cast<int>(s & 1u);
+  publish(ctrl(cfg_.rank).hdr[par].seq, s);
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (r == cfg_.rank) continue;
+    wait(ctrl(r).hdr[par].seq, r, s, "the peer to enter this collective");
+  }
+}
+
+void ShmComm::reject(const std::string& why, double timeout_s) {
+  if (!poison_.empty()) return;  // peers already know this communicator is dead
+  const uint32_t s = ++seq_;
+  call_ = s;
+  timeout_s_ = timeout_s;
+  deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  shm::CallHeader& h = ctrl(cfg_.rank).hdr[s & 1u];
+  h.status = 1;
+  copy_msg(h.msg, why);
+  exchange_headers(s);
+}
+
+void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s) {
+  if (!poison_.empty())
+    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", poison_,
+                        "); call ringdp.destroy() and initialise again"));
+  const uint32_t s = ++seq_;
+  call_ = s;
+  timeout_s_ = timeout_s;
+  deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const int par = static_cast<int>(s & 1u);
+  const size_t esz = dtype_size(dtype);
+  const size_t bytes = count * esz;
+
+  // 1. Announce what this rank is about to reduce (and, for one-shot, the data itself).
+  shm::CallHeader& h = ctrl(cfg_.rank).hdr[par];
+  h.status = 0;
+  h.dtype = static_cast<int32_t>(dtype);
+  h.op = static_cast<int32_t>(op);
+  h.algo = static_cast<int32_t>(algo);
+  h.count = count;
+  h.reg_offset = arena_offset_of(data, bytes);
+  h.slice_bytes = geo_.slot_bytes;
+  if (algo == Algo::kOneShot) {
+    if (bytes > geo_.small_bytes) {
+      const std::string why = cat("one-shot all_reduce of ", bytes, " bytes exceeds its buffer of ",
+                                  geo_.small_bytes, " bytes (RINGDP_ONESHOT_MAX_BYTES too large?)");
+      h.status = 1;
+      copy_msg(h.msg, why);
+      exchange_headers(s);
+      throw RingError(cat("rank ", cfg_.rank, ": ", why));
+    }
+    std::memcpy(small(cfg_.rank, par), data, bytes);
+  }
+  exchange_headers(s);
+
+  // 2. Every rank checks every header, so a mismatch fails on all ranks alike, before any
+  //    data moves (the communicator stays usable).
+  std::string problems;
+  for (int r = 0; r < cfg_.world; ++r) {
+    const shm::CallHeader& p = ctrl(r).hdr[par];
+    if (p.status != 0) problems += cat("; rank ", r, " rejected its input: ", read_msg(p.msg));
+  }
+  if (problems.empty()) {
+    bool same = true;
+    for (int r = 0; r < cfg_.world; ++r) {
+      const shm::CallHeader& p = ctrl(r).hdr[par];
+      same = same && p.count == h.count && p.dtype == h.dtype && p.op == h.op && p.algo == h.algo &&
+             p.slice_bytes == h.slice_bytes;
+    }
+    if (!same) {
+      problems = "; ranks disagree on the call:";
+      for (int r = 0; r < cfg_.world; ++r) problems += cat(" [", describe_header(r, par), "]");
+    }
+  }
+  if (!problems.empty())
+    throw RingError(cat("rank ", cfg_.rank, ": all_reduce #", s, " cannot run", problems));
+  if (count == 0 || cfg_.world == 1) return;
+
+  try {
+    // 3a. One-shot: every rank reduces all ranks' buffers in rank order (bitwise identical).
+    if (algo == Algo::kOneShot) {
+      std::vector<const void*> srcs(static_cast<size_t>(cfg_.world));
+      for (int r = 0; r < cfg_.world; ++r) srcs[static_cast<size_t>(r)] = small(r, par);
+      cpu::kernels_for(dtype, op).reduce_many(data, srcs.data(), cfg_.world, count,
+                                              op == RedOp::kAvg ? cfg_.world : 0);
+      return;
+    }
+    // 3b. Ring. In place over registered memory when every rank's tensor is registered and
+    //     the dtype accumulates in itself; otherwise staged through the FIFOs.
+    bool registered = acc_size(dtype) == esz;
+    for (int r = 0; r < cfg_.world; ++r) registered = registered && ctrl(r).hdr[par].reg_offset >= 0;
+    RingPlan plan{count, cfg_.world, cfg_.rank, geo_.slot_bytes / acc_size(dtype), 64 / esz};
+    if (registered) {
+      const int prev = (cfg_.rank + cfg_.world - 1) % cfg_.world;
+      const char* prev_data = arena_base_(prev) + ctrl(prev).hdr[par].reg_offset;
+      shm::RegisteredTransport t(*this, static_cast<char*>(data), prev_data, dtype, op);
+      ring_all_reduce(t, plan);
+    } else {
+      shm::StagedTransport t(*this, static_cast<char*>(data), dtype, op);
+      ring_all_reduce(t, plan);
+    }
+  } catch (const RingError&) {
+    if (poison_.empty()) abort("failed during all_reduce");
+    throw;
+  }
+}
+
+// ---- registered-memory arena ---------------------------------------------------------------
+
+size_t ShmComm::arena_alloc(size_t bytes) {
+  const size_t need = shm::align_up(bytes ? bytes : 1, kArenaAlign);
+  std::lock_guard<std::mutex> g(arena_mu_);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < need) continue;
+    const size_t off = it->first;
+    const size_t left = it->second - need;
+    free_.erase(it);
+    if (left) free_[off + need] = left;
+    try {
+      segs_[static_cast<size_t>(cfg_.rank)].commit(geo_.arena_offset() + off, need);
+    } catch (...) {
+      free_[off] = need;  // (re-merged on the next free)
+      throw;
+    }
+    used_[off] = need;
+    return off;
+  }
+  throw RingError(cat("rank ", cfg_.rank, ": registered memory exhausted: ", bytes,
+                      " bytes requested, arena of ", geo_.arena_bytes,
+                      " bytes (raise RINGDP_ARENA_GB)"));
+}
+
+void ShmComm::arena_free(size_t offset) {
+  std::lock_guard<std::mutex> g(arena_mu_);
+  auto it = used_.find(offset);
+  if (it == used_.end()) return;
+  size_t off = it->first, len = it->second;
+  used_.erase(it);
+  segs_[static_cast<size_t>(cfg_.rank)].decommit(geo_.arena_offset() + off, len);
+  auto nx = free_.lower_bound(off);
+  if (nx != free_.end() && off + len == nx->first) {
+    len += nx->second;
+    free_.erase(nx);
+  }
+  auto pv = free_.lower_bound(off);
+  if (pv != free_.begin()) {
+    --pv;
+    if (pv->first + pv->second == off) {
+      off = pv->first;
+      len += pv->second;
+      free_.erase(pv);
+    }
+  }
+  free_[off] = len;
+}
+
+size_t ShmComm::arena_in_use() const {
+  std::lock_guard<std::mutex> g(arena_mu_);
+  size_t n = 0;
+  for (const auto& kv : used_) n += kv.second;
+  return n;
+}
+
+int64_t ShmComm::arena_offset_of(const void* p, size_t bytes) const {
+  const char* a = arena_base();
+  const char* q = static_cast<const char*>(p);
+  if (q < a || q + bytes > a + geo_.arena_bytes) return -1;
+  return static_cast<int64_t>(q - a);
+}
+
+}  // namespace ringdp

@@ -1,0 +1,104 @@
+// The shared-memory communicator: one per (process group, process). Owns this rank's
+// segment, maps the peers', runs the per-call header exchange (mismatch detection), the
+// one-shot small-message path, and drives the ring engine over the shm transports.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "../../common/types.h"
+#include "layout.h"
+#include "segment.h"
+#include "wait.h"
+
+namespace ringdp {
+
+enum class Algo : int32_t { kRing = 0, kOneShot = 1 };
+
+struct ShmConfig {
+  int rank = 0;
+  int world = 1;
+  std::string name;       // this rank's segment name, unique per job and rank
+  std::string host;       // written into the segment for diagnostics
+  size_t fifo_slots = 8;  // slots per connection (>= 2)
+  size_t slot_bytes = 256 << 10;
+  size_t small_bytes = 256 << 10;       // largest one-shot message
+  size_t arena_bytes = size_t(16) << 30;  // virtual size of the registered-memory arena
+  int64_t spin_ns = 50000;
+};
+
+class ShmComm {
+ public:
+  explicit ShmComm(const ShmConfig& cfg);
+  ~ShmComm();
+
+  const std::string& name() const { return cfg_.name; }
+  int rank() const { return cfg_.rank; }
+  int world() const { return cfg_.world; }
+  uint32_t calls() const { return seq_; }
+
+  // Map every peer's segment (names indexed by rank) and check their identity.
+  void connect(const std::vector<std::string>& names, double timeout_s);
+  // Remove this rank's name from /dev/shm once every peer has mapped it.
+  void unlink_own();
+  // Best-effort removal of every rank's name (failure paths during set-up).
+  void unlink_all(const std::vector<std::string>& names);
+
+  // In-place all-reduce of `count` elements at `data`. Collective: every rank of the group
+  // calls it in the same order. Throws RingError on mismatch, timeout, dead or failed peer.
+  void all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s);
+  // Take part in the next collective without data because this rank rejected its input:
+  // peers raise an error naming this rank and `why`. Does not throw for the local rank
+  // unless the exchange itself fails.
+  void reject(const std::string& why, double timeout_s);
+
+  // Registered memory: an arena at the end of the segment that every peer has mapped.
+  size_t arena_alloc(size_t bytes);  // returns an offset into the arena
+  void arena_free(size_t offset);
+  char* arena_base() const { return arena_base_(cfg_.rank); }
+  size_t arena_bytes() const { return geo_.arena_bytes; }
+  int64_t arena_offset_of(const void* p, size_t bytes) const;
+  size_t arena_in_use() const;
+
+  // Give up: peers blocked on this rank fail fast with `why`. Poisons the communicator.
+  void abort(const std::string& why);
+  bool is_aborted() const { return !poison_.empty(); }
+
+  // --- used by the transports -------------------------------------------------------
+  shm::Control& ctrl(int r) const { return *reinterpret_cast<shm::Control*>(segs_[r].base()); }
+  char* fifo(int r) const { return segs_[r].base() + geo_.fifo_offset(); }
+  char* small(int r, int parity) const { return segs_[r].base() + geo_.small_offset(parity); }
+  char* arena_base_(int r) const { return segs_[r].base() + geo_.arena_offset(); }
+  const shm::Geometry& geometry() const { return geo_; }
+  // Block until flag (owned by rank `owner`) reaches target; `what` describes the wait.
+  void wait(const shm::Flag& flag, int owner, uint32_t target, const char* what);
+  void publish(shm::Flag& flag, uint32_t value) { shm::publish(flag, ctrl(cfg_.rank).sleepers, value); }
+  uint32_t posted = 0;    // local copies of ctrl(rank).posted / consumed
+  uint32_t consumed = 0;
+
+ private:
+  void check_health(int waiting_on, const char* what);
+  void exchange_headers(uint32_t s);
+  void fail(const std::string& why);  // abort() and throw
+  std::string describe_header(int r, int parity) const;
+
+  ShmConfig cfg_;
+  shm::Geometry geo_;
+  std::vector<shm::Segment> segs_;  // by rank; segs_[rank] is this rank's own
+  std::vector<bool> pid_usable_;
+  uint32_t seq_ = 0;
+  shm::WaitPolicy wait_policy_;
+  shm::Clock::time_point deadline_;
+  double timeout_s_ = 0;
+  uint32_t call_ = 0;  // call number being run, for messages
+  std::string poison_;
+
+  mutable std::mutex arena_mu_;
+  std::map<size_t, size_t> free_;  // offset -> bytes
+  std::map<size_t, size_t> used_;
+};
+
+}  // namespace ringdp

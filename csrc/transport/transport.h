@@ -1,0 +1,50 @@
+// The transport interface the ring engine is written against.
+//
+// A transport moves one *slice* (a contiguous range of elements of the caller's buffer)
+// to the next rank of the ring and receives the matching slice from the previous rank.
+// The engine (csrc/ring/ring.cpp) decides which slice goes where at every step; a
+// transport decides only how bytes travel and where the arithmetic runs:
+//
+//   shm staged      CPU, ordinary tensors: sender writes into a FIFO of slots in its own
+//                   POSIX shared-memory segment, receiver reads from it.
+//   shm registered  CPU, tensors from ringdp.empty(): receiver reads the sender's tensor
+//                   in place, no staging copy.
+//   cuda ipc / nccl GPU transports (csrc/cuda/), same five primitives, enqueued on a stream.
+//
+// Each primitive names what the *calling* rank does with its slice `s` of the buffer:
+//
+//   send                  make my data[s] (input values) available to next
+//   recv_reduce_send      x = data[s] (op) incoming;        make x available to next
+//   recv_reduce_copy_send x = data[s] (op) incoming; data[s] = x (final, AVG applied);
+//                                                            make x available to next
+//   recv_copy_send        data[s] = incoming;               make it available to next
+//   recv                  data[s] = incoming
+//
+// Both ends of a connection agree on the sequence of slices (the schedule is a pure
+// function of count, world size and rank), so the k-th slice a rank sends is the k-th
+// slice its successor receives and has the same length. Transports keep their own
+// counters of slices sent and received, monotonic across calls.
+#pragma once
+#include <cstddef>
+
+namespace ringdp {
+
+struct Slice {
+  size_t offset;  // first element, relative to the start of the caller's buffer
+  size_t count;   // number of elements (may be 0: empty slices are still exchanged)
+};
+
+class RingTransport {
+ public:
+  virtual ~RingTransport() = default;
+  virtual void send(const Slice& s) = 0;
+  virtual void recv_reduce_send(const Slice& s) = 0;
+  virtual void recv_reduce_copy_send(const Slice& s) = 0;
+  virtual void recv_copy_send(const Slice& s) = 0;
+  virtual void recv(const Slice& s) = 0;
+  // Called once after the last primitive of a collective: returns when the caller's
+  // buffer may be reused (no peer still reads it) and every result is in place.
+  virtual void finish() = 0;
+};
+
+}  // namespace ringdp

@@ -1,0 +1,53 @@
+"""ringdp: a chunked, pipelined ring all-reduce for PyTorch data parallelism.
+
+    import torch.distributed as dist, ringdp
+    dist.init_process_group("gloo")          # torchrun sets rank, world size, store
+    ringdp.all_reduce(t)                      # in place, like dist.all_reduce
+    buf = ringdp.empty(1 << 20)              # registered memory: no staging copy
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import torch
+import torch.distributed as dist
+
+from .comm import Communicator, RingError, Work, build_info, destroy, get_communicator, init
+
+
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None):
+    """Reduce `tensor` across the ranks of `group` in place (SUM, AVG, MIN, MAX).
+
+    Returns None, or a Work with wait()/is_completed() when async_op=True; the tensor must
+    not be touched until wait() returns. Raises RingError (naming the rank and the problem)
+    on a mismatch across ranks, a dead or stuck peer, or a timeout (`timeout` seconds, else
+    RINGDP_TIMEOUT_S, default 300)."""
+    return get_communicator(group).all_reduce(tensor, op=op, async_op=async_op, timeout=timeout)
+
+
+def _size(size):
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        return tuple(size[0])
+    return tuple(size)
+
+
+def empty(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
+    """A tensor whose storage lives in ringdp's registered shared memory, so all_reduce of it
+    (or of a contiguous slice of it) needs no staging copy. Not collective."""
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"ringdp.empty: device {device} is not supported by this build (CPU only)")
+    return get_communicator(group).empty(_size(size), dtype)
+
+
+def zeros(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
+    return empty(*size, dtype=dtype, device=device, group=group).zero_()
+
+
+def is_registered(tensor: torch.Tensor, group=None) -> bool:
+    return get_communicator(group).is_registered(tensor)
+
+
+__all__ = [
+    "Communicator", "RingError", "Work", "all_reduce", "build_info", "destroy", "empty",
+    "get_communicator", "init", "is_registered", "zeros",
+]

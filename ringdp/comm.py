@@ -1,0 +1,294 @@
+"""The communicator: rendezvous through torch.distributed's store, the shared-memory
+transport, and an ordered background worker for async collectives."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import queue
+import socket
+import threading
+import uuid
+from concurrent.futures import Future
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import _types, policy
+
+try:
+    from . import _C
+except ImportError as e:  # pragma: no cover - a broken install should say how to fix it
+    raise ImportError(
+        "ringdp's native extension ringdp._C is missing; build it with "
+        "`pip install --no-build-isolation -e .` in the ringdp checkout"
+    ) from e
+
+RingError = _C.RingError
+
+
+class Work:
+    """Handle of an async collective, like torch.distributed's Work."""
+
+    def __init__(self, future: Future):
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        """Block until the collective finished; re-raises its error (a RingError)."""
+        self._future.result(timeout=timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done() and self._future.exception() is None
+
+    def exception(self):
+        return self._future.exception() if self._future.done() else None
+
+    def add_done_callback(self, fn):
+        """fn(work) runs (on the worker thread) when the collective finished."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+
+def _done_work() -> Work:
+    f: Future = Future()
+    f.set_result(None)
+    return Work(f)
+
+
+def _group_key(group) -> str:
+    if group is None or group is dist.group.WORLD:
+        return "world"
+    return "g" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+
+
+_generation: dict[str, int] = {}
+
+
+class Communicator:
+    """ringdp's state for one process group in this process. Created by ringdp.init() or
+    lazily by the first collective; every rank of the group must create it (collectively)."""
+
+    def __init__(self, group=None, timeout=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ringdp needs torch.distributed to be initialised first: call "
+                "torch.distributed.init_process_group(...) (torchrun sets the environment for it)"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.timeout = policy.timeout_s(timeout)
+        key = _group_key(group)
+        gen = _generation.get(key, 0)
+        _generation[key] = gen + 1
+        self._store = dist.PrefixStore(f"ringdp/{key}/{gen}/", dist.distributed_c10d._get_default_store())
+        self._lock = threading.Lock()
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._pending = 0
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self.host = socket.gethostname()
+        self._native = self._rendezvous()
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _wait_keys(self, what: str, keys: list[str]):
+        try:
+            self._store.wait(keys, timedelta(seconds=self.timeout))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            missing = [k for k in keys if not self._store.check([k])]
+            raise RingError(
+                f"rank {self.rank}: timed out after {self.timeout:g} s waiting for {what} of "
+                f"{', '.join(missing) or 'peers'} ({e.__class__.__name__}); did every rank of the "
+                f"group call ringdp with the same group?"
+            ) from None
+
+    def _rendezvous(self):
+        st = self._store
+        if self.rank == 0:
+            st.set("uid", uuid.uuid4().hex[:12])
+        self._wait_keys("the job id", ["uid"])
+        uid = st.get("uid").decode()
+        cfg = _C.ShmConfig()
+        cfg.rank, cfg.world = self.rank, self.world
+        cfg.name = f"/ringdp-{uid}-r{self.rank}"
+        cfg.host = self.host
+        cfg.fifo_slots = int(os.environ.get("RINGDP_FIFO_SLOTS", policy.FIFO_SLOTS))
+        cfg.slot_bytes = int(os.environ.get("RINGDP_SLOT_BYTES", policy.SLOT_BYTES))
+        cfg.small_bytes = policy.oneshot_buffer_bytes()
+        cfg.arena_bytes = int(float(os.environ.get("RINGDP_ARENA_GB", policy.ARENA_GB)) * (1 << 30))
+        cfg.spin_ns = policy.spin_ns(self.world)
+        native = _C.ShmComm(cfg)  # creates (and owns) this rank's segment
+        names = [f"/ringdp-{uid}-r{r}" for r in range(self.world)]
+        try:
+            st.set(f"seg/{self.rank}", json.dumps({"name": cfg.name, "host": self.host, "pid": os.getpid()}))
+            self._wait_keys("the shared-memory segments", [f"seg/{r}" for r in range(self.world)])
+            infos = [json.loads(st.get(f"seg/{r}")) for r in range(self.world)]
+            hosts = {i["host"] for i in infos}
+            if len(hosts) > 1:
+                where = ", ".join(f"rank {r} on {i['host']}" for r, i in enumerate(infos))
+                raise RingError(
+                    f"rank {self.rank}: ringdp's shared-memory transport joins ranks of one host, but "
+                    f"the group spans {len(hosts)} hosts ({where}). CPU tensors across hosts are not "
+                    f"supported yet; CUDA tensors across hosts use the NCCL transport."
+                )
+            native.connect([i["name"] for i in infos], self.timeout)
+            st.set(f"mapped/{self.rank}", "1")
+            self._wait_keys("peers to map the segments", [f"mapped/{r}" for r in range(self.world)])
+            native.unlink_own()  # every peer has mapped it: nothing left to leak in /dev/shm
+        except BaseException:
+            native.unlink_all(names)
+            raise
+        return native
+
+    # ---- execution ----------------------------------------------------------------------
+    def _start_worker(self):
+        self._queue = queue.Queue()
+        self._worker = threading.Thread(target=self._run_worker, name=f"ringdp-worker-r{self.rank}", daemon=True)
+        self._worker.start()
+
+    def _run_worker(self):
+        q = self._queue
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            fn, fut = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    with self._lock:
+                        fn()
+                except BaseException as e:
+                    fut.set_exception(e)
+                else:
+                    fut.set_result(None)
+            with self._pending_lock:
+                self._pending -= 1
+
+    def _submit(self, fn, async_op: bool) -> Work | None:
+        """Run collectives in submission order: inline when nothing is queued, else behind
+        the queued ones on the worker thread."""
+        if self._closed:
+            raise RingError(f"rank {self.rank}: this ringdp communicator was destroyed")
+        with self._pending_lock:
+            idle = self._pending == 0
+            if not (idle and not async_op):
+                self._pending += 1
+        if idle and not async_op:
+            with self._lock:
+                fn()
+            return None
+        if self._worker is None:
+            self._start_worker()
+        fut: Future = Future()
+        self._queue.put((fn, fut))
+        work = Work(fut)
+        if async_op:
+            return work
+        work.wait()
+        return None
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None):
+        t = policy.timeout_s(timeout) if timeout is not None else self.timeout
+        try:
+            code, algo = self._check(tensor, op)
+        except (TypeError, ValueError) as e:
+            # Tell the peers, in order, so they fail at once instead of timing out.
+            msg = str(e)
+            self._submit(lambda: self._native.reject(msg, t), async_op=False)
+            raise
+        fn = lambda: self._native.all_reduce(tensor, code, algo, t)  # noqa: E731
+        work = self._submit(fn, async_op)
+        if async_op:
+            return work
+        return None
+
+    def _check(self, tensor, op):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
+        code = _types.op_code(op)
+        _types.dtype_code(tensor.dtype)
+        if tensor.layout != torch.strided:
+            raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
+        if tensor.device.type != "cpu":
+            raise ValueError(
+                f"ringdp.all_reduce on rank {self.rank}: tensor is on {tensor.device}, but this ringdp "
+                f"build reduces CPU tensors only (build_info(): {build_info()})"
+            )
+        if not tensor.is_contiguous():
+            raise ValueError(
+                f"ringdp.all_reduce needs a contiguous tensor (shape {tuple(tensor.shape)}, strides "
+                f"{tensor.stride()}); reduce t.contiguous() and copy the result back"
+            )
+        if code == _types.AVG and not tensor.dtype.is_floating_point:
+            raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
+        nbytes = tensor.numel() * tensor.element_size()
+        return code, policy.choose_algo(nbytes, self.world)
+
+    # ---- registered memory --------------------------------------------------------------
+    def empty(self, size, dtype=torch.float32) -> torch.Tensor:
+        _types.dtype_code(dtype)
+        return self._native.empty([int(s) for s in size], _types.dtype_code(dtype))
+
+    def is_registered(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu" and bool(self._native.is_registered(tensor))
+
+    # ---- teardown -----------------------------------------------------------------------
+    def close(self):
+        if self._closed:
+            return
+        self._closed = True
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=self.timeout)
+        # Registered tensors still alive keep the native object (and its mapping) alive.
+        self._native = None
+
+
+_comms: dict[str, Communicator] = {}
+_comms_lock = threading.Lock()
+
+
+def init(group=None, timeout=None) -> Communicator:
+    """Set ringdp up for `group` (default: the default process group). Collective. Optional:
+    every ringdp call initialises lazily."""
+    key = _group_key(group)
+    with _comms_lock:
+        c = _comms.get(key)
+        if c is None:
+            c = Communicator(group, timeout)
+            _comms[key] = c
+        return c
+
+
+def get_communicator(group=None) -> Communicator:
+    c = _comms.get(_group_key(group)) if dist.is_initialized() else None
+    return c if c is not None else init(group)
+
+
+def destroy(group=None):
+    """Release ringdp's resources for `group` (all groups when None)."""
+    with _comms_lock:
+        keys = list(_comms) if group is None else [_group_key(group)]
+        for k in keys:
+            c = _comms.pop(k, None)
+            if c is not None:
+                c.close()
+
+
+atexit.register(destroy)
+
+
+def build_info() -> dict:
+    transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
+    return {
+        "version": __import__("ringdp").__version__,
+        "cuda": bool(_C.WITH_CUDA),
+        "transports": transports,
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+    }
