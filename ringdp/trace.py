@@ -1,0 +1,200 @@
+"""Timeline of RingDDP's backward passes: a Chrome-trace JSON per rank and a summary.
+
+Enable with ``RINGDP_TRACE=path`` (or ``RingDDP(..., trace=path)``). The path may contain
+``{rank}``; otherwise ``.rank<r>`` is inserted before a ``.json`` suffix, and a path without
+that suffix is taken as a directory. Open the file in chrome://tracing or
+https://ui.perfetto.dev. Each rank is one process with two rows:
+
+* ``autograd``: forward, backward (first gradient until autograd finished), then
+  ``exposed comm`` (the end-of-backward callback waiting for all-reduces) and
+  ``write back`` (averaged gradients copied into ``.grad``); an instant event marks the
+  moment each bucket's last gradient arrived (``bucket i ready``).
+* ``ringdp comm``: one span per bucket from when its all-reduce could start (submitted and
+  the previous bucket's all-reduce finished, since one worker runs them in order) until
+  it finished; the submission time is in the event's args.
+
+The summary (``RingDDP.trace_summary()``, the ``ringdp_summary`` key of the file, or
+``python -m ringdp.trace FILE...``) gives per step and on average: backward time,
+communication time, exposed communication (time backward() waited after autograd was
+done) and the overlap fraction, 1 - exposed / communication.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import sys
+import threading
+import time
+import weakref
+from pathlib import Path
+
+TID_AUTOGRAD = 0
+TID_COMM = 1
+
+
+def now_us() -> float:
+    """Microseconds on the monotonic clock shared by all processes of the machine."""
+    return time.perf_counter_ns() / 1000.0
+
+
+def trace_path(path: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank` writes its trace for the user-given `path`."""
+    s = os.fspath(path)
+    if "{rank}" in s:
+        return Path(s.format(rank=rank))
+    p = Path(s)
+    if p.suffix == ".json":
+        return p.with_name(f"{p.stem}.rank{rank}.json")
+    return p / f"ringdp_trace.rank{rank}.json"
+
+
+def step_summary(step: dict) -> dict:
+    """Derived figures of one traced step (times in ms)."""
+    buckets = step.get("buckets", [])
+    comm_us = 0.0
+    prev_end = None
+    for b in sorted(buckets, key=lambda b: b["index"]):
+        if b.get("t_launch") is None or b.get("t_done") is None:
+            continue
+        start = b["t_launch"] if prev_end is None else max(b["t_launch"], prev_end)
+        comm_us += max(0.0, b["t_done"] - start)
+        prev_end = b["t_done"]
+    exposed_us = max(0.0, step["t_wait_end"] - step["t_bwd_end"])
+    bwd_us = max(0.0, step["t_bwd_end"] - step["t_bwd_start"])
+    overlap = 1.0 - min(exposed_us, comm_us) / comm_us if comm_us > 0 else None
+    return {
+        "step": step["step"],
+        "backward_ms": bwd_us / 1e3,
+        "comm_ms": comm_us / 1e3,
+        "exposed_comm_ms": exposed_us / 1e3,
+        "writeback_ms": max(0.0, step["t_writeback_end"] - step["t_wait_end"]) / 1e3,
+        "overlap_fraction": overlap,
+        "buckets": len(buckets),
+        "bytes": sum(b.get("nbytes", 0) for b in buckets),
+    }
+
+
+def aggregate(steps: list[dict], skip_first: int = 1) -> dict:
+    """Mean over steps of step_summary() figures; the first `skip_first` steps (bucket
+    rebuild, first touch of memory) are left out when there are more steps than that."""
+    rows = steps[skip_first:] if len(steps) > skip_first else steps
+    out: dict = {"steps": len(steps), "steps_averaged": len(rows)}
+    if not rows:
+        return out
+    for k in ("backward_ms", "comm_ms", "exposed_comm_ms", "writeback_ms"):
+        out[f"mean_{k}"] = sum(r[k] for r in rows) / len(rows)
+    comm = out["mean_comm_ms"]
+    out["overlap_fraction"] = (1.0 - min(out["mean_exposed_comm_ms"], comm) / comm) if comm > 0 else None
+    return out
+
+
+class Tracer:
+    """Collects one rank's events; writes them (and the summary) on flush() and at exit."""
+
+    def __init__(self, path, rank: int, world: int):
+        self.rank = rank
+        self.world = world
+        self.path = trace_path(path, rank)
+        self.events: list[dict] = [
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_AUTOGRAD, "args": {"name": "autograd"}},
+            {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_COMM, "args": {"name": "ringdp comm"}},
+        ]
+        self.steps: list[dict] = []
+        self._lock = threading.Lock()
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().flush())
+
+    # ---- events -----------------------------------------------------------------------
+    def span(self, name: str, tid: int, t0: float, t1: float, args: dict | None = None, cat: str = "ringdp"):
+        ev = {"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid, "ts": t0, "dur": max(0.0, t1 - t0)}
+        if args:
+            ev["args"] = args
+        with self._lock:
+            self.events.append(ev)
+
+    def instant(self, name: str, tid: int, t: float, args: dict | None = None, cat: str = "ringdp"):
+        ev = {"name": name, "cat": cat, "ph": "i", "s": "t", "pid": self.rank, "tid": tid, "ts": t}
+        if args:
+            ev["args"] = args
+        with self._lock:
+            self.events.append(ev)
+
+    def record_step(self, step: dict) -> dict:
+        """Turn one backward's timestamps (see RingDDP) into events; returns its summary."""
+        s = step_summary(step)
+        self.span("backward", TID_AUTOGRAD, step["t_bwd_start"], step["t_bwd_end"], {"step": step["step"]})
+        self.span("exposed comm", TID_AUTOGRAD, step["t_bwd_end"], step["t_wait_end"],
+                  {"step": step["step"], "overlap_fraction": s["overlap_fraction"]})
+        self.span("write back", TID_AUTOGRAD, step["t_wait_end"], step["t_writeback_end"])
+        if step.get("t_fwd_start") is not None and step.get("t_fwd_end") is not None:
+            self.span("forward", TID_AUTOGRAD, step["t_fwd_start"], step["t_fwd_end"], {"step": step["step"]})
+        prev_end = None
+        for b in sorted(step["buckets"], key=lambda b: b["index"]):
+            args = {"bucket": b["index"], "bytes": b["nbytes"], "params": b["params"]}
+            if b.get("t_ready") is not None:
+                self.instant(f"bucket {b['index']} ready", TID_AUTOGRAD, b["t_ready"], args)
+            if b.get("t_launch") is None or b.get("t_done") is None:
+                continue
+            start = b["t_launch"] if prev_end is None else max(b["t_launch"], prev_end)
+            self.span(f"all_reduce bucket {b['index']}", TID_COMM, start, b["t_done"],
+                      dict(args, submitted_us=b["t_launch"], queued_us=start - b["t_launch"]))
+            prev_end = b["t_done"]
+        self.instant("step summary", TID_AUTOGRAD, step["t_writeback_end"], s)
+        with self._lock:
+            self.steps.append(s)
+        return s
+
+    def summary(self) -> dict:
+        with self._lock:
+            steps = list(self.steps)
+        out = aggregate(steps)
+        out["rank"] = self.rank
+        out["world"] = self.world
+        out["per_step"] = steps
+        return out
+
+    def flush(self) -> Path:
+        with self._lock:
+            events = list(self.events)
+        doc = {"traceEvents": events, "displayTimeUnit": "ms", "ringdp_summary": self.summary()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.path)
+        return self.path
+
+
+def load_summary(path) -> dict:
+    """The summary stored in a trace file written by Tracer.flush()."""
+    with open(path) as f:
+        return json.load(f)["ringdp_summary"]
+
+
+def format_summary(s: dict) -> str:
+    def ms(k):
+        v = s.get(k)
+        return "n/a" if v is None else f"{v:.2f} ms"
+
+    ov = s.get("overlap_fraction")
+    return (
+        f"rank {s.get('rank')}: {s.get('steps')} steps ({s.get('steps_averaged')} averaged): "
+        f"backward {ms('mean_backward_ms')}, comm {ms('mean_comm_ms')}, "
+        f"exposed comm {ms('mean_exposed_comm_ms')}, write back {ms('mean_writeback_ms')}, "
+        f"overlap {'n/a' if ov is None else f'{100 * ov:.0f}%'}"
+    )
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m ringdp.trace TRACE.json [TRACE.json ...]  (prints each rank's summary)")
+        return 0 if argv else 2
+    for p in argv:
+        print(format_summary(load_summary(p)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
