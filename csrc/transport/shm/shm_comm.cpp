@@ -4,6 +4,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <cstring>
 
 #include "../../common/error.h"
@@ -27,6 +28,22 @@ void copy_msg(char* dst, const std::string& s) {
 }
 
 std::string read_msg(const char* src) { return std::string(src, strnlen(src, shm::kMsgBytes)); }
+
+// A peer is gone when its pid no longer exists or is a zombie (killed but not yet reaped
+// by its parent, e.g. a launcher that polls its children every few seconds).
+bool pid_dead(int pid) {
+  if (::kill(pid, 0) != 0) return errno == ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
+  FILE* f = std::fopen(path, "r");
+  if (!f) return false;
+  char buf[512];
+  size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');
+  return close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
+}
 
 const char* algo_name(int32_t a) { return a == static_cast<int32_t>(Algo::kOneShot) ? "oneshot" : "ring"; }
 
@@ -106,7 +123,7 @@ void ShmComm::check_health(int waiting_on, const char* what) {
     if (c.aborted.v.load(std::memory_order_acquire) != 0)
       fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " failed because rank ", r,
                " aborted: ", read_msg(c.abort_msg)));
-    if (pid_usable_[static_cast<size_t>(r)] && ::kill(c.pid, 0) != 0 && errno == ESRCH)
+    if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.pid))
       fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.pid, ") died during all_reduce #", call_));
   }
   if (Clock::now() >= deadline_)

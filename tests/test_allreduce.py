@@ -1,0 +1,147 @@
+"""Multi-process correctness of ringdp.all_reduce on CPU (shared-memory transport).
+
+Values depend on rank and index and are small integers, so every dtype (fp16 and bf16
+included) represents the exact closed-form results:
+    v(r, i) = (i % 13) + 2r
+    SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
+"""
+import hashlib
+
+import pytest
+import torch
+
+from _dist import run_ranks, values
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+SIZES = [0, 1, 2, 3, 7, 13, 31, 97, 1000, 4099, 65537]
+BIG = 300_007  # prime: several pipeline rounds and an uneven last round
+
+CONFIGS = {
+    # default slots and thresholds
+    "default": {},
+    # tiny slots, two per connection: many rounds, back-pressure on every step; ring only
+    "tiny-ring": {"RINGDP_SLOT_BYTES": "4096", "RINGDP_FIFO_SLOTS": "2", "RINGDP_ALGO": "ring"},
+    # one-shot for everything that fits its buffer
+    "oneshot": {"RINGDP_ALGO": "oneshot"},
+}
+
+
+def expected(op, n, count, dtype):
+    i = torch.arange(count, dtype=torch.float64) % 13
+    e = {"SUM": n * i + n * (n - 1), "MIN": i, "MAX": i + 2 * (n - 1), "AVG": i + (n - 1)}[op]
+    return e.to(dtype)
+
+
+def _matrix(rank, world, sizes, dtypes):
+    import torch.distributed as dist
+
+    import ringdp
+
+    failures = []
+    checked = 0
+    for dtype in dtypes:
+        ops = ["SUM", "MIN", "MAX"] + (["AVG"] if dtype.is_floating_point else [])
+        for op in ops:
+            for count in sizes:
+                for registered in (False, True):
+                    exp = expected(op, world, count, dtype)
+                    for rep in range(2):  # each collective twice in a row
+                        t = ringdp.empty(count, dtype=dtype) if registered else torch.empty(count, dtype=dtype)
+                        t.copy_((torch.arange(count) % 13 + 2 * rank).to(dtype))
+                        ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                        checked += 1
+                        if not torch.equal(t, exp):
+                            bad = (t.to(torch.float64) != exp.to(torch.float64)).nonzero()
+                            failures.append((str(dtype), op, count, registered, rep, bad[:5].flatten().tolist()))
+    return checked, failures
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_matrix(world, config):
+    res = values(run_ranks(_matrix, world, SIZES, DTYPES, env=CONFIGS[config], timeout=600))
+    for rank, (checked, failures) in enumerate(res):
+        assert checked > 0
+        assert failures == [], f"rank {rank}: {failures[:10]}"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_big_prime_size(world):
+    res = values(run_ranks(_matrix, world, [BIG], [torch.float32, torch.bfloat16]))
+    for checked, failures in res:
+        assert checked == 2 * 2 * (4 * 2)  # dtypes x registered x ops x reps
+        assert failures == []
+
+
+def _random_sum(rank, world, count, dtype, registered):
+    import ringdp
+
+    g = torch.Generator().manual_seed(1234 + rank)
+    src = torch.randn(count, generator=g, dtype=torch.float64).to(dtype)
+    t = ringdp.empty(count, dtype=dtype) if registered else src.clone()
+    t.copy_(src)
+    ringdp.all_reduce(t)
+    out = [hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest()]
+    ringdp.all_reduce(t)
+    out.append(hashlib.sha256(t.view(torch.uint8).numpy().tobytes()).hexdigest())
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("registered", [False, True])
+def test_bitwise_identical_across_ranks(dtype, registered):
+    # Random (non-integer) values: rounding differs with summation order, so equal bytes on
+    # every rank show each chunk is reduced once, in one order, and copied.
+    res = values(run_ranks(_random_sum, 3, 200_003, dtype, registered))
+    assert all(r == res[0] for r in res), res
+
+
+def _async(rank, world):
+    import ringdp
+
+    n = 100_003
+    ts = [ringdp.empty(n) for _ in range(3)] + [torch.empty(n)]
+    for k, t in enumerate(ts):
+        t.copy_(torch.arange(n, dtype=torch.float32) % 13 + 2 * rank + k)
+    works = [ringdp.all_reduce(t, async_op=True) for t in ts]
+    done_flags = []
+    results = []
+    for w, t in zip(works, ts):
+        assert w.wait() is True
+        done_flags.append(w.is_completed())
+        results.append(t.clone())
+        t.fill_(-1e9)  # overwritten at once: a peer still reading this buffer would see it
+    # a second, synchronous collective after the async ones, on the same buffers
+    ts[0].copy_(torch.full((n,), float(rank)))
+    ringdp.all_reduce(ts[0])
+    ok = [torch.equal(r, expected("SUM", world, n, torch.float32) + world * k) for k, r in enumerate(results)]
+    return done_flags, ok, float(ts[0][0]), float(ts[0][-1])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_async_then_overwrite(world):
+    res = values(run_ranks(_async, world))
+    want = float(sum(range(world)))
+    for done, ok, first, last in res:
+        assert done == [True] * 4
+        assert ok == [True] * 4
+        assert first == want and last == want
+
+
+def _registered_views(rank, world):
+    import ringdp
+
+    base = ringdp.zeros(3, 1001)
+    assert ringdp.is_registered(base) and ringdp.is_registered(base[1])
+    assert not ringdp.is_registered(torch.zeros(10))
+    base[1] = rank + 1.0
+    ringdp.all_reduce(base[1])  # a contiguous view in registered memory
+    assert ringdp.get_communicator()._native.arena_in_use > 0
+    return float(base[1].sum()), float(base[0].sum()), float(base[2].sum())
+
+
+def test_registered_views():
+    res = values(run_ranks(_registered_views, 2))
+    for row_sum, other0, other2 in res:
+        assert row_sum == 1001 * 3.0
+        assert other0 == 0 and other2 == 0
