@@ -112,6 +112,7 @@ class _Bucket:
         self.result = None
         self.error: BaseException | None = None
         self.t_ready = self.t_launch = self.t_done = None
+        self.t_wait = None  # (wait start, wait end, write-back end) in finalize
 
 
 class GradBucket:
@@ -266,8 +267,9 @@ class RingDDP(nn.Module, Joinable):
         self._next_launch = 0
         self._in_backward = False
         self._sync_this_backward = False
-        self._scale = 1.0 / self.world_size
         self._divisor = self.world_size
+        self._comm_hook: Callable | None = None
+        self._set_scale()
         self._auth_rank = 0
         self._divide_by_initial_world_size = True
         self._unused: list[int] = []  # locally unused in the latest forward
@@ -275,7 +277,6 @@ class RingDDP(nn.Module, Joinable):
         self._static_unused_local: list[int] = []  # locally unused, for static_graph
         self._usage = None
         self._usage_handle = None
-        self._comm_hook: Callable | None = None
         self._comm_state = None
         self._control = None
         self._step = 0
@@ -464,7 +465,7 @@ class RingDDP(nn.Module, Joinable):
             self._auth_rank = 0
         if self.broadcast_buffers and self.require_forward_param_sync:
             self._sync_buffers(self._auth_rank)
-        self._scale = 1.0 / self._divisor
+        self._set_scale()
         self._sync_this_backward = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids:
             inputs, kwargs = _to_device((inputs, kwargs), self.device_ids[0])
@@ -533,6 +534,7 @@ class RingDDP(nn.Module, Joinable):
             raise RuntimeError("RingDDP: register_comm_hook must be called before the first backward")
         self._comm_hook = hook
         self._comm_state = state
+        self._set_scale()
 
     # ------------------------------------------------------------------ backward
     def _begin_backward(self) -> None:
@@ -575,7 +577,7 @@ class RingDDP(nn.Module, Joinable):
         b, slot = self._loc[i]
         view = b.views[slot]
         grad = None if param is None else param.grad
-        scale = self._scale if self._comm_hook is None else 1.0
+        scale = self._scale
         if grad is None:
             view.zero_()
         elif self.gradient_as_bucket_view and _same_view(grad, view):
@@ -594,6 +596,14 @@ class RingDDP(nn.Module, Joinable):
                 b.t_ready = _trace.now_us()
             self._launch_ready()
 
+    def _set_scale(self) -> None:
+        """How gradients are averaged this iteration: by ringdp's AVG (the division is
+        fused into the reduction) when dividing by the group size without a hook, else by a
+        scale folded into the copy into the bucket (join with a smaller divisor); a comm
+        hook gets the raw sums and divides itself."""
+        self._use_avg = self._comm_hook is None and self._divisor == self.world_size
+        self._scale = 1.0 if (self._comm_hook is not None or self._use_avg) else 1.0 / self._divisor
+
     def _launch_ready(self) -> None:
         buckets = self._buckets
         while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
@@ -608,7 +618,8 @@ class RingDDP(nn.Module, Joinable):
         if self._comm_hook is not None:
             b.handle = self._comm_hook(self._comm_state, GradBucket(self, b, b.index == len(self._buckets) - 1))
         elif self.world_size > 1:
-            b.handle = ringdp.all_reduce(b.buffer, op=dist.ReduceOp.SUM, group=self.process_group, async_op=True)
+            op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+            b.handle = ringdp.all_reduce(b.buffer, op=op, group=self.process_group, async_op=True)
         else:
             b.handle = None
         if tr is not None:
@@ -627,32 +638,45 @@ class RingDDP(nn.Module, Joinable):
         b.handle = None
 
     def _finalize_backward(self) -> None:
-        """End of backward (autograd callback): wait for all buckets, write grads back."""
-        t_bwd_end = _trace.now_us()
+        """End of backward (autograd callback): wait for the buckets in order and write
+        each one's averaged gradients back as soon as it is done (while the next ones are
+        still being reduced)."""
+        now = _trace.now_us
+        t_bwd_end = now()
+        tr = self._tracer
         try:
             if self._next_launch < len(self._buckets):
                 missing = [i for i in range(len(self._params)) if not self._ready[i]]
                 self._abandon_backward()
                 raise RuntimeError(self._unused_message(missing))
-            for b in self._buckets:
-                self._wait_bucket(b)
+            wait_us = 0.0
+            wb_us = 0.0
             globally_unused: set[int] = set()
             if self._tracks_unused():
-                if self._usage_handle is not None:
+                if self._usage_handle is not None:  # submitted first, so done first
+                    t0 = now()
                     self._usage_handle.wait()
+                    wait_us += now() - t0
                     self._usage_handle = None
                 globally_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
             elif self._static_unused:
                 globally_unused = self._static_unused
-            t_wait_end = _trace.now_us()
-            self._write_back(globally_unused)
-            t_wb_end = _trace.now_us()
+            for b in self._buckets:
+                t0 = now()
+                self._wait_bucket(b)
+                t1 = now()
+                self._write_back(b, globally_unused)
+                t2 = now()
+                wait_us += t1 - t0
+                wb_us += t2 - t1
+                if tr is not None:
+                    b.t_wait = (t0, t1, t2)
             if self.static_graph and self._static_unused is None:
                 self._static_unused = globally_unused
                 self._static_unused_local = list(self._unused)
-            self.last_exposed_comm_ms = (t_wait_end - t_bwd_end) / 1e3
-            if self._tracer is not None:
-                self._record_trace(t_bwd_end, t_wait_end, t_wb_end)
+            self.last_exposed_comm_ms = wait_us / 1e3
+            if tr is not None:
+                self._record_trace(t_bwd_end, now(), wait_us, wb_us)
             if not self._rebuilt:
                 self._rebuild_buckets(self._auth_rank)
         finally:
@@ -670,20 +694,19 @@ class RingDDP(nn.Module, Joinable):
         self._in_backward = False
 
     @torch.no_grad()
-    def _write_back(self, globally_unused: set[int]) -> None:
-        for b in self._buckets:
-            for slot, i in enumerate(b.pidxs):
-                if i in globally_unused:
-                    continue
-                p = self._params[i]
-                view = b.views[slot]
-                if self.gradient_as_bucket_view:
-                    if p.grad is None or not _same_view(p.grad, view):
-                        p.grad = view
-                elif p.grad is None:
-                    p.grad = view.clone()
-                else:
-                    p.grad.copy_(view)
+    def _write_back(self, b: _Bucket, globally_unused: set[int]) -> None:
+        for slot, i in enumerate(b.pidxs):
+            if i in globally_unused:
+                continue
+            p = self._params[i]
+            view = b.views[slot]
+            if self.gradient_as_bucket_view:
+                if p.grad is None or not _same_view(p.grad, view):
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
 
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self._param_names[i] for i in missing[:20])
@@ -701,13 +724,14 @@ class RingDDP(nn.Module, Joinable):
                 f"gradient, so their buckets (and every bucket after them) could not be reduced: {names}{more}. "
                 f"{why}")
 
-    def _record_trace(self, t_bwd_end: float, t_wait_end: float, t_wb_end: float) -> None:
+    def _record_trace(self, t_bwd_end: float, t_end: float, wait_us: float, wb_us: float) -> None:
         buckets = [{"index": b.index, "nbytes": b.nbytes, "params": len(b.pidxs), "t_ready": b.t_ready,
-                    "t_launch": b.t_launch, "t_done": b.t_done} for b in self._buckets]
+                    "t_launch": b.t_launch, "t_done": b.t_done, "t_wait": getattr(b, "t_wait", None)}
+                   for b in self._buckets]
         t_start = self._t_bwd_start if self._t_bwd_start is not None else t_bwd_end
         self._tracer.record_step({"step": self._step, "t_fwd_start": self._t_fwd[0], "t_fwd_end": self._t_fwd[1],
-                                  "t_bwd_start": t_start, "t_bwd_end": t_bwd_end, "t_wait_end": t_wait_end,
-                                  "t_writeback_end": t_wb_end, "buckets": buckets})
+                                  "t_bwd_start": t_start, "t_bwd_end": t_bwd_end, "t_end": t_end,
+                                  "exposed_us": wait_us, "writeback_us": wb_us, "buckets": buckets})
         self._t_bwd_start = None
 
     def trace_summary(self) -> dict | None:
@@ -748,6 +772,7 @@ class RingDDP(nn.Module, Joinable):
         alive = [r for r in range(self.world_size) if vals[1 + r] > 0]
         self._auth_rank = max(alive) if alive else 0  # as torch DDP
         self._divisor = self.world_size if self._divide_by_initial_world_size else max(1, len(alive))
+        self._set_scale()
         return vals[0] > 0
 
     def _join_pre_forward(self) -> None:
@@ -792,6 +817,7 @@ class RingDDP(nn.Module, Joinable):
             self._broadcast_state(src)
         self._auth_rank = 0
         self._divisor = self.world_size
+        self._set_scale()
         self._join_config = _JoinConfig.construct_disabled_join_config()
 
     # ------------------------------------------------------------------ teardown

@@ -5,10 +5,11 @@ Enable with ``RINGDP_TRACE=path`` (or ``RingDDP(..., trace=path)``). The path ma
 that suffix is taken as a directory. Open the file in chrome://tracing or
 https://ui.perfetto.dev. Each rank is one process with two rows:
 
-* ``autograd``: forward, backward (first gradient until autograd finished), then
-  ``exposed comm`` (the end-of-backward callback waiting for all-reduces) and
-  ``write back`` (averaged gradients copied into ``.grad``); an instant event marks the
-  moment each bucket's last gradient arrived (``bucket i ready``).
+* ``autograd``: forward, backward (from the gradient of the output until autograd
+  finished), then ``finalize`` (the end-of-backward callback), made of ``wait bucket i``
+  (exposed communication: waiting for bucket i's all-reduce) and ``write back bucket i``
+  (its averaged gradients copied into ``.grad``); an instant event marks the moment each
+  bucket's last gradient arrived (``bucket i ready``).
 * ``ringdp comm``: one span per bucket from when its all-reduce could start (submitted and
   the previous bucket's all-reduce finished, since one worker runs them in order) until
   it finished; the submission time is in the event's args.
@@ -50,7 +51,12 @@ def trace_path(path: str | os.PathLike, rank: int) -> Path:
 
 
 def step_summary(step: dict) -> dict:
-    """Derived figures of one traced step (times in ms)."""
+    """Derived figures of one traced step (times in ms).
+
+    `step` holds microsecond timestamps: t_bwd_start, t_bwd_end (autograd done), t_end
+    (backward() about to return), exposed_us (time spent waiting for reductions after
+    t_bwd_end), writeback_us (copying averaged gradients into .grad) and per bucket
+    t_ready, t_launch (submitted) and t_done (reduction finished)."""
     buckets = step.get("buckets", [])
     comm_us = 0.0
     prev_end = None
@@ -60,7 +66,7 @@ def step_summary(step: dict) -> dict:
         start = b["t_launch"] if prev_end is None else max(b["t_launch"], prev_end)
         comm_us += max(0.0, b["t_done"] - start)
         prev_end = b["t_done"]
-    exposed_us = max(0.0, step["t_wait_end"] - step["t_bwd_end"])
+    exposed_us = max(0.0, step["exposed_us"])
     bwd_us = max(0.0, step["t_bwd_end"] - step["t_bwd_start"])
     overlap = 1.0 - min(exposed_us, comm_us) / comm_us if comm_us > 0 else None
     return {
@@ -68,7 +74,8 @@ def step_summary(step: dict) -> dict:
         "backward_ms": bwd_us / 1e3,
         "comm_ms": comm_us / 1e3,
         "exposed_comm_ms": exposed_us / 1e3,
-        "writeback_ms": max(0.0, step["t_writeback_end"] - step["t_wait_end"]) / 1e3,
+        "writeback_ms": max(0.0, step["writeback_us"]) / 1e3,
+        "finalize_ms": max(0.0, step["t_end"] - step["t_bwd_end"]) / 1e3,
         "overlap_fraction": overlap,
         "buckets": len(buckets),
         "bytes": sum(b.get("nbytes", 0) for b in buckets),
@@ -82,20 +89,32 @@ def aggregate(steps: list[dict], skip_first: int = 1) -> dict:
     out: dict = {"steps": len(steps), "steps_averaged": len(rows)}
     if not rows:
         return out
-    for k in ("backward_ms", "comm_ms", "exposed_comm_ms", "writeback_ms"):
+    for k in ("backward_ms", "comm_ms", "exposed_comm_ms", "writeback_ms", "finalize_ms"):
         out[f"mean_{k}"] = sum(r[k] for r in rows) / len(rows)
     comm = out["mean_comm_ms"]
     out["overlap_fraction"] = (1.0 - min(out["mean_exposed_comm_ms"], comm) / comm) if comm > 0 else None
     return out
 
 
+_claimed: set[Path] = set()  # trace files of this process's tracers
+
+
 class Tracer:
-    """Collects one rank's events; writes them (and the summary) on flush() and at exit."""
+    """Collects one rank's events; writes them (and the summary) on flush() and at exit.
+    A second RingDDP of the same process given the same path writes `<name>.ddp1.json`
+    (then ddp2, ...) instead of overwriting the first one's file."""
 
     def __init__(self, path, rank: int, world: int):
         self.rank = rank
         self.world = world
-        self.path = trace_path(path, rank)
+        p = trace_path(path, rank)
+        k = 0
+        while p in _claimed:
+            k += 1
+            base = trace_path(path, rank)
+            p = base.with_name(f"{base.stem}.ddp{k}{base.suffix}")
+        _claimed.add(p)
+        self.path = p
         self.events: list[dict] = [
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}},
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_AUTOGRAD, "args": {"name": "autograd"}},
@@ -122,26 +141,32 @@ class Tracer:
             self.events.append(ev)
 
     def record_step(self, step: dict) -> dict:
-        """Turn one backward's timestamps (see RingDDP) into events; returns its summary."""
+        """Turn one backward's timestamps (see step_summary) into events; returns its
+        summary."""
         s = step_summary(step)
-        self.span("backward", TID_AUTOGRAD, step["t_bwd_start"], step["t_bwd_end"], {"step": step["step"]})
-        self.span("exposed comm", TID_AUTOGRAD, step["t_bwd_end"], step["t_wait_end"],
-                  {"step": step["step"], "overlap_fraction": s["overlap_fraction"]})
-        self.span("write back", TID_AUTOGRAD, step["t_wait_end"], step["t_writeback_end"])
+        n = step["step"]
         if step.get("t_fwd_start") is not None and step.get("t_fwd_end") is not None:
-            self.span("forward", TID_AUTOGRAD, step["t_fwd_start"], step["t_fwd_end"], {"step": step["step"]})
+            self.span("forward", TID_AUTOGRAD, step["t_fwd_start"], step["t_fwd_end"], {"step": n})
+        self.span("backward", TID_AUTOGRAD, step["t_bwd_start"], step["t_bwd_end"], {"step": n})
+        self.span("finalize", TID_AUTOGRAD, step["t_bwd_end"], step["t_end"],
+                  {"step": n, "exposed_comm_ms": s["exposed_comm_ms"], "writeback_ms": s["writeback_ms"],
+                   "overlap_fraction": s["overlap_fraction"]})
         prev_end = None
         for b in sorted(step["buckets"], key=lambda b: b["index"]):
             args = {"bucket": b["index"], "bytes": b["nbytes"], "params": b["params"]}
             if b.get("t_ready") is not None:
                 self.instant(f"bucket {b['index']} ready", TID_AUTOGRAD, b["t_ready"], args)
+            if b.get("t_wait") is not None:
+                t0, t1, t2 = b["t_wait"]
+                if t1 > t0:
+                    self.span(f"wait bucket {b['index']}", TID_AUTOGRAD, t0, t1, args, cat="exposed comm")
+                self.span(f"write back bucket {b['index']}", TID_AUTOGRAD, t1, t2, args)
             if b.get("t_launch") is None or b.get("t_done") is None:
                 continue
             start = b["t_launch"] if prev_end is None else max(b["t_launch"], prev_end)
             self.span(f"all_reduce bucket {b['index']}", TID_COMM, start, b["t_done"],
                       dict(args, submitted_us=b["t_launch"], queued_us=start - b["t_launch"]))
             prev_end = b["t_done"]
-        self.instant("step summary", TID_AUTOGRAD, step["t_writeback_end"], s)
         with self._lock:
             self.steps.append(s)
         return s

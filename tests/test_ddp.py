@@ -745,6 +745,7 @@ def test_trace_file_and_summary(pool, tmp_path):
         for i in range(nb):
             assert names.count(f"bucket {i} ready") == 4
             assert names.count(f"all_reduce bucket {i}") == 4
+            assert names.count(f"write back bucket {i}") == 4
         comm = [e for e in doc["traceEvents"] if e["name"].startswith("all_reduce bucket")]
         ready = {(e["name"], e["ts"]) for e in doc["traceEvents"] if e["name"].endswith(" ready")}
         assert all(e["dur"] >= 0 and e["args"]["submitted_us"] <= e["ts"] for e in comm)
@@ -782,10 +783,12 @@ def test_trace_path_rules(tmp_path):
     assert str(trace_path("/x/t.json", 3)) == "/x/t.rank3.json"
     assert str(trace_path("/x/t-{rank}.json", 1)) == "/x/t-1.json"
     assert str(trace_path("/x/dir", 0)) == "/x/dir/ringdp_trace.rank0.json"
-    s = step_summary({"step": 0, "t_bwd_start": 0, "t_bwd_end": 100, "t_wait_end": 130, "t_writeback_end": 140,
+    s = step_summary({"step": 0, "t_bwd_start": 0, "t_bwd_end": 100, "t_end": 140, "exposed_us": 30,
+                      "writeback_us": 10,
                       "buckets": [{"index": 0, "nbytes": 4, "t_launch": 10, "t_done": 50},
                                   {"index": 1, "nbytes": 4, "t_launch": 20, "t_done": 130}]})
     # bucket 1 waits for bucket 0 (one worker): 40 + 80 us of communication, 30 us exposed
     assert s["comm_ms"] == pytest.approx(0.12)
     assert s["exposed_comm_ms"] == pytest.approx(0.03)
     assert s["overlap_fraction"] == pytest.approx(0.75)
+    assert s["writeback_ms"] == pytest.approx(0.01) and s["finalize_ms"] == pytest.approx(0.04)

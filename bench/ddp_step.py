@@ -1,0 +1,255 @@
+"""Training-step time of RingDDP against torch DDP and against no communication at all.
+
+Run it
+    python bench/ddp_step.py                          # starts --world (2) local ranks itself
+    python bench/ddp_step.py --hidden 1024,2560 --plot
+    torchrun --nproc-per-node 2 bench/ddp_step.py     # uses the ranks torchrun gives it
+
+Model: an MLP of --layers Linear(H, H)+ReLU layers for each H in --hidden (the issue's
+target is H=2560, 4 layers: 26M parameters, 105 MB of float32 gradients), batch --batch
+per rank, SGD. One step = zero_grad, forward, MSE loss, backward (gradients averaged when
+it returns), optimizer step.
+
+Modes, all in the same run, on the same data and initial weights:
+    none        the plain module: the compute alone, no communication
+    torch       torch.nn.parallel.DistributedDataParallel on the gloo process group
+    ring        ringdp.RingDDP (buckets in registered memory, copies in and out)
+    ring_view   ringdp.RingDDP(gradient_as_bucket_view=True) (.grad are bucket views)
+    torch_view  torch DDP with gradient_as_bucket_view=True (--modes to add it)
+
+Timing. Every rank runs the same mode at the same time (a barrier before each timed
+block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
+torch, ring, ... then again) so that a slow spell of a shared machine hits all of them.
+Each timed block is --iters steps after --warmup untimed ones; a rank's figure is its
+wall time per step, the step time is the max over ranks. Reported: mean over rounds
+and the best round.
+
+Exposed communication = step time of the mode - step time of `none` (what the
+communication adds to a step). For RingDDP the script also reports the time backward()
+spent waiting for all-reduces after autograd finished (RingDDP.last_exposed_comm_ms),
+measured inside the step.
+
+Output: a table on rank 0, bench/results/ddp_step_<device>_w<world>.json (machine info,
+arguments, every block) and, with --plot, a PNG next to it.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import free_port, machine_info, save_json, under_torchrun  # noqa: E402
+
+ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--hidden", default="1024,2560", help="comma-separated hidden sizes H")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8, help="samples per rank")
+    p.add_argument("--modes", default="none,torch,ring,ring_view")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--name", default="", help="suffix of the result file name")
+    p.add_argument("--out-dir", default=None, help="where the JSON/PNG go (default bench/results)")
+    p.add_argument("--plot", action="store_true")
+    a = p.parse_args(argv)
+    a.hidden = [int(h) for h in a.hidden.split(",") if h]
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = [m for m in a.modes if m not in ALL_MODES]
+    if bad:
+        p.error(f"unknown modes {bad}; choose from {ALL_MODES}")
+    if "none" not in a.modes:
+        a.modes.insert(0, "none")
+    return a
+
+
+def build_model(hidden: int, layers: int):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*mods)
+
+
+def wrap(mode: str, module, args):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp.ddp import RingDDP
+
+    cap = args.bucket_cap_mb
+    if mode == "none":
+        return module
+    if mode in ("torch", "torch_view"):
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        return DDP(module, gradient_as_bucket_view=(mode == "torch_view"), **kw)
+    if mode in ("ring", "ring_view"):
+        return RingDDP(module, bucket_cap_mb=cap, gradient_as_bucket_view=(mode == "ring_view"))
+    raise ValueError(mode)
+
+
+def run(rank: int, world: int, args) -> dict | None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    rows = []
+    for hidden in args.hidden:
+        models = {m: wrap(m, build_model(hidden, args.layers), args) for m in args.modes}
+        opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-3) for m in args.modes}
+        g = torch.Generator().manual_seed(rank)
+        data = [(torch.randn(args.batch, hidden, generator=g), torch.randn(args.batch, hidden, generator=g))
+                for _ in range(4)]
+        n_params = sum(p.numel() for p in models["none"].parameters())
+
+        def step(mode, i):
+            m, opt = models[mode], opts[mode]
+            x, y = data[i % len(data)]
+            opt.zero_grad()
+            loss = ((m(x) - y) ** 2).mean()
+            loss.backward()
+            opt.step()
+
+        blocks = {m: [] for m in args.modes}
+        internal = {m: [] for m in args.modes}
+        for _round in range(args.rounds):
+            for mode in args.modes:
+                for i in range(args.warmup):
+                    step(mode, i)
+                dist.barrier()
+                ex = []
+                t0 = time.perf_counter()
+                for i in range(args.iters):
+                    step(mode, i)
+                    if mode.startswith("ring"):
+                        ex.append(models[mode].last_exposed_comm_ms)
+                dt = (time.perf_counter() - t0) / args.iters * 1e3
+                t = torch.tensor([dt, statistics.mean(ex) if ex else 0.0], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                blocks[mode].append(t[0].item())
+                internal[mode].append(t[1].item())
+        base = statistics.mean(blocks["none"])
+        for mode in args.modes:
+            mean = statistics.mean(blocks[mode])
+            row = {"hidden": hidden, "layers": args.layers, "params": n_params,
+                   "grad_mb": n_params * 4 / 1e6, "mode": mode, "step_ms": mean,
+                   "best_ms": min(blocks[mode]), "blocks_ms": blocks[mode],
+                   "exposed_comm_ms": mean - base if mode != "none" else 0.0}
+            if mode.startswith("ring"):
+                row["ring_internal_exposed_ms"] = statistics.mean(internal[mode])
+            rows.append(row)
+        if rank == 0:
+            print_table([r for r in rows if r["hidden"] == hidden])
+        del models, opts
+    return rows if rank == 0 else None
+
+
+def print_table(rows):
+    tref = {r["hidden"]: r["step_ms"] for r in rows if r["mode"] == "torch"}
+    print(f"{'H':>6} {'params':>10} {'mode':>10} {'step(ms)':>9} {'best(ms)':>9} {'exposed(ms)':>11} "
+          f"{'internal(ms)':>12} {'vs torch':>8}")
+    for r in rows:
+        vs = r["step_ms"] / tref[r["hidden"]] if r["hidden"] in tref else float("nan")
+        internal = r.get("ring_internal_exposed_ms")
+        print(f"{r['hidden']:>6} {r['params']:>10} {r['mode']:>10} {r['step_ms']:>9.1f} {r['best_ms']:>9.1f} "
+              f"{r['exposed_comm_ms']:>11.1f} {'' if internal is None else f'{internal:.1f}':>12} {vs:>8.2f}",
+              flush=True)
+
+
+def plot(rows, path: Path, title: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hiddens = sorted({r["hidden"] for r in rows})
+    modes = [m for m in ALL_MODES if any(r["mode"] == m for r in rows)]
+    fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(hiddens), 4.2))
+    width = 0.8 / len(modes)
+    colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
+              "ring_view": "#2ca02c"}
+    for j, mode in enumerate(modes):
+        for k, h in enumerate(hiddens):
+            r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)
+            if r is None:
+                continue
+            x = k + (j - (len(modes) - 1) / 2) * width
+            compute = r["step_ms"] - max(0.0, r["exposed_comm_ms"])
+            ax.bar(x, compute, width, color=colors[mode], label=mode if k == 0 else None)
+            if mode != "none":
+                ax.bar(x, max(0.0, r["exposed_comm_ms"]), width, bottom=compute, color=colors[mode], alpha=0.45,
+                       hatch="//", edgecolor="white")
+            ax.text(x, r["step_ms"], f"{r['step_ms']:.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(hiddens)))
+    ax.set_xticklabels([f"H={h}\n{next(r['params'] for r in rows if r['hidden'] == h) / 1e6:.1f}M params"
+                        for h in hiddens])
+    ax.set_ylabel("step time (ms); hatched: exposed communication")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main_rank(rank, world, args):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        rows = run(rank, world, args)
+        if rank == 0:
+            info = machine_info(world, "cpu")
+            name = f"ddp_step_cpu_w{world}" + (f"_{args.name}" if args.name else "")
+            payload = {"machine": info, "args": {k: v for k, v in vars(args).items()}, "rows": rows}
+            out = save_json(name, payload, args.out_dir)
+            print(f"wrote {out}")
+            for h in sorted({r["hidden"] for r in rows}):
+                t = {r["mode"]: r for r in rows if r["hidden"] == h}
+                if "torch" in t:
+                    for m in ("ring", "ring_view"):
+                        if m in t:
+                            print(f"H={h}: {m} step / torch DDP(gloo) step = {t[m]['step_ms'] / t['torch']['step_ms']:.2f}"
+                                  f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")
+            if args.plot:
+                png = out.with_suffix(".png")
+                plot(rows, png, f"RingDDP vs torch DDP(gloo): world {world}, {args.layers}x Linear(H,H)+ReLU, "
+                                f"batch {args.batch}/rank, {args.threads} thread(s)/rank")
+                print(f"wrote {png}")
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      OMP_NUM_THREADS=str(args.threads))
+    main_rank(rank, world, args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if under_torchrun():
+        main_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
