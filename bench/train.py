@@ -1,0 +1,345 @@
+"""Train a small conv net with RingDDP or torch DDP: the one-line switch in a real script.
+
+Run it
+    torchrun --nproc-per-node 2 bench/train.py                 # RingDDP
+    torchrun --nproc-per-node 2 bench/train.py --ddp torch     # torch DDP (gloo)
+    torchrun --nproc-per-node 2 bench/train.py --ddp both      # both, one after the other,
+                                                               # then a loss-curve PNG
+    python bench/train.py --world 2 ...                        # starts the ranks itself
+    python bench/train.py plot --out-dir DIR                   # redraw the PNG from the logs
+
+Data: "blobs", generated (no download): 10 classes of 1x16x16 images; each class is a
+fixed smooth random pattern, each sample that pattern shifted by up to 2 pixels, scaled by
+0.7-1.3 and buried in Gaussian noise, so the classes overlap and accuracy grows over a few
+epochs. Every rank generates the same data set from --data-seed; a DistributedSampler
+(set_epoch every epoch) gives each rank its share.
+
+Model: conv(1->16)-BN-ReLU-conv(16->32)-BN-ReLU-pool-conv(32->32)-BN-ReLU-pool-linear
+(~15k parameters; BatchNorm buffers are broadcast from rank 0 before each forward, as DDP
+does). AdamW with a cosine learning-rate schedule per optimizer step.
+
+Gradient accumulation: --accum k micro-batches of --batch samples per rank make one
+optimizer step; the first k-1 backward passes run under model.no_sync(), so gradients
+are averaged across ranks once per optimizer step.
+
+Rank 0 logs every --log-every optimizer steps (loss averaged over ranks, accuracy on the
+held-out set after each epoch) to stdout and OUT/<ddp>/log.jsonl, and writes
+OUT/<ddp>/ckpt.pt (model without the `module.` prefix, optimizer, scheduler, position in
+the data) every --ckpt-every steps and at the end of each epoch. --resume (or --resume
+PATH) continues from a checkpoint exactly where it stopped: same epoch, same batch, same
+learning rate. --max-steps stops early (to try resumption).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from _common import RESULTS_DIR, free_port, under_torchrun  # noqa: E402
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("command", nargs="?", default="train", choices=["train", "plot"])
+    p.add_argument("--ddp", default="ring", choices=["ring", "torch", "both"])
+    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--train-size", type=int, default=4096)
+    p.add_argument("--val-size", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32, help="micro-batch per rank")
+    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=1e-2)
+    p.add_argument("--seed", type=int, default=0, help="model init and sampler seed")
+    p.add_argument("--data-seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--log-every", type=int, default=4)
+    p.add_argument("--ckpt-every", type=int, default=16)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
+    p.add_argument("--resume", nargs="?", const="auto", default=None,
+                   help="continue from OUT/<ddp>/ckpt.pt (or the given path)")
+    p.add_argument("--out-dir", default=str(RESULTS_DIR / "train"))
+    p.add_argument("--gradient-as-bucket-view", action="store_true")
+    p.add_argument("--no-plot", action="store_true")
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------ data and model
+def make_blobs(n: int, seed: int, classes: int = 10, size: int = 16, split: int = 0):
+    """The generated data set (deterministic in seed and split)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(seed)
+    templates = F.interpolate(torch.randn(classes, 1, 4, 4, generator=g), size=(size, size), mode="bilinear",
+                              align_corners=False)
+    templates = templates / templates.flatten(1).std(dim=1).view(-1, 1, 1, 1)
+    g = torch.Generator().manual_seed(seed * 1000 + 17 + split)
+    y = torch.randint(0, classes, (n,), generator=g)
+    amp = 0.7 + 0.6 * torch.rand(n, 1, 1, 1, generator=g)
+    x = templates[y] * amp
+    shifts = torch.randint(-2, 3, (n, 2), generator=g)
+    for i in range(n):
+        x[i] = torch.roll(x[i], shifts=(int(shifts[i, 0]), int(shifts[i, 1])), dims=(1, 2))
+    x = x + 1.2 * torch.randn(x.shape, generator=g)
+    return x, y
+
+
+def make_model():
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Conv2d(1, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(32, 10),
+    )
+
+
+def wrap(kind: str, module, args):
+    if kind == "ring":
+        import ringdp
+
+        RingDDP = getattr(ringdp, "RingDDP", None)
+        if RingDDP is None:  # older package __init__ without the export
+            from ringdp.ddp import RingDDP
+        return RingDDP(module, gradient_as_bucket_view=args.gradient_as_bucket_view)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, gradient_as_bucket_view=args.gradient_as_bucket_view)
+
+
+# ------------------------------------------------------------------ training
+def train(kind: str, args, rank: int, world: int) -> list[dict]:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    out = Path(args.out_dir) / kind
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+    ckpt_path = out / "ckpt.pt"
+    log_path = out / "log.jsonl"
+
+    xtr, ytr = make_blobs(args.train_size, args.data_seed, split=0)
+    xva, yva = make_blobs(args.val_size, args.data_seed, split=1)
+    train_ds, val_ds = TensorDataset(xtr, ytr), TensorDataset(xva, yva)
+    sampler = DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
+                                 drop_last=True)
+    val_sampler = DistributedSampler(val_ds, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
+    loader = DataLoader(train_ds, batch_size=args.batch, sampler=sampler, drop_last=True)
+    val_loader = DataLoader(val_ds, batch_size=256, sampler=val_sampler)
+
+    torch.manual_seed(args.seed)
+    model = wrap(kind, make_model(), args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    steps_per_epoch = len(loader) // args.accum
+    total_steps = steps_per_epoch * args.epochs
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / max(1, total_steps))))
+
+    epoch, step, step_in_epoch = 0, 0, 0
+    resume = None
+    if args.resume:
+        path = ckpt_path if args.resume == "auto" else Path(args.resume)
+        if path.exists():
+            resume = torch.load(path, map_location="cpu", weights_only=False)
+            model.module.load_state_dict(resume["model"])
+            opt.load_state_dict(resume["optimizer"])
+            sched.load_state_dict(resume["scheduler"])
+            epoch, step, step_in_epoch = resume["epoch"], resume["step"], resume["step_in_epoch"]
+            if rank == 0:
+                print(f"[{kind}] resumed from {path}: epoch {epoch}, step {step} ({step_in_epoch} into the epoch)",
+                      flush=True)
+        elif rank == 0:
+            print(f"[{kind}] no checkpoint at {path}; starting fresh", flush=True)
+    if rank == 0 and resume is None and log_path.exists():
+        log_path.unlink()  # a fresh run starts a fresh log
+
+    def save_checkpoint():
+        if rank == 0:
+            state = {"model": model.module.state_dict(), "optimizer": opt.state_dict(),
+                     "scheduler": sched.state_dict(), "epoch": epoch, "step": step,
+                     "step_in_epoch": step_in_epoch, "args": vars(args), "ddp": kind}
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save(state, tmp)
+            os.replace(tmp, ckpt_path)
+        dist.barrier()
+
+    def log(rec):
+        if rank == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    loss_fn = torch.nn.CrossEntropyLoss()
+    records = []
+    stop = False
+    while epoch < args.epochs and not stop:
+        sampler.set_epoch(epoch)
+        model.train()
+        it = iter(loader)
+        for _ in range(step_in_epoch * args.accum):  # resume inside an epoch: skip what was done
+            next(it)
+        run_loss = torch.zeros(2, dtype=torch.float64)
+        t_log = time.perf_counter()
+        while step_in_epoch < steps_per_epoch:
+            opt.zero_grad()
+            for k in range(args.accum):
+                x, y = next(it)
+                sync = k == args.accum - 1
+                with (model.no_sync() if not sync else _nullcontext()):
+                    loss = loss_fn(model(x), y)
+                    (loss / args.accum).backward()
+                run_loss[0] += loss.item()
+                run_loss[1] += 1
+            opt.step()
+            sched.step()
+            step += 1
+            step_in_epoch += 1
+            if step % args.log_every == 0 or step_in_epoch == steps_per_epoch:
+                dist.all_reduce(run_loss)  # mean over ranks and micro-batches
+                dt = time.perf_counter() - t_log
+                rec = {"ddp": kind, "step": step, "epoch": epoch, "loss": run_loss[0].item() / run_loss[1].item(),
+                       "lr": sched.get_last_lr()[0],
+                       "samples_per_s": run_loss[1].item() * args.batch / dt if dt > 0 else None}
+                records.append(rec)
+                log(rec)
+                if rank == 0:
+                    print(f"[{kind}] epoch {epoch} step {step:4d} loss {rec['loss']:.4f} lr {rec['lr']:.2e} "
+                          f"{rec['samples_per_s']:.0f} samples/s", flush=True)
+                run_loss.zero_()
+                t_log = time.perf_counter()
+            if step % args.ckpt_every == 0:
+                save_checkpoint()
+            if args.max_steps is not None and step >= args.max_steps:
+                stop = True
+                break
+        if stop and step_in_epoch < steps_per_epoch:  # stopped inside the epoch
+            save_checkpoint()
+            break
+        # end of epoch: held-out accuracy, checkpoint at the start of the next epoch
+        model.eval()
+        correct = torch.zeros(2, dtype=torch.float64)
+        with torch.no_grad():
+            for x, y in val_loader:
+                pred = model(x).argmax(dim=1)
+                correct[0] += (pred == y).sum().item()
+                correct[1] += y.numel()
+        dist.all_reduce(correct)
+        acc = correct[0].item() / correct[1].item()
+        rec = {"ddp": kind, "step": step, "epoch": epoch, "val_acc": acc}
+        records.append(rec)
+        log(rec)
+        if rank == 0:
+            print(f"[{kind}] epoch {epoch} done: held-out accuracy {acc:.3f}", flush=True)
+        epoch += 1
+        step_in_epoch = 0
+        save_checkpoint()
+    return records
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+# ------------------------------------------------------------------ plot
+def read_log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot(out_dir: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    logs = {k: read_log(out_dir / k / "log.jsonl") for k in ("torch", "ring")}
+    logs = {k: v for k, v in logs.items() if v}
+    if not logs:
+        print(f"no logs under {out_dir}")
+        return None
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    style = {"torch": dict(color="#d62728", lw=3, alpha=0.5, label="torch DDP (gloo)"),
+             "ring": dict(color="#1f77b4", lw=1.2, marker=".", label="ringdp.RingDDP")}
+    for k, recs in logs.items():
+        tr = [r for r in recs if "loss" in r]
+        ax.plot([r["step"] for r in tr], [r["loss"] for r in tr], **style[k])
+        va = [r for r in recs if "val_acc" in r]
+        ax2.plot([r["epoch"] + 1 for r in va], [r["val_acc"] for r in va], **style[k])
+    if len(logs) == 2:
+        a = {r["step"]: r["loss"] for r in logs["torch"] if "loss" in r}
+        b = {r["step"]: r["loss"] for r in logs["ring"] if "loss" in r}
+        common = sorted(set(a) & set(b))
+        if common:
+            d = max(abs(a[s] - b[s]) for s in common)
+            ax.set_title(f"training loss (max |ring - torch| = {d:.2e})", fontsize=9)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (mean over ranks)")
+    ax.legend()
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("held-out accuracy")
+    ax2.set_title("held-out accuracy", fontsize=9)
+    fig.suptitle("bench/train.py: conv net on generated blobs, world 2", fontsize=10)
+    fig.tight_layout()
+    path = out_dir / "loss_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------ launch
+def main_rank(rank: int, world: int, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(args.threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    try:
+        kinds = ["torch", "ring"] if args.ddp == "both" else [args.ddp]
+        for kind in kinds:
+            train(kind, args, rank, world)
+        if rank == 0 and not args.no_plot:
+            p = plot(Path(args.out_dir))
+            if p:
+                print(f"wrote {p}", flush=True)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawned(rank, world, port, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    main_rank(rank, world, args)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.command == "plot":
+        p = plot(Path(args.out_dir))
+        if p:
+            print(f"wrote {p}")
+        return
+    if under_torchrun():
+        main_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+    else:
+        import torch.multiprocessing as mp
+
+        mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world)
+
+
+if __name__ == "__main__":
+    main()
