@@ -549,6 +549,44 @@ def case_rank_order(rank, world):
             "grads": [p.grad.clone() for p in ddp.parameters()]}
 
 
+def case_groups(rank, world, steps=5):
+    """World 3: RingDDP over the subgroup {1, 2} (group rank 0 is global rank 1), and over
+    a one-rank group (no communication at all)."""
+    from ringdp.ddp import RingDDP
+
+    sub = dist.new_group([1, 2])
+    singles = [dist.new_group([r]) for r in range(world)]
+    out = {}
+    # one-rank group: RingDDP must train exactly like the plain model
+    solo = RingDDP(build(MLP, 0), process_group=singles[rank])
+    ref = build(MLP, 0)
+    opt, ropt = torch.optim.SGD(solo.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for s in range(steps):
+        x, y = batch(s, 4)
+        for m, o in ((solo, opt), (ref, ropt)):
+            o.zero_grad()
+            ((m(x) - y) ** 2).mean().backward()
+            o.step()
+    out["solo_diff"] = max_diff(params_of(solo.module), params_of(ref))
+    if rank in (1, 2):
+        grank = rank - 1
+        ddp = RingDDP(build(MLP, 0 if grank == 0 else 77), process_group=sub)
+        ref = build(MLP, 0)
+        opt, ropt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for s in range(steps):
+            x, y = batch(s, 2 * 4)
+            opt.zero_grad()
+            ((ddp(shard(x, grank, 2)) - shard(y, grank, 2)) ** 2).mean().backward()
+            opt.step()
+            ropt.zero_grad()
+            ((ref(x) - y) ** 2).mean().backward()
+            ropt.step()
+        out["sub_diff"] = max_diff(params_of(ddp.module), params_of(ref))
+        out["params"] = params_of(ddp.module)
+    dist.barrier()
+    return out
+
+
 # ============================================================== tests
 def _check_train(res, tol):
     for r, out in enumerate(res):
@@ -792,3 +830,18 @@ def test_trace_path_rules(tmp_path):
     assert s["exposed_comm_ms"] == pytest.approx(0.03)
     assert s["overlap_fraction"] == pytest.approx(0.75)
     assert s["writeback_ms"] == pytest.approx(0.01) and s["finalize_ms"] == pytest.approx(0.04)
+
+
+def test_subgroup_and_single_rank_group():
+    p3 = Pool(3)
+    try:
+        res = p3.run("case_groups", timeout=120)
+    finally:
+        p3.close()
+    for r, out in enumerate(res):
+        assert out["solo_diff"] < 1e-6, f"rank {r}: RingDDP on a one-rank group differs from plain training"
+    assert "sub_diff" not in res[0]
+    for r in (1, 2):
+        assert res[r]["sub_diff"] < 1e-5, f"rank {r}: {res[r]['sub_diff']}"
+    for a, b in zip(res[1]["params"], res[2]["params"]):
+        assert torch.equal(a, b)
