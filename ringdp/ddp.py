@@ -200,11 +200,15 @@ class RingDDP(nn.Module, Joinable):
             once, in the first iteration, and reused.
         trace: a path for a Chrome trace of this rank's backward passes (default: the
             ``RINGDP_TRACE`` environment variable); see :mod:`ringdp.trace`.
+        overlap: start each bucket's all-reduce as soon as it is complete (default; else
+            all of them at the end of backward, to measure what overlap brings). The
+            environment variable ``RINGDP_DDP_OVERLAP=0`` sets the default to False.
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, broadcast_buffers: bool = True,
                  process_group=None, bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *, trace=None):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *, trace=None,
+                 overlap: bool | None = None):
         super().__init__()
         Joinable.__init__(self)
         if not dist.is_available() or not dist.is_initialized():
@@ -284,6 +288,9 @@ class RingDDP(nn.Module, Joinable):
         self._t_bwd_start = None
         self.last_exposed_comm_ms: float | None = None
 
+        if overlap is None:
+            overlap = os.environ.get("RINGDP_DDP_OVERLAP", "1").strip().lower() not in ("0", "false", "no", "off")
+        self.overlap = bool(overlap)
         trace = os.environ.get("RINGDP_TRACE") if trace is None else trace
         self._tracer = _trace.Tracer(trace, self.rank, self.world_size) if trace else None
 
@@ -594,7 +601,8 @@ class RingDDP(nn.Module, Joinable):
         if b.pending == 0:
             if self._tracer is not None:
                 b.t_ready = _trace.now_us()
-            self._launch_ready()
+            if self.overlap:
+                self._launch_ready()
 
     def _set_scale(self) -> None:
         """How gradients are averaged this iteration: by ringdp's AVG (the division is
@@ -645,6 +653,7 @@ class RingDDP(nn.Module, Joinable):
         t_bwd_end = now()
         tr = self._tracer
         try:
+            self._launch_ready()  # without overlap nothing was launched yet
             if self._next_launch < len(self._buckets):
                 missing = [i for i in range(len(self._params)) if not self._ready[i]]
                 self._abandon_backward()
