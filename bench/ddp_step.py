@@ -16,6 +16,8 @@ Modes, all in the same run, on the same data and initial weights:
     ring        ringdp.RingDDP (buckets in registered memory, copies in and out)
     ring_view   ringdp.RingDDP(gradient_as_bucket_view=True) (.grad are bucket views)
     torch_view  torch DDP with gradient_as_bucket_view=True (--modes to add it)
+    ring_serial RingDDP(overlap=False): every all-reduce after backward (--modes to add
+                it; the difference to `ring` is what overlapping brings)
 
 Timing. Every rank runs the same mode at the same time (a barrier before each timed
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
@@ -46,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import free_port, machine_info, save_json, under_torchrun  # noqa: E402
 
-ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view")
+ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial")
 
 
 def parse_args(argv=None):
@@ -97,8 +99,9 @@ def wrap(mode: str, module, args):
     if mode in ("torch", "torch_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return DDP(module, gradient_as_bucket_view=(mode == "torch_view"), **kw)
-    if mode in ("ring", "ring_view"):
-        return RingDDP(module, bucket_cap_mb=cap, gradient_as_bucket_view=(mode == "ring_view"))
+    if mode in ("ring", "ring_view", "ring_serial"):
+        return RingDDP(module, bucket_cap_mb=cap, gradient_as_bucket_view=(mode == "ring_view"),
+                       overlap=(mode != "ring_serial"))
     raise ValueError(mode)
 
 
@@ -181,7 +184,7 @@ def plot(rows, path: Path, title: str):
     fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(hiddens), 4.2))
     width = 0.8 / len(modes)
     colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
-              "ring_view": "#2ca02c"}
+              "ring_view": "#2ca02c", "ring_serial": "#9467bd"}
     for j, mode in enumerate(modes):
         for k, h in enumerate(hiddens):
             r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)

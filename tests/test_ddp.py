@@ -629,6 +629,11 @@ def test_tiny_buckets_one_parameter_each(pool):
     assert res[0]["n_buckets"] == 6
 
 
+def test_without_overlap_same_result(pool):
+    res = pool.run("case_train", model="mlp", ddp_kwargs={"overlap": False, "bucket_cap_mb": 1e-9})
+    _check_train(res, 1e-5)
+
+
 def test_one_huge_bucket(pool):
     res = pool.run("case_train", model="bigmlp", ddp_kwargs={"bucket_cap_mb": 1024}, steps=5)
     _check_train(res, 1e-5)
