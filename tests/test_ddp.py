@@ -417,33 +417,51 @@ def case_unused(rank, world, find_unused=True, static_graph=False, steps=5):
             "params": params_of(ddp.module)}
 
 
-def case_join(rank, world, counts, divide_by_initial_world_size=True, per_rank=3):
+def case_join(rank, world, counts, divide_by_initial_world_size=True, per_rank=3, unused=False, hook=None,
+              throw=False):
     """Rank r trains on counts[r] batches inside join(); compare with a reference that
-    replays the same global steps."""
-    ddp, ref = init_ddp(MLP, rank)
+    replays the same global steps. unused: the Branchy model with find_unused_parameters
+    (rank 0 uses `b`, rank 1 does not). hook: a comm hook from ringdp.comm_hooks."""
+    from ringdp import comm_hooks
+
+    if unused:
+        ddp, ref = init_ddp(Branchy, rank, ddp_kwargs={"find_unused_parameters": True})
+        d = 4
+        fwd = lambda m, x, r: m(x, use_b=(r == 0))  # noqa: E731
+    else:
+        ddp, ref = init_ddp(MLP, rank)
+        d = 8
+        fwd = lambda m, x, r: m(x)  # noqa: E731
+    if hook:
+        ddp.register_comm_hook(None, getattr(comm_hooks, hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size):
-        for s in range(counts[rank]):
-            x, y = batch(s, world * per_rank)
-            opt.zero_grad()
-            ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
-            opt.step()
+    try:
+        with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size, throw_on_early_termination=throw):
+            for s in range(counts[rank]):
+                x, y = batch(s, world * per_rank, d_in=d, d_out=4)
+                opt.zero_grad()
+                ((fwd(ddp, shard(x, rank, world), rank) - shard(y, rank, world)) ** 2).mean().backward()
+                opt.step()
+    except RuntimeError as e:
+        if not throw:
+            raise
+        return {"error": str(e)}
     for s in range(max(counts)):
-        x, y = batch(s, world * per_rank)
+        x, y = batch(s, world * per_rank, d_in=d, d_out=4)
         active = [r for r in range(world) if counts[r] > s]
         ropt.zero_grad()
-        loss = sum(((ref(shard(x, r, world)) - shard(y, r, world)) ** 2).mean() for r in active)
+        loss = sum(((fwd(ref, shard(x, r, world), r) - shard(y, r, world)) ** 2).mean() for r in active)
         loss = loss / (world if divide_by_initial_world_size else len(active))
         loss.backward()
         ropt.step()
     # training goes on normally after the join context
-    x, y = batch(99, world * per_rank)
+    x, y = batch(99, world * per_rank, d_in=d, d_out=4)
     opt.zero_grad()
-    ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
+    ((fwd(ddp, shard(x, rank, world), rank) - shard(y, rank, world)) ** 2).mean().backward()
     opt.step()
     ropt.zero_grad()
-    ((ref(x) - y) ** 2).mean().backward()
+    (sum(((fwd(ref, shard(x, r, world), r) - shard(y, r, world)) ** 2).mean() for r in range(world)) / world).backward()
     ropt.step()
     return {"diff": max_diff(params_of(ddp.module), params_of(ref)), "params": params_of(ddp.module),
             "layout": ddp.bucket_layout}
@@ -742,6 +760,22 @@ def test_join_uneven_inputs(pool, counts, divide_initial):
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
     assert res[0]["layout"] == res[1]["layout"]
+
+
+@pytest.mark.parametrize("unused,hook,tol", [(True, None, 1e-5), (False, "fp16_compress_hook", 2e-3)])
+def test_join_with_unused_parameters_or_hook(pool, unused, hook, tol):
+    res = pool.run("case_join", counts=(2, 4), unused=unused, hook=hook)
+    for r, out in enumerate(res):
+        assert out["diff"] < tol, f"rank {r}: {out['diff']}"
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def test_join_throw_on_early_termination(pool):
+    res = pool.run("case_join", counts=(2, 4), throw=True)
+    assert "exhausted" in res[0]["error"]  # rank 0 ran out first
+    assert "exhausted" in res[1]["error"]  # and rank 1 is told so
+    _check_train(pool.run("case_train", model="mlp", steps=5), 1e-5)  # the group still works
 
 
 def test_join_convnet_batchnorm_matches_torch_ddp(pool):
