@@ -534,36 +534,45 @@ def case_trace(rank, world, tmpdir, steps=4):
     return {"path": str(path), "summary": ddp.trace_summary(), "n_buckets": len(ddp._buckets)}
 
 
-def case_rank_order(rank, world):
-    """Ranks see different gradient-ready orders; rank 0's must be adopted by all."""
+class TwoBranch(nn.Module):
+    """Two branches of the same shapes but different gradients; which one gets its
+    gradients first depends on the order the forward computed them in."""
+
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(8, 8)
+        self.q = nn.Linear(8, 8)
+
+    def forward(self, x, q_first=False):
+        # autograd runs the later-created node first: the branch computed second gets its
+        # gradients first
+        if q_first:
+            b = self.q(torch.tanh(x))
+            a = self.p(x)
+        else:
+            a = self.p(x)
+            b = self.q(torch.tanh(x))
+        return a + 2 * b
+
+
+def case_rank_order(rank, world, steps=4):
+    """Ranks see different gradient-ready orders; rank 0's must be adopted by all, and
+    buckets reduced in the same order everywhere."""
     from ringdp.ddp import RingDDP
 
-    class TwoBranch(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.p = nn.Linear(8, 8)
-            self.q = nn.Linear(8, 8)
-
-        def forward(self, x, q_first):
-            # autograd runs the later-created node first: the branch computed second
-            # gets its gradients first
-            if q_first:
-                b = self.q(x)
-                a = self.p(x)
-            else:
-                a = self.p(x)
-                b = self.q(x)
-            return a + b
-
     ddp = RingDDP(build(TwoBranch, 0), bucket_cap_mb=1e-9)
-    ready_orders = []
-    for s in range(3):
+    ref = build(TwoBranch, 0)
+    ready_orders, diffs = [], []
+    for s in range(steps):
         x, y = batch(s, world * 2, d_out=8)
         ddp.zero_grad()
         ((ddp(shard(x, rank, world), q_first=(rank == 1)) - shard(y, rank, world)) ** 2).mean().backward()
+        ref.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        diffs.append(max_diff([p.grad for p in ddp.parameters()], [p.grad for p in ref.parameters()]))
         if s == 0:
             ready_orders.append([ddp._param_names[i] for i in ddp._ready_order])
-    return {"layout": ddp.bucket_layout, "ready_order": ready_orders[0],
+    return {"layout": ddp.bucket_layout, "ready_order": ready_orders[0], "diffs": diffs,
             "grads": [p.grad.clone() for p in ddp.parameters()]}
 
 
@@ -672,6 +681,8 @@ def test_rank0_ready_order_adopted(pool):
     assert res[0]["ready_order"] != res[1]["ready_order"], "the case should give ranks different orders"
     assert res[0]["layout"] == res[1]["layout"]
     assert [b[0] for b in res[0]["layout"]] == res[0]["ready_order"]
+    for out in res:
+        assert max(out["diffs"]) < 1e-5, out["diffs"]  # averaged gradients = full-batch gradients
     for a, b in zip(res[0]["grads"], res[1]["grads"]):
         assert torch.equal(a, b)
 
