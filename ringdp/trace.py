@@ -14,7 +14,8 @@ https://ui.perfetto.dev. Each rank is one process with two rows:
   the previous bucket's all-reduce finished, since one worker runs them in order) until
   it finished; the submission time is in the event's args.
 
-The summary (``RingDDP.trace_summary()``, the ``ringdp_summary`` key of the file, or
+Events are kept for the first ``RINGDP_TRACE_STEPS`` (default 1000) backward passes; later
+ones only enter the summary. The summary (``RingDDP.trace_summary()``, the ``ringdp_summary`` key of the file, or
 ``python -m ringdp.trace FILE...``) gives per step and on average: backward time,
 communication time, exposed communication (time backward() waited after autograd was
 done) and the overlap fraction, 1 - exposed / communication.
@@ -104,8 +105,11 @@ class Tracer:
     A second RingDDP of the same process given the same path writes `<name>.ddp1.json`
     (then ddp2, ...) instead of overwriting the first one's file."""
 
-    def __init__(self, path, rank: int, world: int):
+    def __init__(self, path, rank: int, world: int, max_event_steps: int | None = None):
         self.rank = rank
+        if max_event_steps is None:
+            max_event_steps = int(os.environ.get("RINGDP_TRACE_STEPS", "1000"))
+        self.max_event_steps = max_event_steps
         self.world = world
         p = trace_path(path, rank)
         k = 0
@@ -145,6 +149,10 @@ class Tracer:
         summary."""
         s = step_summary(step)
         n = step["step"]
+        if len(self.steps) >= self.max_event_steps:  # keep the file bounded: summary only
+            with self._lock:
+                self.steps.append(s)
+            return s
         if step.get("t_fwd_start") is not None and step.get("t_fwd_end") is not None:
             self.span("forward", TID_AUTOGRAD, step["t_fwd_start"], step["t_fwd_end"], {"step": n})
         self.span("backward", TID_AUTOGRAD, step["t_bwd_start"], step["t_bwd_end"], {"step": n})

@@ -895,3 +895,22 @@ def test_subgroup_and_single_rank_group():
         assert res[r]["sub_diff"] < 1e-5, f"rank {r}: {res[r]['sub_diff']}"
     for a, b in zip(res[1]["params"], res[2]["params"]):
         assert torch.equal(a, b)
+
+
+def test_tracer_bounds_events_but_summarises_every_step(tmp_path):
+    from ringdp.trace import Tracer, load_summary
+
+    t = Tracer(tmp_path / "t.json", 0, 1, max_event_steps=2)
+    step = {"t_bwd_start": 0, "t_bwd_end": 10, "t_end": 20, "exposed_us": 4, "writeback_us": 6,
+            "buckets": [{"index": 0, "nbytes": 4, "params": 1, "t_ready": 1, "t_launch": 2, "t_done": 14,
+                         "t_wait": (10, 14, 20)}]}
+    for i in range(5):
+        t.record_step(dict(step, step=i))
+    path = t.flush()
+    doc = json.loads(path.read_text())
+    assert [e["name"] for e in doc["traceEvents"]].count("backward") == 2
+    s = load_summary(path)
+    assert s["steps"] == 5 and s["mean_exposed_comm_ms"] == pytest.approx(0.004)
+    assert s["overlap_fraction"] == pytest.approx(1 - 4 / 12)
+    # a second tracer of the same process does not overwrite the first one's file
+    assert Tracer(tmp_path / "t.json", 0, 1).path.name == "t.rank0.ddp1.json"
