@@ -667,8 +667,11 @@ def test_one_huge_bucket(pool):
     assert res[0]["n_buckets"] == 1
 
 
-def test_bucket_rebuild_follows_ready_order(pool):
-    res = pool.run("case_train", model="reordered", ddp_kwargs={"bucket_cap_mb": 1e-9})
+@pytest.mark.parametrize("view", [False, True])
+def test_bucket_rebuild_follows_ready_order(pool, view):
+    # with views, the rebuild moves this step's gradients into the new buckets
+    res = pool.run("case_train", model="reordered", ddp_kwargs={"bucket_cap_mb": 1e-9,
+                                                                 "gradient_as_bucket_view": view})
     _check_train(res, 1e-5)
     before, after = res[0]["layouts"][0], res[0]["layouts"][1]
     assert before[0] == ["l3.bias"]  # reverse registration order at first
