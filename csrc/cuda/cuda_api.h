@@ -1,0 +1,109 @@
+// ringdp's CUDA transports as a torch-free C++ API: what csrc/bindings.cpp calls.
+//
+// Lifecycle (every rank of the group, collectively where marked):
+//
+//   auto c = create_comm(opts);            // allocate, export: no peers needed yet
+//   blob = c->local_blob();                // opaque bytes -> store.set("<prefix>/<rank>")
+//   c->connect({blob_0, ..., blob_n-1});   // collective: open peers' memory / NCCL comm
+//   c->all_reduce(ptr, count, dtype, op, stream);   // any number of times, same order on all ranks
+//   c->quiesce();                          // collective: drain, drop peers' mappings
+//   -- store barrier --                    // nobody reads my memory any more
+//   c->destroy();                          // free my own memory
+//
+// all_reduce never blocks the host on the GPU: it makes ringdp's stream wait for everything
+// already queued on `stream` (an event), enqueues the ring on ringdp's stream, and makes
+// `stream` wait for the result (another event). Failures detected on the device (a peer
+// that never arrives, a peer that called a different collective, an abort) are recorded in
+// host-mapped memory and raised as RingError by the next check(), synchronize() or
+// all_reduce() call of this rank. Every message names this rank and, where known, the peer.
+//
+// No torch headers anywhere under csrc/cuda: CI compiles these files with plain nvcc.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../common/types.h"
+
+namespace ringdp {
+namespace cuda {
+
+enum class Kind : int32_t {
+  kIpc = 0,   // CUDA IPC: ranks of one host (one or several GPUs with peer access)
+  kNccl = 1,  // NCCL point-to-point (loaded with dlopen at run time): any ranks
+};
+
+// Algorithm hint for all_reduce (same codes as ringdp/policy.py).
+constexpr int kAlgoAuto = -1;
+constexpr int kAlgoRing = 0;
+constexpr int kAlgoOneShot = 1;
+
+struct Options {
+  Kind kind = Kind::kIpc;
+  int rank = 0;
+  int world = 1;
+  int device = -1;            // CUDA device ordinal; -1: the calling thread's current device
+  double timeout_s = 300.0;   // IPC: bound on every device-side wait
+  size_t slot_bytes = 0;      // bytes per pipeline slot (0: 4 MiB); must agree across ranks
+  int slots = 0;              // IPC slots per connection (0: 4, at least 2); must agree
+  int channels = 0;           // IPC blocks per step (0: SMs / ranks sharing a GPU, <= 64)
+  size_t oneshot_bytes = 0;   // IPC: one-shot buffer; messages up to this size may go one-shot
+                              // (0: 256 KiB; must agree)
+  size_t oneshot_max_bytes = 0;  // IPC: automatic one-shot threshold (0: oneshot_bytes)
+  size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank
+  bool direct = true;         // IPC: peers read registered tensors in place (no staging copy)
+  std::string nccl_library;   // NCCL: path of libnccl.so.2; empty: already loaded, then search
+};
+
+class Comm {
+ public:
+  virtual ~Comm() = default;
+
+  // Bytes this rank publishes for its peers (IPC: memory handle and configuration; NCCL:
+  // the unique id on rank 0, configuration on the others).
+  virtual std::string local_blob() = 0;
+  // Every rank's blob, index = rank. Collective. Throws RingError on incompatible peers.
+  virtual void connect(const std::vector<std::string>& blobs) = 0;
+  // In-place all-reduce of `count` elements of `dtype` at device pointer `data`, ordered on
+  // the CUDA stream `stream` (cudaStream_t as an integer; 0 = legacy default stream).
+  // algo: kAlgoAuto / kAlgoRing / kAlgoOneShot (a forced one-shot falls back to the ring for
+  // messages larger than the one-shot buffer). timeout_s <= 0: the creation timeout.
+  virtual void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream,
+                          int algo = kAlgoAuto, double timeout_s = 0.0) = 0;
+  // Raise the first failure the device reported, if any. Cheap: reads host memory.
+  virtual void check() = 0;
+  // Wait for all work queued so far on ringdp's stream, then check().
+  virtual void synchronize() = 0;
+  // Ask every pending and future device wait of this rank to give up (e.g. the host knows a
+  // peer died). Later calls raise RingError carrying `reason`.
+  virtual void abort(const std::string& reason) = 0;
+  // Collective: wait for this rank's work, then release everything that refers to peers.
+  virtual void quiesce() = 0;
+  // Free this rank's own resources (after every rank quiesced). Registered memory still in
+  // use keeps its region alive until the last free(). Idempotent.
+  virtual void destroy() = 0;
+
+  // Registered memory: a device buffer peers can read in place (IPC arena). Throws
+  // RingError when the arena is exhausted. 512-byte aligned.
+  virtual uintptr_t alloc(size_t bytes) = 0;
+  virtual void free(uintptr_t ptr) = 0;
+  virtual bool is_registered(uintptr_t ptr, size_t bytes) const = 0;
+
+  virtual uintptr_t stream() const = 0;  // ringdp's own stream (cudaStream_t)
+  virtual int device() const = 0;
+  virtual std::string describe() const = 0;
+};
+
+// Create a (not yet connected) communicator. Throws RingError naming the rank on failure.
+std::shared_ptr<Comm> create_comm(const Options& opts);
+
+// Whether libnccl can be loaded (and its version); `why` receives the reason when not.
+bool nccl_available(const std::string& library, int* version, std::string* why);
+
+// Number of visible CUDA devices (0 when there is no driver or no device).
+int device_count();
+
+}  // namespace cuda
+}  // namespace ringdp

@@ -1,0 +1,644 @@
+// The CUDA IPC transport (layout and protocol: ipc_transport.h; kernels: reduce_kernels.cu).
+//
+// Host side of one all_reduce:
+//   1. event on the caller's stream -> ringdp's stream waits on it (no host sync);
+//   2. the ring engine (csrc/ring/ring.cpp) calls one primitive per slice; each primitive
+//      enqueues one step kernel on ringdp's stream, with the counter targets it must wait
+//      for and the values it publishes (the host only does arithmetic on its own counters);
+//   3. finish(): if the successor read our tensor in place, a drain kernel waits until it is
+//      done; then an event on ringdp's stream -> the caller's stream waits on it.
+// The host never waits for the device here. Device-side failures surface through
+// check() (host-mapped failure record), which every all_reduce calls first.
+//
+// Ranks sharing one GPU without MPS: kernels of different processes are time-sliced. A
+// step kernel whose peer has not produced yet spins (sleeping) until the scheduler runs the
+// peer's kernel; nothing requires the two to be resident at the same time, and every wait is
+// bounded by the timeout. Performance on one GPU wants MPS (concurrent kernels), with
+// `channels` blocks per rank small enough that all ranks' blocks fit at once (the default:
+// SMs / ranks sharing the GPU).
+#include "ipc_transport.h"
+
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "../common/error.h"
+#include "../ring/ring.h"
+#include "../transport/transport.h"
+#include "cuda_util.h"
+
+namespace ringdp {
+namespace cuda {
+namespace ipc {
+namespace {
+
+// Big slices: on one GPU a step kernel must run long against its launch gap (a few us).
+constexpr size_t kDefaultSlotBytes = size_t(16) << 20;
+constexpr int kDefaultSlots = 4;
+constexpr size_t kDefaultOneShotBytes = size_t(256) << 10;
+constexpr size_t kArenaAlign = 512;
+
+// Host-mapped pinned memory shared with the kernels of this rank only.
+struct HostShared {
+  ErrorRecord rec;
+  volatile int32_t host_abort;
+};
+
+const char* what_name(int32_t w) {
+  switch (w) {
+    case kWaitPosted: return "'posted' (slices it produced)";
+    case kWaitConsumed: return "'consumed' (slices it took from this rank)";
+    case kWaitOneShot: return "'one-shot' (small-message calls it published)";
+  }
+  return "?";
+}
+
+std::string meta_str(const SlotMeta& m) {
+  return cat("call #", m.call, " count=", m.count, " dtype=", dtype_name(static_cast<DType>(m.dtype)),
+             " op=", redop_name(static_cast<RedOp>(m.op)));
+}
+
+class IpcComm;
+
+// The RingTransport the shared ring engine drives; forwards to IpcComm.
+class Ring final : public RingTransport {
+ public:
+  explicit Ring(IpcComm* c) : c_(c) {}
+  void send(const Slice& s) override;
+  void recv_reduce_send(const Slice& s) override;
+  void recv_reduce_copy_send(const Slice& s) override;
+  void recv_copy_send(const Slice& s) override;
+  void recv(const Slice& s) override;
+  void finish() override;
+
+ private:
+  IpcComm* c_;
+};
+
+class IpcComm final : public Comm {
+ public:
+  static constexpr const char* kName = "cuda-ipc";
+
+  explicit IpcComm(const Options& o) : opt_(o), rank_(o.rank), world_(o.world), ring_(this) {
+    if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+      throw RingError(cat("ringdp cuda-ipc: invalid rank ", rank_, " for world size ", world_));
+    if (o.device < 0) {
+      RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
+    } else {
+      device_ = o.device;
+    }
+    lay_.slots = o.slots > 0 ? static_cast<size_t>(o.slots) : kDefaultSlots;
+    if (lay_.slots < 2)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": at least 2 slots per connection are needed, got ",
+                          lay_.slots));
+    lay_.slot_bytes = round_up(std::max<size_t>(o.slot_bytes ? o.slot_bytes : kDefaultSlotBytes, 4096), 4096);
+    lay_.oneshot_bytes = round_up(o.oneshot_bytes ? o.oneshot_bytes : kDefaultOneShotBytes, 4096);
+    lay_.arena_bytes = round_up(o.arena_bytes, size_t(1) << 21);
+    plan_ = Planner(lay_.slots);
+    oneshot_max_ = std::min(o.oneshot_max_bytes ? o.oneshot_max_bytes : lay_.oneshot_bytes, lay_.oneshot_bytes);
+    try {
+      setup();
+    } catch (...) {
+      release(true);
+      throw;
+    }
+  }
+
+  ~IpcComm() override { release(true); }
+
+  // ---- set-up --------------------------------------------------------------------------
+  std::string local_blob() override {
+    Blob b;
+    std::memset(&b, 0, sizeof(b));
+    b.magic = kMagic;
+    b.version = kVersion;
+    b.rank = rank_;
+    b.world = world_;
+    b.device = device_;
+    b.sm_count = sm_count_;
+    b.pid = static_cast<int32_t>(getpid());
+    b.channels_req = opt_.channels;
+    b.direct = opt_.direct ? 1 : 0;
+    std::memcpy(b.uuid, uuid_, 16);
+    b.slots = lay_.slots;
+    b.slot_bytes = lay_.slot_bytes;
+    b.oneshot_bytes = lay_.oneshot_bytes;
+    b.arena_bytes = lay_.arena_bytes;
+    b.region_bytes = lay_.total();
+    static_assert(sizeof(cudaIpcMemHandle_t) == sizeof(b.handle), "cudaIpcMemHandle_t is 64 bytes");
+    std::memcpy(b.handle, &handle_, sizeof(b.handle));
+    return std::string(reinterpret_cast<const char*>(&b), sizeof(b));
+  }
+
+  void connect(const std::vector<std::string>& blobs) override {
+    if (connected_) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": connect() called twice"));
+    if (static_cast<int>(blobs.size()) != world_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": connect() got ", blobs.size(), " peer records for world size ",
+                          world_));
+    std::vector<Blob> bs(world_);
+    for (int p = 0; p < world_; ++p) {
+      if (blobs[p].size() != sizeof(Blob))
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, "'s record has ", blobs[p].size(),
+                            " bytes, expected ", sizeof(Blob), " (a different ringdp version, or a rank that chose "
+                            "another transport; set RINGDP_TRANSPORT the same on every rank)"));
+      std::memcpy(&bs[p], blobs[p].data(), sizeof(Blob));
+      const Blob& b = bs[p];
+      if (b.magic != kMagic || b.version != kVersion)
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " runs an incompatible ringdp (record magic/version)"));
+      if (b.rank != p || b.world != world_)
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " says it is rank ", b.rank, " of ", b.world,
+                            ", expected rank ", p, " of ", world_));
+      if (b.slots != lay_.slots || b.slot_bytes != lay_.slot_bytes || b.oneshot_bytes != lay_.oneshot_bytes ||
+          b.channels_req != opt_.channels)
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, "'s configuration differs (slots ", b.slots,
+                            " vs ", lay_.slots, ", slot bytes ", b.slot_bytes, " vs ", lay_.slot_bytes,
+                            ", one-shot bytes ", b.oneshot_bytes, " vs ", lay_.oneshot_bytes, ", channels ",
+                            b.channels_req, " vs ", opt_.channels, "); set the RINGDP_CUDA_* variables alike on every rank"));
+      if (p != rank_ && b.pid == static_cast<int32_t>(getpid()))
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " lives in the same process; the IPC transport "
+                            "needs one process per rank"));
+    }
+    // Channels: explicit, else the smallest share of SMs any rank gets on its GPU.
+    if (opt_.channels > 0) {
+      channels_ = std::min(opt_.channels, kMaxChannels);
+    } else {
+      int ch = kMaxChannels;
+      for (int p = 0; p < world_; ++p) {
+        int sharing = 0;
+        for (int q = 0; q < world_; ++q) sharing += std::memcmp(bs[p].uuid, bs[q].uuid, 16) == 0 ? 1 : 0;
+        ch = std::min(ch, std::max(1, bs[p].sm_count / std::max(1, sharing)));
+      }
+      channels_ = std::max(1, std::min(ch, kMaxChannels));
+    }
+    DeviceGuard g(device_);
+    bases_.assign(world_, nullptr);
+    region_bytes_.assign(world_, 0);
+    bases_[rank_] = base_;
+    region_bytes_[rank_] = lay_.total();
+    const int pred = (rank_ - 1 + world_) % world_, succ = (rank_ + 1) % world_;
+    for (int p = 0; p < world_; ++p) {
+      if (p == rank_) continue;
+      if (world_ > kMaxOneShotWorld && p != pred && p != succ) continue;  // the ring needs neighbours only
+      cudaIpcMemHandle_t h;
+      std::memcpy(&h, bs[p].handle, sizeof(h));
+      void* ptr = nullptr;
+      cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+      if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw RingError(cat("ringdp cuda-ipc rank ", rank_, " (device ", device_, "): cannot open rank ", p,
+                            "'s memory (device ", bs[p].device, "): cudaIpcOpenMemHandle: ", cudaGetErrorName(e), " (",
+                            cudaGetErrorString(e), "). Ranks on GPUs without peer access cannot use the IPC "
+                            "transport; use RINGDP_TRANSPORT=nccl"));
+      }
+      bases_[p] = static_cast<char*>(ptr);
+      region_bytes_[p] = bs[p].region_bytes;
+    }
+    connected_ = true;
+  }
+
+  // ---- the collective -------------------------------------------------------------------
+  void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int algo,
+                  double timeout_s) override {
+    check();
+    if (!connected_ || quiesced_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce on a communicator that is ",
+                          connected_ ? "shut down" : "not connected"));
+    if (count == 0 || world_ == 1) return;  // nothing moves; AVG over one rank is the identity
+    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce of a null pointer"));
+    DeviceGuard g(device_);
+    cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
+    const double t = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+    timeout_ns_ = static_cast<uint64_t>(t * 1e9);
+    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller), "cudaEventRecord on the caller's stream");
+    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
+    ++call_;
+    const size_t esize = dtype_size(dtype);
+    const size_t bytes = count * esize;
+    const bool oneshot = world_ <= kMaxOneShotWorld && bytes <= lay_.oneshot_bytes &&
+                         (algo == kAlgoOneShot || (algo == kAlgoAuto && bytes <= oneshot_max_));
+    try {
+      if (oneshot) {
+        run_oneshot(reinterpret_cast<char*>(data), count, dtype, op);
+        finish_call(caller);
+      } else {
+        cur_ = Call{reinterpret_cast<char*>(data), count, dtype, op, esize, acc_size(dtype), caller,
+                    direct_ok(data, bytes)};
+        plan_.begin_call(cur_.direct, cur_.esize, cur_.acc, op, world_);
+        RingPlan plan;
+        plan.count = count;
+        plan.world = world_;
+        plan.rank = rank_;
+        plan.slice_elems = geometry().slice_elems(cur_.acc);  // > 0: slot_bytes >= 4096, channels <= 64
+        plan.align = kPackElems;
+        ring_all_reduce(ring_, plan);  // ends with finish()
+      }
+    } catch (...) {
+      // A half-enqueued collective leaves our counters out of step with the peers: stop
+      // everything (pending kernels exit, peers see our abort flag) and keep failing.
+      poison("a launch failed in the middle of a collective");
+      throw;
+    }
+  }
+
+  void check() override {
+    if (host_ && host_->rec.code != kErrNone) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      throw RingError(failure_message(host_->rec));
+    }
+    if (!fatal_.empty()) throw RingError(fatal_);
+  }
+
+  void synchronize() override {
+    if (stream_) {
+      DeviceGuard g(device_);
+      RINGDP_CUDA_CHECK(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (ringdp stream)");
+    }
+    check();
+  }
+
+  void abort(const std::string& reason) override {
+    abort_reason_ = reason.empty() ? std::string("abort requested") : reason;
+    if (host_) host_->host_abort = 1;
+    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
+  }
+
+  void quiesce() override {
+    if (quiesced_) return;
+    quiesced_ = true;
+    DeviceGuard g(device_);
+    if (stream_) (void)cudaStreamSynchronize(stream_);  // bounded: every device wait times out
+    for (int p = 0; p < static_cast<int>(bases_.size()); ++p) {
+      if (p != rank_ && bases_[p]) (void)cudaIpcCloseMemHandle(bases_[p]);
+      if (p != rank_) bases_[p] = nullptr;
+    }
+    (void)cudaGetLastError();
+  }
+
+  void destroy() override { release(false); }
+
+  // ---- registered memory ------------------------------------------------------------------
+  uintptr_t alloc(size_t bytes) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!base_ || destroyed_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": alloc on a destroyed communicator"));
+    const size_t want = round_up(std::max<size_t>(bytes, 1), kArenaAlign);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < want) continue;
+      const size_t off = it->first, have = it->second;
+      free_.erase(it);
+      if (have > want) free_[off + want] = have - want;
+      used_[off] = want;
+      return reinterpret_cast<uintptr_t>(base_ + lay_.arena_off() + off);
+    }
+    size_t avail = 0;
+    for (auto& f : free_) avail = std::max(avail, f.second);
+    throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": registered CUDA memory exhausted: asked for ", bytes,
+                        " bytes, the largest free block is ", avail, " of an arena of ", lay_.arena_bytes,
+                        " bytes (raise RINGDP_CUDA_ARENA_MB)"));
+  }
+
+  void free(uintptr_t ptr) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!base_) return;
+    const char* arena = base_ + lay_.arena_off();
+    const size_t off = static_cast<size_t>(reinterpret_cast<const char*>(ptr) - arena);
+    auto it = used_.find(off);
+    if (it == used_.end()) return;  // not ours (or freed twice): ignore, never corrupt the list
+    size_t start = off, len = it->second;
+    used_.erase(it);
+    auto next = free_.lower_bound(start);
+    if (next != free_.end() && next->first == start + len) {
+      len += next->second;
+      next = free_.erase(next);
+    }
+    if (next != free_.begin()) {
+      auto prev = std::prev(next);
+      if (prev->first + prev->second == start) {
+        start = prev->first;
+        len += prev->second;
+        free_.erase(prev);
+      }
+    }
+    free_[start] = len;
+    if (region_free_pending_ && used_.empty()) free_region_locked();
+  }
+
+  bool is_registered(uintptr_t ptr, size_t bytes) const override {
+    if (!base_ || lay_.arena_bytes == 0) return false;
+    const uintptr_t a = reinterpret_cast<uintptr_t>(base_ + lay_.arena_off());
+    return ptr >= a && bytes <= lay_.arena_bytes && ptr - a <= lay_.arena_bytes - bytes;
+  }
+
+  uintptr_t stream() const override { return reinterpret_cast<uintptr_t>(stream_); }
+  int device() const override { return device_; }
+
+  std::string describe() const override {
+    return cat("cuda-ipc rank ", rank_, "/", world_, " on device ", device_, " (", device_name_, ", ", sm_count_,
+               " SMs): ", channels_, " channels, ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
+               oneshot_max_, " B, arena ", lay_.arena_bytes, " B, direct ", opt_.direct ? "on" : "off");
+  }
+
+  // ---- ring primitives (called by Ring) ---------------------------------------------------
+  void step(StepKind k, const Slice& s);
+  void finish_ring();
+
+ private:
+  struct Call {
+    char* data = nullptr;
+    size_t count = 0;
+    DType dtype = DType::kFloat32;
+    RedOp op = RedOp::kSum;
+    size_t esize = 4;
+    size_t acc = 4;
+    cudaStream_t caller = nullptr;
+    bool direct = false;
+  };
+
+  void setup() {
+    DeviceGuard g(device_);
+    RINGDP_CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_),
+                      "cudaDeviceGetAttribute(multiProcessorCount)");
+    cudaDeviceProp prop;
+    RINGDP_CUDA_CHECK(cudaGetDeviceProperties(&prop, device_), "cudaGetDeviceProperties");
+    std::memcpy(uuid_, &prop.uuid, 16);
+    device_name_ = prop.name;
+    void* p = nullptr;
+    RINGDP_CUDA_CHECK(cudaMalloc(&p, lay_.total()), cat("cudaMalloc of the ", lay_.total(), "-byte IPC region"));
+    base_ = static_cast<char*>(p);
+    RINGDP_CUDA_CHECK(cudaMemset(base_, 0, lay_.fifo_off()), "cudaMemset of the counters");
+    RINGDP_CUDA_CHECK(cudaDeviceSynchronize(), "cudaDeviceSynchronize after zeroing the counters");
+    RINGDP_CUDA_CHECK(cudaIpcGetMemHandle(&handle_, base_), "cudaIpcGetMemHandle");
+    void* h = nullptr;
+    RINGDP_CUDA_CHECK(cudaHostAlloc(&h, sizeof(HostShared), cudaHostAllocMapped | cudaHostAllocPortable),
+                      "cudaHostAlloc (mapped failure record)");
+    host_ = static_cast<HostShared*>(h);
+    std::memset(h, 0, sizeof(HostShared));
+    void* hd = nullptr;
+    RINGDP_CUDA_CHECK(cudaHostGetDevicePointer(&hd, h, 0), "cudaHostGetDevicePointer");
+    host_dev_ = static_cast<HostShared*>(hd);
+    int least = 0, greatest = 0;
+    RINGDP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+    // High priority: in RingDDP the ring overlaps backward compute and should not queue behind it.
+    RINGDP_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest),
+                      "cudaStreamCreateWithPriority");
+    RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming), "cudaEventCreate");
+    RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming), "cudaEventCreate");
+    if (lay_.arena_bytes > 0) free_[0] = lay_.arena_bytes;
+  }
+
+  // Best effort, never throws (also runs from the destructor, possibly after CUDA shut
+  // down). The stream drain inside quiesce() is bounded: every device wait times out.
+  void release(bool from_dtor) {
+    if (destroyed_) return;
+    quiesce();
+    destroyed_ = true;
+    DeviceGuard g(device_);
+    if (ev_in_) (void)cudaEventDestroy(ev_in_);
+    if (ev_out_) (void)cudaEventDestroy(ev_out_);
+    ev_in_ = ev_out_ = nullptr;
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+    if (host_) (void)cudaFreeHost(host_);
+    host_ = nullptr;
+    host_dev_ = nullptr;
+    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this communicator was destroyed");
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (used_.empty() || from_dtor) {
+        free_region_locked();
+      } else {
+        region_free_pending_ = true;  // registered tensors still alive: the last free() frees it
+      }
+    }
+    (void)cudaGetLastError();
+  }
+
+  void free_region_locked() {
+    if (base_) {
+      DeviceGuard g(device_);
+      (void)cudaFree(base_);
+      (void)cudaGetLastError();
+    }
+    base_ = nullptr;
+    region_free_pending_ = false;
+  }
+
+  void poison(const std::string& why) {
+    if (host_) host_->host_abort = 1;
+    if (fatal_.empty())
+      fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": ", why, "; this communicator is unusable now");
+  }
+
+  bool direct_ok(uintptr_t data, size_t bytes) const {
+    return opt_.direct && aligned16(reinterpret_cast<const void*>(data)) && is_registered(data, bytes);
+  }
+
+  SlotGeometry geometry() const {
+    SlotGeometry g;
+    g.slot_bytes = lay_.slot_bytes;
+    g.channels = channels_;
+    return g;
+  }
+
+  Ctrl* ctrl(int p) const { return reinterpret_cast<Ctrl*>(bases_[p] + lay_.ctrl_off()); }
+  SlotMeta* ring_meta(int p, uint64_t k) const { return reinterpret_cast<SlotMeta*>(bases_[p] + lay_.ring_meta(k)); }
+  SlotMeta* oneshot_meta(int p, int parity) const {
+    return reinterpret_cast<SlotMeta*>(bases_[p] + lay_.oneshot_meta(parity));
+  }
+
+  FailCtx fail_ctx() const {
+    FailCtx f;
+    f.record = &host_dev_->rec;
+    f.lock = reinterpret_cast<unsigned long long*>(&ctrl(rank_)->lock.v);
+    f.my_abort = &ctrl(rank_)->abort.v;
+    f.host_abort = &host_dev_->host_abort;
+    f.timeout_ns = timeout_ns_;
+    f.rank = rank_;
+    return f;
+  }
+
+  void run_oneshot(char* data, size_t count, DType dtype, RedOp op) {
+    ++oneshot_seq_;
+    const int parity = static_cast<int>(oneshot_seq_ & 1);
+    OneShotArgs a;
+    std::memset(&a, 0, sizeof(a));
+    a.dtype = dtype;
+    a.op = op;
+    a.in = data;
+    a.out = data;
+    a.count = count;
+    a.avg_div = op == RedOp::kAvg ? world_ : 0;
+    a.channels = channels_;
+    a.world = world_;
+    a.rank = rank_;
+    a.seq = oneshot_seq_;
+    for (int p = 0; p < world_; ++p) {
+      a.bufs[p] = bases_[p] + lay_.oneshot_off(parity);
+      a.flags[p] = &ctrl(p)->oneshot[0].v;
+      a.metas[p] = oneshot_meta(p, parity);
+      a.aborts[p] = &ctrl(p)->abort.v;
+    }
+    a.my_flag = &ctrl(rank_)->oneshot[0].v;
+    a.my_meta = oneshot_meta(rank_, parity);
+    a.call = call_;
+    a.fail = fail_ctx();
+    RINGDP_CUDA_CHECK(launch_oneshot(a, stream_), "launching the one-shot all-reduce kernel");
+  }
+
+  void finish_call(cudaStream_t caller) {
+    RINGDP_CUDA_CHECK(cudaEventRecord(ev_out_, stream_), "cudaEventRecord (ringdp stream)");
+    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
+  }
+
+  std::string failure_message(const ErrorRecord& r) const {
+    const std::string me = cat("ringdp cuda-ipc rank ", rank_, ": ");
+    switch (r.code) {
+      case kErrTimeout:
+        return cat(me, "timed out after ", static_cast<double>(r.waited_ns) / 1e9, " s waiting for rank ", r.peer,
+                   " (channel ", r.channel, ": its counter ", what_name(r.what), " is ", r.seen, ", needed >= ",
+                   r.target, "). Rank ", r.peer, " is stuck, dead, or did not make the same all_reduce calls (every "
+                   "rank must call all_reduce in the same order with the same size, dtype and op)");
+      case kErrPeerAborted:
+        return cat(me, "rank ", r.peer, " gave up (it raised its abort flag), so this rank stopped too; rank ", r.peer,
+                   "'s own error says why");
+      case kErrHostAbort:
+        return cat(me, "aborted: ", abort_reason_.empty() ? std::string("abort requested") : abort_reason_);
+      case kErrMismatch:
+        return cat(me, "all_reduce mismatch with rank ", r.peer, ": this rank is at ", meta_str(r.mine), ", rank ",
+                   r.peer, " is at ", meta_str(r.theirs),
+                   ". Every rank must call all_reduce in the same order with the same size, dtype and op");
+      case kErrBadDescriptor:
+        return cat(me, "rank ", r.peer, " published a slice outside its buffer (offset ", r.theirs.src_off, ", ",
+                   r.theirs.bytes, " bytes): memory corruption or mixed ringdp versions");
+    }
+    return cat(me, "device reported failure code ", r.code);
+  }
+
+  Options opt_;
+  int rank_;
+  int world_;
+  int device_ = 0;
+  int sm_count_ = 0;
+  unsigned char uuid_[16] = {};
+  std::string device_name_;
+  Layout lay_;
+  size_t oneshot_max_ = 0;
+  int channels_ = 1;
+
+  char* base_ = nullptr;
+  cudaIpcMemHandle_t handle_{};
+  std::vector<char*> bases_;
+  std::vector<uint64_t> region_bytes_;
+  HostShared* host_ = nullptr;
+  HostShared* host_dev_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev_in_ = nullptr;
+  cudaEvent_t ev_out_ = nullptr;
+
+  bool connected_ = false;
+  bool quiesced_ = false;
+  bool destroyed_ = false;
+  std::string fatal_;
+  std::string abort_reason_;
+
+  uint64_t call_ = 0;         // collectives started (every rank counts the same)
+  uint64_t oneshot_seq_ = 0;  // one-shot collectives started
+  uint64_t timeout_ns_ = 0;
+  Call cur_;
+  Ring ring_;
+  Planner plan_;  // counters and guards of the ring protocol (protocol.h)
+
+  mutable std::mutex mu_;
+  std::map<size_t, size_t> free_;  // arena offset -> bytes
+  std::map<size_t, size_t> used_;
+  bool region_free_pending_ = false;
+};
+
+void IpcComm::step(StepKind k, const Slice& s) {
+  const int pred = (rank_ - 1 + world_) % world_, succ = (rank_ + 1) % world_;
+  const StepPlan p = plan_.step(k, s);
+  char* d = cur_.data + s.offset * cur_.esize;
+
+  StepArgs a;
+  std::memset(&a, 0, sizeof(a));
+  StepSig g;
+  std::memset(&g, 0, sizeof(g));
+  a.kind = k;
+  a.dtype = cur_.dtype;
+  a.op = cur_.op;
+  a.count = s.count;
+  a.channels = channels_;
+  a.avg_div = p.avg_div;
+  a.in = p.reads_in ? d : nullptr;
+  a.out = p.writes_out ? d : nullptr;
+  a.src = nullptr;  // from the predecessor's descriptor
+  a.dst = p.writes_slot ? base_ + lay_.slot_off(p.produce_index) : nullptr;
+  a.dst_chan_stride = p.writes_slot ? geometry().sub_bytes() : 0;
+  if (p.consumes) {
+    const uint64_t c = p.consume_target - 1;
+    g.pred_posted = &ctrl(pred)->posted[0].v;
+    g.pred_meta = ring_meta(pred, c);
+    g.pred_base = bases_[pred];
+    g.pred_region_bytes = region_bytes_[pred];
+    g.pred_abort = &ctrl(pred)->abort.v;
+    g.consume_target = p.consume_target;
+    g.my_consumed = &ctrl(rank_)->consumed[0].v;
+    g.pred_rank = pred;
+    g.consume_elem_bytes = p.consume_elem_bytes;
+  }
+  if (p.produces) {
+    g.my_posted = &ctrl(rank_)->posted[0].v;
+    g.my_meta = ring_meta(rank_, p.produce_index);
+    g.produce_value = p.produce_value;
+    g.produce_elem_bytes = p.produce_elem_bytes;
+    g.produce_src_off = p.exported ? static_cast<uint64_t>(d - base_) : lay_.slot_off(p.produce_index);
+    g.produce_chan_stride = p.exported ? 0 : geometry().sub_bytes();
+  }
+  g.succ_consumed = &ctrl(succ)->consumed[0].v;
+  g.succ_abort = &ctrl(succ)->abort.v;
+  g.consumed_target = p.guard;
+  g.succ_rank = succ;
+  g.call = call_;
+  g.total_count = cur_.count;
+  g.fail = fail_ctx();
+  a.sig = &g;
+  RINGDP_CUDA_CHECK(launch_step(a, stream_), "launching a ring step kernel");
+}
+
+void IpcComm::finish_ring() {
+  const uint64_t drain = plan_.end_call();
+  if (drain > 0) {
+    // The successor may still read our tensor in place: the caller gets it back only after.
+    DrainArgs d;
+    std::memset(&d, 0, sizeof(d));
+    const int succ = (rank_ + 1) % world_;
+    d.succ_consumed = &ctrl(succ)->consumed[0].v;
+    d.succ_abort = &ctrl(succ)->abort.v;
+    d.target = drain;
+    d.succ_rank = succ;
+    d.channels = channels_;
+    d.fail = fail_ctx();
+    RINGDP_CUDA_CHECK(launch_drain(d, stream_), "launching the drain kernel");
+  }
+  finish_call(cur_.caller);
+}
+
+void Ring::send(const Slice& s) { c_->step(StepKind::kSend, s); }
+void Ring::recv_reduce_send(const Slice& s) { c_->step(StepKind::kRecvReduceSend, s); }
+void Ring::recv_reduce_copy_send(const Slice& s) { c_->step(StepKind::kRecvReduceCopySend, s); }
+void Ring::recv_copy_send(const Slice& s) { c_->step(StepKind::kRecvCopySend, s); }
+void Ring::recv(const Slice& s) { c_->step(StepKind::kRecv, s); }
+void Ring::finish() { c_->finish_ring(); }
+
+}  // namespace
+
+std::shared_ptr<Comm> make_comm(const Options& opts) { return std::make_shared<IpcComm>(opts); }
+
+}  // namespace ipc
+}  // namespace cuda
+}  // namespace ringdp

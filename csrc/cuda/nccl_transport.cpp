@@ -1,0 +1,496 @@
+// The NCCL point-to-point transport (see nccl_transport.h).
+//
+// Each primitive of the ring (transport.h) becomes, on ringdp's stream:
+//
+//   send                   stage my slice (as Acc for half types)           -> pending send
+//   recv_reduce_send       group{ send pending -> next, recv -> rbuf }; sbuf = rbuf (op) mine
+//   recv_reduce_copy_send  group{ send pending, recv -> rbuf }; mine = rbuf (op) mine [AVG]
+//   recv_copy_send         group{ send pending, recv -> my slice }
+//   recv                   group{ send pending, recv -> my slice }
+//
+// The slice a step produces is sent in the *next* step's group, together with that step's
+// receive: every rank's k-th group sends what its successor's k-th group receives, so the
+// groups of all ranks match one to one (no deadlock) and sends and receives of a step
+// progress together. Zero-byte slices are skipped on both ends (both know the size).
+// Everything is stream-ordered: a kernel that writes sbuf starts after the NCCL kernel that
+// sent sbuf's previous content has finished.
+#include "nccl_transport.h"
+
+#include <cuda_runtime.h>
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "../common/error.h"
+#include "../ring/ring.h"
+#include "../transport/transport.h"
+#include "cuda_util.h"
+#include "reduce_kernels.cuh"
+
+namespace ringdp {
+namespace cuda {
+namespace nccl {
+
+namespace {
+
+std::mutex g_load_mu;
+Api g_api;
+bool g_loaded = false;
+
+template <class F>
+bool sym(void* h, const char* name, F& out) {
+  out = reinterpret_cast<F>(dlsym(h, name));
+  return out != nullptr;
+}
+
+bool try_open(const std::string& path, int flags, Api& api, std::string& tried) {
+  void* h = dlopen(path.c_str(), flags);
+  if (!h) {
+    const char* e = dlerror();
+    tried += cat("\n  ", path, (flags & RTLD_NOLOAD) ? " (already loaded?)" : "", ": ", e ? e : "not found");
+    return false;
+  }
+  bool ok = sym(h, "ncclGetVersion", api.GetVersion) && sym(h, "ncclGetUniqueId", api.GetUniqueId) &&
+            sym(h, "ncclCommInitRank", api.CommInitRank) && sym(h, "ncclCommDestroy", api.CommDestroy) &&
+            sym(h, "ncclCommAbort", api.CommAbort) && sym(h, "ncclCommGetAsyncError", api.CommGetAsyncError) &&
+            sym(h, "ncclGetErrorString", api.GetErrorString) && sym(h, "ncclGroupStart", api.GroupStart) &&
+            sym(h, "ncclGroupEnd", api.GroupEnd) && sym(h, "ncclSend", api.Send) && sym(h, "ncclRecv", api.Recv);
+  if (!ok) {
+    tried += cat("\n  ", path, ": loaded, but lacks ncclSend/ncclRecv/... (NCCL older than 2.7?)");
+    dlclose(h);
+    return false;
+  }
+  sym(h, "ncclGetLastError", api.GetLastError);  // optional
+  api.handle = h;
+  api.path = path;
+  if (api.GetVersion(&api.version) != ncclSuccess) api.version = 0;
+  return true;
+}
+
+}  // namespace
+
+const Api& load(const std::string& library) {
+  std::lock_guard<std::mutex> lk(g_load_mu);
+  if (g_loaded) return g_api;
+  Api api;
+  std::string tried;
+  const char* env = std::getenv("RINGDP_NCCL_LIBRARY");
+  bool ok = (!library.empty() && try_open(library, RTLD_NOW | RTLD_LOCAL, api, tried)) ||
+            (env && *env && try_open(env, RTLD_NOW | RTLD_LOCAL, api, tried)) ||
+            try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD, api, tried) ||
+            try_open("libnccl.so.2", RTLD_NOW | RTLD_LOCAL, api, tried) ||
+            try_open("libnccl.so", RTLD_NOW | RTLD_LOCAL, api, tried);
+  if (!ok)
+    throw RingError(cat("ringdp nccl: cannot load NCCL. Tried:", tried,
+                        "\nInstall the nvidia-nccl wheel that CUDA builds of torch depend on, or point "
+                        "RINGDP_NCCL_LIBRARY at libnccl.so.2"));
+  g_api = api;
+  g_loaded = true;
+  return g_api;
+}
+
+namespace {
+
+constexpr uint64_t kMagic = 0x6c63636e70647272ull;  // "rrdpnccl"
+constexpr uint32_t kVersion = 1;
+constexpr size_t kDefaultSlotBytes = size_t(4) << 20;
+
+struct Blob {
+  uint64_t magic;
+  uint32_t version;
+  int32_t rank;
+  int32_t world;
+  int32_t has_id;
+  uint64_t slot_bytes;
+  ncclUniqueId id;
+};
+
+class NcclComm;
+
+class Ring final : public RingTransport {
+ public:
+  explicit Ring(NcclComm* c) : c_(c) {}
+  void send(const Slice& s) override;
+  void recv_reduce_send(const Slice& s) override;
+  void recv_reduce_copy_send(const Slice& s) override;
+  void recv_copy_send(const Slice& s) override;
+  void recv(const Slice& s) override;
+  void finish() override;
+
+ private:
+  NcclComm* c_;
+};
+
+class NcclComm final : public Comm {
+ public:
+  static constexpr const char* kName = "nccl";
+
+  explicit NcclComm(const Options& o)
+      : opt_(o), rank_(o.rank), world_(o.world), api_(load(o.nccl_library)), ring_(this) {
+    if (world_ < 1 || rank_ < 0 || rank_ >= world_)
+      throw RingError(cat("ringdp nccl: invalid rank ", rank_, " for world size ", world_));
+    if (o.device < 0) {
+      RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
+    } else {
+      device_ = o.device;
+    }
+    slot_bytes_ = round_up(std::max<size_t>(o.slot_bytes ? o.slot_bytes : kDefaultSlotBytes, 4096), 4096);
+    if (o.timeout_s > 0) timeout_s_ = o.timeout_s;
+    try {
+      DeviceGuard g(device_);
+      int sms = 0;
+      RINGDP_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_),
+                        "cudaDeviceGetAttribute(multiProcessorCount)");
+      channels_ = std::max(1, std::min(sms, kMaxChannels));
+      void* p = nullptr;
+      RINGDP_CUDA_CHECK(cudaMalloc(&p, 2 * slot_bytes_), "cudaMalloc of the NCCL staging buffers");
+      sbuf_ = static_cast<char*>(p);
+      rbuf_ = sbuf_ + slot_bytes_;
+      int least = 0, greatest = 0;
+      RINGDP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
+      RINGDP_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest),
+                        "cudaStreamCreateWithPriority");
+      RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming), "cudaEventCreate");
+      RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming), "cudaEventCreate");
+      if (rank_ == 0 && world_ > 1) nccl_check(api_.GetUniqueId(&id_), "ncclGetUniqueId");
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+
+  ~NcclComm() override { release(); }
+
+  std::string local_blob() override {
+    Blob b;
+    std::memset(&b, 0, sizeof(b));
+    b.magic = kMagic;
+    b.version = kVersion;
+    b.rank = rank_;
+    b.world = world_;
+    b.has_id = rank_ == 0 ? 1 : 0;
+    b.slot_bytes = slot_bytes_;
+    if (rank_ == 0) b.id = id_;
+    return std::string(reinterpret_cast<const char*>(&b), sizeof(b));
+  }
+
+  void connect(const std::vector<std::string>& blobs) override {
+    if (connected_) throw RingError(cat("ringdp nccl rank ", rank_, ": connect() called twice"));
+    if (static_cast<int>(blobs.size()) != world_)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": connect() got ", blobs.size(), " records for world size ", world_));
+    for (int p = 0; p < world_; ++p) {
+      Blob b;
+      if (blobs[p].size() != sizeof(Blob))
+        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, "'s record has ", blobs[p].size(),
+                            " bytes, expected ", sizeof(Blob), " (another ringdp version, or another transport: set "
+                            "RINGDP_TRANSPORT alike on every rank)"));
+      std::memcpy(&b, blobs[p].data(), sizeof(b));
+      if (b.magic != kMagic || b.version != kVersion || b.rank != p || b.world != world_)
+        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, "'s record does not match (rank ", b.rank, " of ",
+                            b.world, ", expected ", p, " of ", world_, ")"));
+      if (b.slot_bytes != slot_bytes_)
+        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, " uses slot bytes ", b.slot_bytes, ", this rank ",
+                            slot_bytes_, "; set RINGDP_CUDA_SLOT_BYTES alike on every rank"));
+      if (p == 0) {
+        if (!b.has_id) throw RingError(cat("ringdp nccl rank ", rank_, ": rank 0 published no NCCL unique id"));
+        id_ = b.id;
+      }
+    }
+    if (world_ > 1) {
+      DeviceGuard g(device_);
+      nccl_check(api_.CommInitRank(&comm_, world_, id_, rank_), "ncclCommInitRank");
+    }
+    connected_ = true;
+  }
+
+  void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int /*algo*/,
+                  double timeout_s) override {
+    check();
+    if (!connected_ || quiesced_)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce on a communicator that is ",
+                          connected_ ? "shut down" : "not connected"));
+    if (count == 0 || world_ == 1) return;
+    if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
+    if (timeout_s > 0) timeout_s_ = timeout_s;
+    DeviceGuard g(device_);
+    caller_ = reinterpret_cast<cudaStream_t>(stream);
+    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller_), "cudaEventRecord on the caller's stream");
+    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
+    data_ = reinterpret_cast<char*>(data);
+    dtype_ = dtype;
+    op_ = op;
+    esize_ = dtype_size(dtype);
+    acc_ = acc_size(dtype);
+    pending_ptr_ = nullptr;
+    pending_bytes_ = 0;
+    RingPlan plan;
+    plan.count = count;
+    plan.world = world_;
+    plan.rank = rank_;
+    plan.slice_elems = std::max<size_t>(slot_bytes_ / acc_ / kPackElems * kPackElems, kPackElems);
+    plan.align = kPackElems;
+    try {
+      ring_all_reduce(ring_, plan);
+    } catch (...) {
+      if (fatal_.empty())
+        fatal_ = cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now");
+      throw;
+    }
+  }
+
+  void check() override {
+    if (!fatal_.empty()) throw RingError(fatal_);
+    if (comm_) {
+      ncclResult_t r = ncclSuccess;
+      if (api_.CommGetAsyncError(comm_, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
+        fatal_ = cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
+        throw RingError(fatal_);
+      }
+    }
+  }
+
+  void synchronize() override {
+    wait_stream("synchronize");
+    check();
+  }
+
+  void abort(const std::string& reason) override {
+    if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason);
+    if (comm_) {
+      DeviceGuard g(device_);
+      (void)api_.CommAbort(comm_);  // makes NCCL kernels still in flight return
+      comm_ = nullptr;
+    }
+  }
+
+  void quiesce() override {
+    if (quiesced_) return;
+    quiesced_ = true;
+    try {
+      wait_stream("shutdown");
+    } catch (...) {
+    }
+    if (comm_) {
+      DeviceGuard g(device_);
+      (void)api_.CommDestroy(comm_);
+      comm_ = nullptr;
+    }
+  }
+
+  void destroy() override { release(); }
+
+  uintptr_t alloc(size_t bytes) override {
+    DeviceGuard g(device_);
+    void* p = nullptr;
+    RINGDP_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 1)), "cudaMalloc (registered memory)");
+    std::lock_guard<std::mutex> lk(mu_);
+    allocs_[reinterpret_cast<uintptr_t>(p)] = bytes;
+    return reinterpret_cast<uintptr_t>(p);
+  }
+
+  void free(uintptr_t ptr) override {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      if (allocs_.erase(ptr) == 0) return;
+    }
+    DeviceGuard g(device_);
+    (void)cudaFree(reinterpret_cast<void*>(ptr));
+    (void)cudaGetLastError();
+  }
+
+  bool is_registered(uintptr_t ptr, size_t bytes) const override {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto it = allocs_.upper_bound(ptr);
+    if (it == allocs_.begin()) return false;
+    --it;
+    return ptr - it->first <= it->second && bytes <= it->second - (ptr - it->first);
+  }
+
+  uintptr_t stream() const override { return reinterpret_cast<uintptr_t>(stream_); }
+  int device() const override { return device_; }
+  std::string describe() const override {
+    return cat("nccl rank ", rank_, "/", world_, " on device ", device_, ": NCCL ", api_.version, " from ", api_.path,
+               ", slices of ", slot_bytes_, " B, ", channels_, " reduce blocks");
+  }
+
+  void step(StepKind k, const Slice& s);
+  void finish_ring();
+
+ private:
+  void nccl_check(ncclResult_t r, const char* what) {
+    if (r == ncclSuccess) return;
+    throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));
+  }
+  std::string last_error() const {
+    if (!api_.GetLastError || !comm_) return "";
+    const char* m = api_.GetLastError(comm_);
+    return (m && *m) ? cat(" (", m, ")") : std::string();
+  }
+
+  // Wait for ringdp's stream, bounded: NCCL waits forever for a dead peer.
+  void wait_stream(const char* what) {
+    if (!stream_) return;
+    DeviceGuard g(device_);
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      cudaError_t e = cudaStreamQuery(stream_);
+      if (e == cudaSuccess) return;
+      if (e != cudaErrorNotReady) throw_cuda(kName, rank_, cat("cudaStreamQuery (", what, ")"), e);
+      check();
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > timeout_s_) {
+        const std::string msg = cat("ringdp nccl rank ", rank_, ": ", what, " timed out after ", waited,
+                                    " s: a peer is stuck or dead, or the ranks made different all_reduce calls");
+        abort(msg);
+        throw RingError(msg);
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  void group(const void* sptr, size_t sbytes, void* rptr, size_t rbytes) {
+    if (sbytes == 0 && rbytes == 0) return;
+    const int succ = (rank_ + 1) % world_, pred = (rank_ - 1 + world_) % world_;
+    nccl_check(api_.GroupStart(), "ncclGroupStart");
+    ncclResult_t r1 = ncclSuccess, r2 = ncclSuccess;
+    if (sbytes) r1 = api_.Send(sptr, sbytes, ncclInt8, succ, comm_, stream_);
+    if (rbytes) r2 = api_.Recv(rptr, rbytes, ncclInt8, pred, comm_, stream_);
+    ncclResult_t r3 = api_.GroupEnd();
+    nccl_check(r1, "ncclSend");
+    nccl_check(r2, "ncclRecv");
+    nccl_check(r3, "ncclGroupEnd");
+  }
+
+  void launch(StepKind k, const void* in, void* out, const void* src, void* dst, size_t count, int avg_div) {
+    StepArgs a;
+    std::memset(&a, 0, sizeof(a));
+    a.kind = k;
+    a.dtype = dtype_;
+    a.op = op_;
+    a.in = in;
+    a.out = out;
+    a.src = src;
+    a.dst = dst;
+    a.count = count;
+    a.avg_div = avg_div;
+    a.channels = channels_;
+    a.sig = nullptr;
+    RINGDP_CUDA_CHECK(launch_step(a, stream_), "launching a reduce kernel");
+  }
+
+  void release() {
+    if (released_) return;
+    quiesce();
+    released_ = true;
+    DeviceGuard g(device_);
+    if (ev_in_) (void)cudaEventDestroy(ev_in_);
+    if (ev_out_) (void)cudaEventDestroy(ev_out_);
+    ev_in_ = ev_out_ = nullptr;
+    if (stream_) (void)cudaStreamDestroy(stream_);
+    stream_ = nullptr;
+    if (sbuf_) (void)cudaFree(sbuf_);
+    sbuf_ = rbuf_ = nullptr;
+    if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": this communicator was destroyed");
+    (void)cudaGetLastError();
+  }
+
+  Options opt_;
+  int rank_;
+  int world_;
+  const Api& api_;
+  Ring ring_;
+  int device_ = 0;
+  int channels_ = 1;
+  size_t slot_bytes_ = 0;
+  double timeout_s_ = 300.0;
+  ncclUniqueId id_{};
+  ncclComm_t comm_ = nullptr;
+  char* sbuf_ = nullptr;
+  char* rbuf_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev_in_ = nullptr;
+  cudaEvent_t ev_out_ = nullptr;
+  bool connected_ = false;
+  bool quiesced_ = false;
+  bool released_ = false;
+  std::string fatal_;
+
+  // The collective in flight.
+  cudaStream_t caller_ = nullptr;
+  char* data_ = nullptr;
+  DType dtype_ = DType::kFloat32;
+  RedOp op_ = RedOp::kSum;
+  size_t esize_ = 4;
+  size_t acc_ = 4;
+  const void* pending_ptr_ = nullptr;  // produced by the previous step, sent by the next group
+  size_t pending_bytes_ = 0;
+
+  mutable std::mutex mu_;
+  std::map<uintptr_t, size_t> allocs_;
+};
+
+void NcclComm::step(StepKind k, const Slice& s) {
+  char* d = data_ + s.offset * esize_;
+  if (k == StepKind::kSend) {
+    if (acc_ == esize_) {
+      pending_ptr_ = d;  // send my values straight from the tensor
+    } else {
+      launch(StepKind::kSend, d, nullptr, nullptr, sbuf_, s.count, 0);  // widen to float32
+      pending_ptr_ = sbuf_;
+    }
+    pending_bytes_ = s.count * acc_;
+    return;
+  }
+  const bool partial_in = k == StepKind::kRecvReduceSend || k == StepKind::kRecvReduceCopySend;
+  void* rdst = partial_in ? static_cast<void*>(rbuf_) : static_cast<void*>(d);
+  group(pending_ptr_, pending_bytes_, rdst, s.count * (partial_in ? acc_ : esize_));
+  pending_ptr_ = nullptr;
+  pending_bytes_ = 0;
+  switch (k) {
+    case StepKind::kRecvReduceSend:
+      launch(k, d, nullptr, rbuf_, sbuf_, s.count, 0);
+      pending_ptr_ = sbuf_;
+      pending_bytes_ = s.count * acc_;
+      break;
+    case StepKind::kRecvReduceCopySend:
+      launch(k, d, d, rbuf_, nullptr, s.count, op_ == RedOp::kAvg ? world_ : 0);
+      pending_ptr_ = d;
+      pending_bytes_ = s.count * esize_;
+      break;
+    case StepKind::kRecvCopySend:
+      pending_ptr_ = d;  // received in place: forward it from there
+      pending_bytes_ = s.count * esize_;
+      break;
+    default:
+      break;
+  }
+}
+
+void NcclComm::finish_ring() {
+  if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);  // not reached by the ring schedule
+  pending_ptr_ = nullptr;
+  pending_bytes_ = 0;
+  RINGDP_CUDA_CHECK(cudaEventRecord(ev_out_, stream_), "cudaEventRecord (ringdp stream)");
+  RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller_, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
+}
+
+void Ring::send(const Slice& s) { c_->step(StepKind::kSend, s); }
+void Ring::recv_reduce_send(const Slice& s) { c_->step(StepKind::kRecvReduceSend, s); }
+void Ring::recv_reduce_copy_send(const Slice& s) { c_->step(StepKind::kRecvReduceCopySend, s); }
+void Ring::recv_copy_send(const Slice& s) { c_->step(StepKind::kRecvCopySend, s); }
+void Ring::recv(const Slice& s) { c_->step(StepKind::kRecv, s); }
+void Ring::finish() { c_->finish_ring(); }
+
+}  // namespace
+
+std::shared_ptr<Comm> make_comm(const Options& opts) { return std::make_shared<NcclComm>(opts); }
+
+}  // namespace nccl
+}  // namespace cuda
+}  // namespace ringdp

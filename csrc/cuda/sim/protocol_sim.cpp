@@ -1,0 +1,419 @@
+// CPU simulation of the CUDA IPC ring protocol: threads play the ranks, host arrays play
+// device memory, std::atomic counters play the flags. It drives the real ring engine
+// (csrc/ring/ring.cpp) and the real step planner (csrc/cuda/protocol.h), and emulates
+// each step kernel channel by channel with the waits the kernel performs. Independently
+// of the planner it checks every write against the readers that may still need the bytes:
+//   * a slot is rewritten only after the successor consumed the slice it held;
+//   * a range of a rank's tensor that was exported in place is rewritten (by the ring or by
+//     the "user" between calls) only after the successor consumed that export;
+//   * a consumer finds the descriptor of exactly the slice it expects, before and after
+//     reading (so no overwrite happened underneath it);
+// and it checks the results against closed forms, bitwise identical on every rank. A wait
+// that exceeds a few seconds is reported as a deadlock.
+//
+// Because every wait is on a monotonic counter, a schedule with *more* ordering than the GPU
+// (here: channels one after another inside a step) can only deadlock more often: passing here
+// means the wait graph of the GPU schedule is acyclic too.
+//
+// Build and run (tests/test_cuda.py does this when a C++ compiler is present):
+//   g++ -std=c++17 -O1 -pthread -Icsrc csrc/cuda/sim/protocol_sim.cpp csrc/ring/ring.cpp -o /tmp/sim
+//   /tmp/sim            # prints one line per configuration, exits 1 on the first failure
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "../../ring/ring.h"
+#include "../protocol.h"
+
+using namespace ringdp;
+using namespace ringdp::cuda;
+
+namespace {
+
+std::atomic<bool> g_failed{false};
+std::mutex g_print;
+
+[[noreturn]] void die(const std::string& m) {
+  {
+    std::lock_guard<std::mutex> lk(g_print);
+    std::fprintf(stderr, "FAIL: %s\n", m.c_str());
+  }
+  std::fflush(stderr);
+  std::_Exit(1);
+}
+
+struct Meta {
+  std::atomic<uint64_t> index{~0ull};  // production index of the slice described
+  uint64_t call = 0;
+  bool exported = false;
+  size_t offset = 0;  // element offset in the producer's tensor when exported
+  size_t bytes = 0;
+};
+
+// One rank's "device memory".
+struct RankMem {
+  int channels = 1;
+  size_t slots = 2, slot_bytes = 0;
+  std::vector<unsigned char> slot;                 // slots x slot_bytes
+  std::vector<unsigned char> tensor;               // the rank's buffer
+  std::unique_ptr<std::atomic<uint64_t>[]> posted, consumed;
+  std::unique_ptr<Meta[]> meta;                    // slots x channels
+  // Simulation bookkeeping (not part of the protocol): offset -> export index, last call.
+  std::mutex exp_mu;
+  std::map<size_t, uint64_t> exports;
+  void init(int ch, size_t s, size_t sb) {
+    channels = ch;
+    slots = s;
+    slot_bytes = sb;
+    slot.assign(s * sb, 0xEE);
+    posted.reset(new std::atomic<uint64_t>[ch]);
+    consumed.reset(new std::atomic<uint64_t>[ch]);
+    for (int c = 0; c < ch; ++c) posted[c] = consumed[c] = 0;
+    meta.reset(new Meta[s * ch]);
+  }
+};
+
+struct Config {
+  int world;
+  size_t count;
+  int slots;
+  int channels;
+  size_t slice_elems;
+  bool halfish;  // T = float, Acc = double (partials travel wider than T, like fp16/bf16)
+  RedOp op;
+  std::vector<bool> direct;  // per rank
+  int calls;
+  unsigned seed;
+};
+
+double load(const unsigned char* p, size_t eb) {
+  if (eb == 8) {
+    double v;
+    std::memcpy(&v, p, 8);
+    return v;
+  }
+  float f;
+  std::memcpy(&f, p, 4);
+  return f;
+}
+void store(unsigned char* p, size_t eb, double v) {
+  if (eb == 8) {
+    std::memcpy(p, &v, 8);
+  } else {
+    float f = static_cast<float>(v);
+    std::memcpy(p, &f, 4);
+  }
+}
+double apply(RedOp op, double a, double b) {
+  switch (op) {
+    case RedOp::kMin: return b < a ? b : a;
+    case RedOp::kMax: return a < b ? b : a;
+    default: return a + b;
+  }
+}
+
+double input(int r, size_t i, int call) { return static_cast<double>((r + 1) * static_cast<int>(i % 7 + 1) + r + call); }
+
+class SimRank;
+std::vector<SimRank*> g_ranks;
+
+class SimRank final : public RingTransport {
+ public:
+  SimRank(const Config& cfg, int rank, RankMem* mem)
+      : cfg_(cfg), rank_(rank), me_(mem), plan_(cfg.slots), rng_(cfg.seed * 131 + rank) {
+    geo_.slot_bytes = mem->slot_bytes;
+    geo_.channels = mem->channels;
+  }
+
+  void run() {
+    const size_t T = cfg_.halfish ? 4 : 8;
+    const size_t A = 8;
+    for (int call = 1; call <= cfg_.calls; ++call) {
+      call_ = call;
+      // The "user" writes new input: every in-place export of the previous call must have
+      // been consumed already (the drain guaranteed it).
+      check_tensor_write(0, cfg_.count, "user input before call");
+      for (size_t i = 0; i < cfg_.count; ++i) store(&me_->tensor[i * T], T, input(rank_, i, call));
+      {
+        std::lock_guard<std::mutex> lk(me_->exp_mu);
+        me_->exports.clear();
+      }
+      plan_.begin_call(cfg_.direct[rank_], T, A, cfg_.op, cfg_.world);
+      RingPlan p;
+      p.count = cfg_.count;
+      p.world = cfg_.world;
+      p.rank = rank_;
+      p.slice_elems = geo_.slice_elems(A);  // as the transport sizes it
+      if (p.slice_elems == 0) die("slot geometry gives empty slices");
+      p.align = kPackElems;
+      ring_all_reduce(*this, p);
+    }
+  }
+
+  void send(const Slice& s) override { step(StepKind::kSend, s); }
+  void recv_reduce_send(const Slice& s) override { step(StepKind::kRecvReduceSend, s); }
+  void recv_reduce_copy_send(const Slice& s) override { step(StepKind::kRecvReduceCopySend, s); }
+  void recv_copy_send(const Slice& s) override { step(StepKind::kRecvCopySend, s); }
+  void recv(const Slice& s) override { step(StepKind::kRecv, s); }
+  void finish() override {
+    const uint64_t drain = plan_.end_call();
+    RankMem* succ = mem(rank_ + 1);
+    if (drain)
+      for (int c = 0; c < me_->channels; ++c) wait_geq(succ->consumed[c], drain, "drain (succ consumed)", c);
+  }
+
+ private:
+  RankMem* mem(int r) const;
+
+  void wait_geq(std::atomic<uint64_t>& a, uint64_t target, const char* what, int ch) {
+    const auto t0 = std::chrono::steady_clock::now();
+    uint64_t v;
+    while ((v = a.load(std::memory_order_acquire)) < target) {
+      if (g_failed.load()) std::_Exit(1);
+      std::this_thread::yield();
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5)) {
+        g_failed = true;
+        die("rank " + std::to_string(rank_) + " deadlocked waiting " + what + " channel " + std::to_string(ch) +
+            ": value " + std::to_string(v) + " < target " + std::to_string(target));
+      }
+    }
+  }
+
+  // Independent of the planner: may the "user" overwrite the tensor range [b, e) now?
+  // Every channel part of every in-place export that overlaps it must have been consumed.
+  void check_tensor_write(size_t b, size_t e, const char* what) {
+    if (b >= e) return;
+    RankMem* succ = mem(rank_ + 1);
+    std::lock_guard<std::mutex> lk(me_->exp_mu);
+    for (auto& kv : me_->exports) {
+      const size_t off = kv.first;
+      const uint64_t idx = kv.second >> 8;
+      const size_t len = export_len_.at(off);
+      for (int c = 0; c < me_->channels; ++c)
+        if (channel_overlaps(off, len, c, b, e) && succ->consumed[c].load() < idx + 1)
+          die("rank " + std::to_string(rank_) + ": " + what + " overwrites tensor elements exported as slice " +
+              std::to_string(idx) + " before the successor consumed it (channel " + std::to_string(c) + ")");
+    }
+  }
+  bool channel_overlaps(size_t off, size_t len, int c, size_t b, size_t e) const {
+    const size_t per = channel_span(len, me_->channels);
+    const size_t cb = off + std::min(static_cast<size_t>(c) * per, len);
+    const size_t ce = off + std::min(static_cast<size_t>(c) * per + per, len);
+    return cb < ce && cb < e && b < ce;
+  }
+
+  void step(StepKind k, const Slice& s) {
+    const StepPlan p = plan_.step(k, s);
+    const int n = cfg_.world;
+    RankMem* pred = mem(rank_ - 1 + n);
+    RankMem* succ = mem(rank_ + 1);
+    const size_t T = cfg_.halfish ? 4 : 8;
+    const int C = me_->channels;
+    const size_t per = channel_span(s.count, C);
+    if (rng_() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(rng_() % 200));
+    for (int ch = 0; ch < C; ++ch) {
+      const size_t b = std::min(static_cast<size_t>(ch) * per, s.count);
+      const size_t e = std::min(b + per, s.count);
+      // --- waits, as in step_kernel
+      const unsigned char* src = nullptr;
+      Meta* m = nullptr;
+      if (p.consumes) {
+        wait_geq(pred->posted[ch], p.consume_target, "pred posted", ch);
+        m = &pred->meta[((p.consume_target - 1) % pred->slots) * C + ch];
+        if (m->index.load(std::memory_order_acquire) != p.consume_target - 1 || m->call != static_cast<uint64_t>(call_))
+          die("rank " + std::to_string(rank_) + ": descriptor of slice " + std::to_string(p.consume_target - 1) +
+              " was overwritten or is stale (holds slice " + std::to_string(m->index.load()) + ")");
+        if (m->bytes != s.count * p.consume_elem_bytes) die("descriptor bytes mismatch");
+        // Channel-local source, as step_kernel computes it: an exported slice is contiguous,
+        // a staged one has a fixed sub-buffer per channel.
+        src = m->exported ? &pred->tensor[(m->offset + b) * T]
+                          : &pred->slot[((p.consume_target - 1) % pred->slots) * pred->slot_bytes + ch * geo_.sub_bytes()];
+      }
+      if (p.guard) wait_geq(succ->consumed[ch], p.guard, "succ consumed (guard)", ch);
+      // --- independent write checks
+      if (p.writes_slot && p.produce_index + 1 > me_->slots &&
+          succ->consumed[ch].load() < p.produce_index + 1 - me_->slots)
+        die("rank " + std::to_string(rank_) + " rewrites slot of slice " + std::to_string(p.produce_index - me_->slots) +
+            " before the successor consumed it");
+      if (p.writes_out) {
+        std::lock_guard<std::mutex> lk(me_->exp_mu);
+        auto it = me_->exports.find(s.offset);
+        if (it != me_->exports.end() && succ->consumed[ch].load() < (it->second >> 8) + 1)
+          die("rank " + std::to_string(rank_) + " rewrites its tensor at " + std::to_string(s.offset) +
+              " (exported as slice " + std::to_string(it->second >> 8) + ") before the successor read it");
+      }
+      // --- the arithmetic, element by element (reads first, like the kernel's registers)
+      std::vector<double> in(e - b), sv(e - b);
+      for (size_t i = b; i < e; ++i) {
+        if (p.reads_in) in[i - b] = load(&me_->tensor[(s.offset + i) * T], T);
+        if (p.consumes) sv[i - b] = load(src + (i - b) * p.consume_elem_bytes, p.consume_elem_bytes);
+      }
+      if (p.consumes && m->index.load() != p.consume_target - 1)
+        die("rank " + std::to_string(rank_) + ": slice " + std::to_string(p.consume_target - 1) +
+            " was overwritten while being read");
+      unsigned char* dst =
+          p.writes_slot ? &me_->slot[(p.produce_index % me_->slots) * me_->slot_bytes + ch * geo_.sub_bytes()] : nullptr;
+      if (dst && (e - b) * p.produce_elem_bytes > geo_.sub_bytes()) die("channel range exceeds its sub-buffer");
+      for (size_t i = b; i < e; ++i) {
+        double x = in[i - b], y = sv[i - b], o = 0, d = 0;
+        switch (k) {
+          case StepKind::kSend: d = x; break;
+          case StepKind::kRecvReduceSend: d = o = apply(cfg_.op, y, x); break;
+          case StepKind::kRecvReduceCopySend: {
+            double v = apply(cfg_.op, y, x);
+            if (p.avg_div) v = v / p.avg_div;
+            if (T == 4) v = static_cast<float>(v);  // round once, at the owner
+            o = d = v;
+            break;
+          }
+          default: o = d = y; break;
+        }
+        if (p.writes_out) store(&me_->tensor[(s.offset + i) * T], T, o);
+        if (dst) store(dst + (i - b) * p.produce_elem_bytes, p.produce_elem_bytes, d);
+      }
+      // --- descriptor and publication
+      if (p.produces) {
+        Meta& mm = me_->meta[(p.produce_index % me_->slots) * C + ch];
+        mm.call = call_;
+        mm.exported = p.exported;
+        mm.offset = s.offset;
+        mm.bytes = s.count * p.produce_elem_bytes;
+        mm.index.store(p.produce_index, std::memory_order_release);
+      }
+      if (p.consumes) me_->consumed[ch].store(p.consume_target, std::memory_order_release);
+      if (p.produces) me_->posted[ch].store(p.produce_value, std::memory_order_release);
+    }
+    if (p.exported) {  // bookkeeping for the checks of later writes (after all channels)
+      std::lock_guard<std::mutex> lk(me_->exp_mu);
+      me_->exports[s.offset] = (p.produce_index << 8) | 1;
+      export_len_[s.offset] = s.count;
+    }
+  }
+
+  const Config& cfg_;
+  int rank_;
+  RankMem* me_;
+  Planner plan_;
+  std::mt19937 rng_;
+  int call_ = 0;
+  std::map<size_t, size_t> export_len_;
+  SlotGeometry geo_;
+};
+
+std::vector<RankMem*> g_mems;
+RankMem* SimRank::mem(int r) const { return g_mems[r % cfg_.world]; }
+
+bool run(const Config& cfg) {
+  const size_t T = cfg.halfish ? 4 : 8;
+  std::vector<std::unique_ptr<RankMem>> mems;
+  g_mems.clear();
+  for (int r = 0; r < cfg.world; ++r) {
+    mems.emplace_back(new RankMem);
+    // Slot bytes such that every channel's sub-buffer holds >= 8 Acc elements.
+    const size_t per = (cfg.slice_elems / cfg.channels + 7) / 8 * 8;
+    mems.back()->init(cfg.channels, cfg.slots, std::max<size_t>(per, 8) * 8 * cfg.channels);
+    mems.back()->tensor.assign(std::max<size_t>(cfg.count, 1) * T, 0);
+    g_mems.push_back(mems.back().get());
+  }
+  std::vector<std::unique_ptr<SimRank>> ranks;
+  for (int r = 0; r < cfg.world; ++r) ranks.emplace_back(new SimRank(cfg, r, g_mems[r]));
+  std::vector<std::thread> th;
+  for (int r = 0; r < cfg.world; ++r) th.emplace_back([&, r] { ranks[r]->run(); });
+  for (auto& t : th) t.join();
+  // Results of the last call: closed form, identical bytes on every rank.
+  for (size_t i = 0; i < cfg.count; ++i) {
+    double acc = input(0, i, cfg.calls);
+    double mx = acc, mn = acc;
+    for (int r = 1; r < cfg.world; ++r) {
+      double v = input(r, i, cfg.calls);
+      acc += v;
+      mx = std::max(mx, v);
+      mn = std::min(mn, v);
+    }
+    double want = cfg.op == RedOp::kMax ? mx : cfg.op == RedOp::kMin ? mn : acc;
+    if (cfg.op == RedOp::kAvg) want = acc / cfg.world;
+    if (T == 4) want = static_cast<float>(want);
+    for (int r = 0; r < cfg.world; ++r) {
+      double got = load(&g_mems[r]->tensor[i * T], T);
+      if (got != want) {
+        std::fprintf(stderr, "FAIL: wrong result: rank %d element %zu: got %.17g want %.17g\n", r, i, got, want);
+        return false;
+      }
+      if (std::memcmp(&g_mems[r]->tensor[i * T], &g_mems[0]->tensor[i * T], T) != 0) {
+        std::fprintf(stderr, "FAIL: rank %d element %zu differs bitwise from rank 0\n", r, i);
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 10) {  // one configuration: world count slots channels slice halfish op directmask calls
+    Config c;
+    c.world = std::atoi(argv[1]);
+    c.count = std::strtoull(argv[2], nullptr, 10);
+    c.slots = std::atoi(argv[3]);
+    c.channels = std::atoi(argv[4]);
+    c.slice_elems = std::strtoull(argv[5], nullptr, 10);
+    c.halfish = std::atoi(argv[6]) != 0;
+    c.op = static_cast<RedOp>(std::atoi(argv[7]));
+    const int mask = std::atoi(argv[8]);
+    c.calls = std::atoi(argv[9]);
+    c.seed = 7;
+    for (int r = 0; r < c.world; ++r) c.direct.push_back((mask >> r) & 1);
+    const bool ok = run(c);
+    std::printf("%s\n", ok ? "ok" : "FAILED");
+    return ok ? 0 : 1;
+  }
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
+  int n_ok = 0;
+  unsigned seed = 1;
+  const size_t counts[] = {0, 1, 7, 8, 33, 100, 517, 2048, 4099};
+  const RedOp ops[] = {RedOp::kSum, RedOp::kMax, RedOp::kAvg, RedOp::kMin};
+  for (int world = 2; world <= 5; ++world) {
+    for (size_t count : counts) {
+      for (int slots : {2, 3, 5}) {
+        for (int channels : {1, 3}) {
+          for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: direct pattern
+            if (quick && (slots == 3 || (count % 2 == 1 && count > 1))) continue;
+            Config c;
+            c.world = world;
+            c.count = count;
+            c.slots = slots;
+            c.channels = channels;
+            c.slice_elems = (seed % 2) ? 16 : 40;
+            c.halfish = mode & 1;
+            c.op = ops[seed % 4];
+            c.calls = 3;
+            c.seed = seed++;
+            c.direct.resize(world);
+            for (int r = 0; r < world; ++r) c.direct[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
+            if (!run(c)) {
+              int mask = 0;
+              for (int r = 0; r < world; ++r) mask |= c.direct[r] ? (1 << r) : 0;
+              std::fprintf(stderr, "  config (argv): %d %zu %d %d %zu %d %d %d %d\n", world, count, slots, channels,
+                           c.slice_elems, c.halfish ? 1 : 0, static_cast<int>(c.op), mask, c.calls);
+              return 1;
+            }
+            ++n_ok;
+          }
+        }
+      }
+    }
+  }
+  std::printf("protocol_sim: %d configurations passed (world 2-5, staged/direct/mixed, fp64 and fp32-with-fp64-partials)\n",
+              n_ok);
+  return 0;
+}

@@ -1,0 +1,367 @@
+"""ringdp on CUDA: the IPC ring (world 2, 3, 4 on cuda:0), the NCCL transport (world 2 on
+one GPU, each rank its own NCCL_HOSTID), RingDDP on CUDA against a single process, and
+stream ordering. All of these carry the `cuda` marker and are skipped without a GPU and a
+CUDA build of ringdp.
+
+One test runs everywhere: the CPU simulation of the IPC protocol (csrc/cuda/sim), which
+drives the real ring engine and the real step planner with threads as ranks and checks
+every slot/tensor reuse, the results, and freedom from deadlock.
+
+Values are small integers that depend on rank and index, exact in every dtype:
+    v(r, i) = (i % 13) + 2r
+    SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
+Ranks sharing one GPU without MPS are time-sliced: correct, slow. Keep the matrix modest.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from _dist import run_ranks, values
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cuda_build() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import ringdp
+
+        return bool(ringdp.build_info().get("cuda"))
+    except Exception:
+        return False
+
+
+HAVE_CUDA = _cuda_build()
+cuda = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and ringdp built with CUDA (RINGDP_BUILD_CUDA)"),
+]
+
+
+def needs_cuda(fn):
+    for m in cuda:
+        fn = m(fn)
+    return fn
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+SIZES = [0, 1, 7, 13, 1000, 4099, 65537, 300_007]
+
+CONFIGS = {
+    "default": {},
+    # small slots, two per connection, 3 channels: many rounds and back-pressure on every
+    # step; the ring even for small messages
+    "tiny-ring": {"RINGDP_CUDA_SLOT_BYTES": "65536", "RINGDP_CUDA_SLOTS": "2", "RINGDP_CUDA_CHANNELS": "3",
+                  "RINGDP_ALGO": "ring"},
+    # the one-shot kernel for everything that fits its buffer
+    "oneshot": {"RINGDP_ALGO": "oneshot", "RINGDP_CUDA_ONESHOT_BYTES": str(4 << 20)},
+}
+
+
+def expected(op, n, count, dtype):
+    i = torch.arange(count, dtype=torch.float64) % 13
+    e = {"SUM": n * i + n * (n - 1), "MIN": i, "MAX": i + 2 * (n - 1), "AVG": i + (n - 1)}[op]
+    return e.to(dtype)
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha1(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+# ============================================================== CPU: protocol simulation
+def test_protocol_simulation(tmp_path):
+    """The IPC ring protocol (csrc/cuda/protocol.h + csrc/ring/ring.cpp) on threads."""
+    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        pytest.skip("no C++ compiler for the protocol simulation")
+    exe = tmp_path / "protocol_sim"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{ROOT / 'csrc'}",
+                    str(ROOT / "csrc/cuda/sim/protocol_sim.cpp"), str(ROOT / "csrc/ring/ring.cpp"), "-o", str(exe)],
+                   check=True, timeout=300)
+    r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"protocol simulation failed:\n{r.stdout}\n{r.stderr}"
+    assert "configurations passed" in r.stdout
+
+
+# ============================================================== rank bodies (spawned)
+def _setup(rank):
+    torch.cuda.set_device(0)
+
+
+def _matrix(rank, world, sizes, dtypes, registered):
+    import torch.distributed as dist
+
+    import ringdp
+
+    _setup(rank)
+    failures, digests, checked = [], [], 0
+    for dtype in dtypes:
+        ops = ["SUM", "MIN", "MAX"] + (["AVG"] if dtype.is_floating_point else [])
+        for op in ops:
+            for count in sizes:
+                exp = expected(op, world, count, dtype)
+                for rep in range(2):  # each collective twice in a row, fresh input each time
+                    if registered:
+                        t = ringdp.empty(count, dtype=dtype, device="cuda")
+                    else:
+                        t = torch.empty(count, dtype=dtype, device="cuda")
+                    t.copy_((torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype))
+                    ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                    got = t.cpu()  # the current stream waits for ringdp's result
+                    checked += 1
+                    digests.append(_digest(got))
+                    if not torch.equal(got, exp):
+                        bad = (got.to(torch.float64) != exp.to(torch.float64)).nonzero()
+                        failures.append((str(dtype), op, count, rep, bad[:5].flatten().tolist()))
+    torch.cuda.synchronize()
+    w = ringdp.all_reduce(torch.ones(5, device="cuda"), async_op=True)  # surfaces device-side errors
+    w.wait()
+    return checked, failures, digests
+
+
+def _assert_matrix(res):
+    vals = values(res)
+    for r, (checked, failures, _) in enumerate(vals):
+        assert checked > 0
+        assert not failures, f"rank {r}: wrong results (dtype, op, count, rep, first bad indices): {failures[:10]}"
+    d0 = vals[0][2]
+    for r, (_, _, d) in enumerate(vals):
+        assert d == d0, f"rank {r}'s results are not bitwise identical to rank 0's"
+
+
+# ============================================================== IPC ring
+@needs_cuda
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ipc_matrix(world, config):
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", **CONFIGS[config]}
+    res = run_ranks(_matrix, world, SIZES, DTYPES, False, env=env, timeout=1500)
+    _assert_matrix(res)
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("config", ["default", "tiny-ring"])
+def test_ipc_registered(world, config):
+    """Tensors from ringdp.empty(device="cuda") live in the IPC arena: the successor reads
+    them in place (no staging copy) and the drain keeps them until it is done."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "64", **CONFIGS[config]}
+    res = run_ranks(_matrix, world, [1, 4099, 300_007], [torch.float32, torch.float16, torch.int64], True, env=env,
+                    timeout=900)
+    _assert_matrix(res)
+
+
+def _mismatch(rank, world):
+    import ringdp
+
+    _setup(rank)
+    t = torch.ones(100 + rank, device="cuda")  # rank 1 has one element more
+    try:
+        w = ringdp.all_reduce(t, async_op=True)
+        w.wait()  # waits for the device and raises what it reported
+        torch.cuda.synchronize()
+        ringdp.all_reduce(torch.ones(3, device="cuda"))  # at the latest, the next call raises
+    except Exception as e:  # RingError
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@needs_cuda
+@pytest.mark.parametrize("algo", ["oneshot", "ring"])
+def test_ipc_mismatch_raises(algo):
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20", "RINGDP_ALGO": algo}
+    msgs = values(run_ranks(_mismatch, 2, env=env, timeout=180))
+    for r, m in enumerate(msgs):
+        assert m != "no error", f"rank {r} did not notice the size mismatch"
+        assert f"rank {r}" in m, m
+        assert "mismatch" in m or "gave up" in m or "timed out" in m, m
+
+
+def _stream_order(rank, world):
+    import ringdp
+
+    _setup(rank)
+    n = 1 << 20
+    t = torch.zeros(n, device="cuda")
+    results = []
+    for it in range(3):
+        # A slow kernel, then the kernel that writes the "gradient", both on the current
+        # stream, right before the all-reduce is issued: ringdp must wait for them.
+        torch.cuda._sleep(50_000_000)
+        t.fill_(float(rank + 1 + it))
+        ringdp.all_reduce(t)
+        # The "optimizer" reads right after, on the current stream; then overwrites.
+        r = t.clone()
+        t.fill_(-1.0)
+        results.append((r.min().item(), r.max().item()))
+    # The same on a non-default stream.
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        torch.cuda._sleep(50_000_000)
+        t.fill_(float(rank + 10))
+        ringdp.all_reduce(t)
+        r = t.clone()
+    s.synchronize()
+    results.append((r.min().item(), r.max().item()))
+    return results
+
+
+@needs_cuda
+@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+def test_stream_ordering(transport):
+    world = 2
+    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
+    if transport == "nccl":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    res = values(run_ranks(_stream_order_entry, world, transport, env=env, timeout=600))
+    for r, got in enumerate(res):
+        for it in range(3):
+            want = float(sum(q + 1 + it for q in range(world)))
+            assert got[it] == (want, want), f"rank {r} iteration {it}: {got[it]} != {want}"
+        want = float(sum(q + 10 for q in range(world)))
+        assert got[3] == (want, want), f"rank {r} side stream: {got[3]} != {want}"
+
+
+def _stream_order_entry(rank, world, transport):
+    _nccl_env(rank)
+    return _stream_order(rank, world)
+
+
+# ============================================================== NCCL transport
+def _skip_without_nccl():
+    try:
+        from ringdp import _C
+
+        ok = bool(getattr(_C, "cuda_nccl_available", lambda: False)())
+    except Exception:
+        ok = False
+    if not ok:
+        pytest.skip("libnccl.so.2 cannot be loaded (nvidia-nccl wheel missing?)")
+
+
+def _nccl_env(rank):
+    # Two ranks on one GPU: NCCL refuses duplicates unless each rank looks like its own host
+    # (sockets between them: slow, fine for correctness).
+    if os.environ.get("RINGDP_TEST_NCCL_HOSTID"):
+        os.environ["NCCL_HOSTID"] = f"ringdp-test-host-{rank}"
+
+
+def _nccl_matrix(rank, world, sizes, dtypes):
+    _nccl_env(rank)
+    return _matrix(rank, world, sizes, dtypes, False)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", ["default", "tiny"])
+def test_nccl_world2(config):
+    _skip_without_nccl()
+    env = {"RINGDP_TRANSPORT": "nccl", "RINGDP_TIMEOUT_S": "180", "RINGDP_TEST_NCCL_HOSTID": "1"}
+    if config == "tiny":
+        env["RINGDP_CUDA_SLOT_BYTES"] = "65536"
+    res = run_ranks(_nccl_matrix, 2, [0, 1, 7, 4099, 300_007], DTYPES, env=env, timeout=1200)
+    _assert_matrix(res)
+
+
+# ============================================================== RingDDP on CUDA
+def _ddp_case(rank, world, steps):
+    import torch.distributed as dist
+    from torch import nn
+
+    import ringdp
+
+    _setup(rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    ref.load_state_dict(net.state_dict())
+    model = ringdp.RingDDP(net, device_ids=[0], bucket_cap_mb=0.01)  # several buckets
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(1234)
+    per = 16
+    for _ in range(steps):
+        x = torch.randn(world * per, 32, generator=g).cuda()
+        y = torch.randn(world * per, 8, generator=g).cuda()
+        # RingDDP: this rank's shard; mean loss per shard -> averaged gradients = full batch
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per])
+        loss.backward()
+        opt.step()
+        # single process on the full batch
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
+    digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes() for p in net.parameters())).hexdigest()
+    dist.barrier()
+    return worst, digest
+
+
+@needs_cuda
+@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+def test_ringddp_cuda_matches_single_process(transport):
+    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "16"}
+    if transport == "nccl":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    res = values(run_ranks(_ddp_entry, 2, 5, env=env, timeout=600))
+    for r, (worst, _) in enumerate(res):
+        assert worst < 1e-5, f"rank {r}: parameters differ from single-process training by {worst}"
+    assert res[0][1] == res[1][1], "ranks ended with different parameters"
+
+
+def _ddp_entry(rank, world, steps):
+    _nccl_env(rank)
+    return _ddp_case(rank, world, steps)
+
+
+# ============================================================== the torch-free C++ API
+def _native_api(rank, world):
+    """Drive the binding directly (docs/cuda_integration.md): blobs through the store."""
+    import torch.distributed as dist
+
+    from ringdp import _C
+
+    _setup(rank)
+    store = dist.distributed_c10d._get_default_store()
+    o = _C.CudaOptions()
+    o.kind, o.rank, o.world, o.device = "ipc", rank, world, 0
+    o.slot_bytes, o.slots, o.channels = 65536, 2, 2
+    c = _C.cuda_create(o)
+    store.set(f"test-native/{rank}", c.local_blob())
+    store.wait([f"test-native/{r}" for r in range(world)])
+    c.connect([store.get(f"test-native/{r}") for r in range(world)])
+    out = []
+    for count in (1, 100_003):
+        t = (torch.arange(count, device="cuda", dtype=torch.float32) % 13 + 2 * rank)
+        c.all_reduce(t.data_ptr(), t.numel(), 0, 0, torch.cuda.current_stream().cuda_stream, -1, 0.0)
+        c.synchronize()
+        out.append(torch.equal(t.cpu(), expected("SUM", world, count, torch.float32)))
+    c.quiesce()
+    dist.barrier()
+    c.destroy()
+    return out
+
+
+@needs_cuda
+def test_native_api_ipc():
+    from ringdp import _C
+
+    if not hasattr(_C, "cuda_create"):
+        pytest.skip("ringdp._C has no cuda_create binding (see docs/cuda_integration.md)")
+    for r, ok in enumerate(values(run_ranks(_native_api, 2, timeout=300))):
+        assert all(ok), f"rank {r}: {ok}"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))
