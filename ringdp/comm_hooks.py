@@ -113,7 +113,8 @@ def compress_hook(dtype: torch.dtype):
 
         return HookWork(work, decompress)
 
-    hook.__name__ = f"{str(dtype).replace('torch.', '')}_compress_hook"
+    short = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).replace("torch.", ""))
+    hook.__name__ = f"{short}_compress_hook"
     hook.__qualname__ = hook.__name__
     return hook
 
