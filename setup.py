@@ -20,12 +20,31 @@ def want_cuda() -> bool:
     mode = os.environ.get("RINGDP_BUILD_CUDA", "auto").strip().lower()
     if mode in ("0", "no", "false", "off"):
         return False
-    have = bool(__import__("torch").version.cuda) and cpp_extension.CUDA_HOME is not None
+    home = cpp_extension.CUDA_HOME
+    nvcc = bool(home) and os.path.exists(os.path.join(home, "bin", "nvcc"))
+    have = bool(__import__("torch").version.cuda) and nvcc
     if mode in ("1", "yes", "true", "on"):
         if not have:
-            raise SystemExit("RINGDP_BUILD_CUDA=1 but torch is not a CUDA build or nvcc/CUDA_HOME is missing")
+            raise SystemExit("RINGDP_BUILD_CUDA=1 but torch is not a CUDA build or nvcc is missing "
+                             f"(CUDA_HOME={home})")
         return True
     return have
+
+
+def set_cuda_archs():
+    """TORCH_CUDA_ARCH_LIST if set, else the visible GPUs, else sm_80 and sm_90 with PTX."""
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        return
+    import torch
+
+    try:
+        if torch.cuda.is_available():
+            caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+            os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{a}.{b}" for a, b in caps)
+            return
+    except Exception:
+        pass
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
 
 
 cpu_sources = rel(p for p in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True)
@@ -35,6 +54,8 @@ define_macros = []
 build_cuda = want_cuda()
 
 if build_cuda:
+    set_cuda_archs()
+    # not recursive: csrc/cuda/sim/ holds a host-only protocol simulator with its own main()
     cuda_sources = rel(glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu"))
                        + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cpp")))
     define_macros.append(("RINGDP_WITH_CUDA", "1"))
@@ -42,7 +63,7 @@ if build_cuda:
         "ringdp._C",
         cpu_sources + cuda_sources,
         define_macros=define_macros,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17"]},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-std=c++17", "-lineinfo"]},
         libraries=["dl"],
     )
 else:

@@ -9,6 +9,9 @@
 #include "ring/schedule.h"
 #include "ring/trace.h"
 #include "transport/shm/shm_comm.h"
+#ifdef RINGDP_WITH_CUDA
+#include "cuda/cuda_api.h"
+#endif
 
 namespace py = pybind11;
 using namespace ringdp;
@@ -104,6 +107,98 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             p, sizes, [c, off](void*) { c->arena_free(off); },
             torch::TensorOptions().dtype(st).device(torch::kCPU));
       });
+
+#ifdef RINGDP_WITH_CUDA
+  {
+    using cuda::Comm;
+    using cuda::Options;
+    py::class_<Options>(m, "CudaOptions")
+        .def(py::init<>())
+        .def_property(
+            "kind", [](const Options& o) { return o.kind == cuda::Kind::kNccl ? "nccl" : "ipc"; },
+            [](Options& o, const std::string& k) {
+              if (k == "ipc") o.kind = cuda::Kind::kIpc;
+              else if (k == "nccl") o.kind = cuda::Kind::kNccl;
+              else throw py::value_error("CudaOptions.kind must be 'ipc' or 'nccl', not '" + k + "'");
+            })
+        .def_readwrite("rank", &Options::rank)
+        .def_readwrite("world", &Options::world)
+        .def_readwrite("device", &Options::device)
+        .def_readwrite("timeout_s", &Options::timeout_s)
+        .def_readwrite("slot_bytes", &Options::slot_bytes)
+        .def_readwrite("slots", &Options::slots)
+        .def_readwrite("channels", &Options::channels)
+        .def_readwrite("oneshot_bytes", &Options::oneshot_bytes)
+        .def_readwrite("oneshot_max_bytes", &Options::oneshot_max_bytes)
+        .def_readwrite("arena_bytes", &Options::arena_bytes)
+        .def_readwrite("direct", &Options::direct)
+        .def_readwrite("nccl_library", &Options::nccl_library);
+
+    py::class_<Comm, std::shared_ptr<Comm>>(m, "CudaComm")
+        .def("local_blob", [](Comm& c) { return py::bytes(c.local_blob()); })
+        .def("connect",
+             [](Comm& c, const std::vector<py::bytes>& blobs) {
+               std::vector<std::string> v;
+               for (const auto& b : blobs) v.emplace_back(b);
+               py::gil_scoped_release nogil;
+               c.connect(v);
+             })
+        // raw form (tests, benchmarks): pointer, count, dtype code, op code, cudaStream_t
+        .def("all_reduce",
+             [](Comm& c, uintptr_t ptr, size_t count, int dtype, int op, uintptr_t stream, int algo,
+                double timeout_s) {
+               c.all_reduce(ptr, count, static_cast<DType>(dtype), static_cast<RedOp>(op), stream, algo,
+                            timeout_s);
+             },
+             py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
+             py::arg("algo") = -1, py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>())
+        .def("all_reduce_tensor",
+             [](Comm& c, const torch::Tensor& t, int op, uintptr_t stream, int algo, double timeout_s) {
+               c.all_reduce(reinterpret_cast<uintptr_t>(t.data_ptr()), static_cast<size_t>(t.numel()),
+                            to_dtype(t.scalar_type()), static_cast<RedOp>(op), stream, algo, timeout_s);
+             },
+             py::call_guard<py::gil_scoped_release>())
+        .def("check", &Comm::check)
+        .def("synchronize", &Comm::synchronize, py::call_guard<py::gil_scoped_release>())
+        .def("abort", &Comm::abort)
+        .def("quiesce", &Comm::quiesce, py::call_guard<py::gil_scoped_release>())
+        .def("destroy", &Comm::destroy, py::call_guard<py::gil_scoped_release>())
+        .def("is_registered",
+             [](const Comm& c, const torch::Tensor& t) {
+               return t.is_cuda() && c.is_registered(reinterpret_cast<uintptr_t>(t.data_ptr()),
+                                                     static_cast<size_t>(t.numel()) * t.element_size());
+             })
+        .def("empty",
+             [](std::shared_ptr<Comm> c, std::vector<int64_t> sizes, int dtype_code) {
+               const at::ScalarType st = to_scalar(dtype_code);
+               int64_t numel = 1;
+               for (int64_t s : sizes) {
+                 if (s < 0) throw py::value_error("ringdp.empty: negative dimension");
+                 numel *= s;
+               }
+               const uintptr_t p = c->alloc(static_cast<size_t>(numel) * c10::elementSize(st));
+               // The deleter keeps the communicator (and its IPC region) alive.
+               return torch::from_blob(
+                   reinterpret_cast<void*>(p), sizes, [c, p](void*) { c->free(p); },
+                   torch::TensorOptions().dtype(st).device(torch::kCUDA, c->device()));
+             })
+        .def_property_readonly("stream", &Comm::stream)
+        .def_property_readonly("device", &Comm::device)
+        .def("describe", &Comm::describe);
+
+    m.def("cuda_create", &cuda::create_comm, py::call_guard<py::gil_scoped_release>());
+    m.def("cuda_nccl_available",
+          [](const std::string& lib) { return cuda::nccl_available(lib, nullptr, nullptr); },
+          py::arg("library") = "");
+    m.def("cuda_nccl_info", [](const std::string& lib) {
+      int v = 0;
+      std::string why;
+      bool ok = cuda::nccl_available(lib, &v, &why);
+      return py::make_tuple(ok, v, why);
+    }, py::arg("library") = "");
+    m.def("cuda_device_count", &cuda::device_count);
+  }
+#endif
 
   // Schedule arithmetic, for the unit tests.
   m.def("chunk_begin", &ring::chunk_begin);

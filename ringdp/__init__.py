@@ -34,13 +34,16 @@ def _size(size):
 def empty(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
     """A tensor whose storage lives in ringdp's registered shared memory, so all_reduce of it
     (or of a contiguous slice of it) needs no staging copy. Not collective."""
-    if torch.device(device).type != "cpu":
-        raise ValueError(f"ringdp.empty: device {device} is not supported by this build (CPU only)")
-    return get_communicator(group).empty(_size(size), dtype)
+    return get_communicator(group).empty(_size(size), dtype, device)
 
 
 def zeros(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
     return empty(*size, dtype=dtype, device=device, group=group).zero_()
+
+
+def synchronize(group=None):
+    """Wait until every collective submitted so far finished (CUDA: ringdp's stream too)."""
+    get_communicator(group).synchronize()
 
 
 def is_registered(tensor: torch.Tensor, group=None) -> bool:
@@ -49,5 +52,5 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
 
 __all__ = [
     "Communicator", "RingError", "Work", "all_reduce", "build_info", "destroy", "empty",
-    "get_communicator", "init", "is_registered", "zeros",
+    "get_communicator", "init", "is_registered", "synchronize", "zeros",
 ]

@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import _types, policy
+from . import _types, cuda_comm, policy
 
 try:
     from . import _C
@@ -31,12 +31,15 @@ RingError = _C.RingError
 class Work:
     """Handle of an async collective, like torch.distributed's Work."""
 
-    def __init__(self, future: Future):
+    def __init__(self, future: Future, on_wait=None):
         self._future = future
+        self._on_wait = on_wait
 
     def wait(self, timeout=None) -> bool:
         """Block until the collective finished; re-raises its error (a RingError)."""
         self._future.result(timeout=timeout)
+        if self._on_wait is not None:
+            self._on_wait()
         return True
 
     def is_completed(self) -> bool:
@@ -93,6 +96,9 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self.host = socket.gethostname()
+        self.hosts: list[str] = [self.host]
+        self._shm_error: str | None = None  # set when the group spans hosts
+        self._cuda_native = None
         self._native = self._rendezvous()
 
     # ---- set-up -------------------------------------------------------------------------
@@ -128,15 +134,17 @@ class Communicator:
             st.set(f"seg/{self.rank}", json.dumps({"name": cfg.name, "host": self.host, "pid": os.getpid()}))
             self._wait_keys("the shared-memory segments", [f"seg/{r}" for r in range(self.world)])
             infos = [json.loads(st.get(f"seg/{r}")) for r in range(self.world)]
-            hosts = {i["host"] for i in infos}
-            if len(hosts) > 1:
+            self.hosts = [i["host"] for i in infos]
+            if len(set(self.hosts)) > 1:
+                # CUDA tensors still work (NCCL transport); CPU collectives raise this.
                 where = ", ".join(f"rank {r} on {i['host']}" for r, i in enumerate(infos))
-                raise RingError(
+                self._shm_error = (
                     f"rank {self.rank}: ringdp's shared-memory transport joins ranks of one host, but "
-                    f"the group spans {len(hosts)} hosts ({where}). CPU tensors across hosts are not "
-                    f"supported yet; CUDA tensors across hosts use the NCCL transport."
+                    f"the group spans {len(set(self.hosts))} hosts ({where}). CPU tensors across hosts are "
+                    f"not supported; CUDA tensors across hosts use the NCCL transport."
                 )
-            native.connect([i["name"] for i in infos], self.timeout)
+            else:
+                native.connect([i["name"] for i in infos], self.timeout)
             st.set(f"mapped/{self.rank}", "1")
             self._wait_keys("peers to map the segments", [f"mapped/{r}" for r in range(self.world)])
             native.unlink_own()  # every peer has mapped it: nothing left to leak in /dev/shm
@@ -169,7 +177,7 @@ class Communicator:
             with self._pending_lock:
                 self._pending -= 1
 
-    def _submit(self, fn, async_op: bool) -> Work | None:
+    def _submit(self, fn, async_op: bool, on_wait=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued, else behind
         the queued ones on the worker thread."""
         if self._closed:
@@ -186,7 +194,7 @@ class Communicator:
             self._start_worker()
         fut: Future = Future()
         self._queue.put((fn, fut))
-        work = Work(fut)
+        work = Work(fut, on_wait)
         if async_op:
             return work
         work.wait()
@@ -199,10 +207,20 @@ class Communicator:
         except (TypeError, ValueError) as e:
             # Tell the peers, in order, so they fail at once instead of timing out.
             msg = str(e)
-            self._submit(lambda: self._native.reject(msg, t), async_op=False)
+            if not self._shm_error:
+                self._submit(lambda: self._native.reject(msg, t), async_op=False)
             raise
-        fn = lambda: self._native.all_reduce(tensor, code, algo, t)  # noqa: E731
-        work = self._submit(fn, async_op)
+        if tensor.is_cuda:
+            native = self._cuda(tensor.device)
+            stream = torch.cuda.current_stream(tensor.device).cuda_stream  # the caller's stream
+            cuda_algo = cuda_comm.algo_code()
+            fn = lambda: native.all_reduce_tensor(tensor, code, stream, cuda_algo, t)  # noqa: E731
+            work = self._submit(fn, async_op, on_wait=native.synchronize)
+        else:
+            if self._shm_error:
+                raise RingError(self._shm_error)
+            fn = lambda: self._native.all_reduce(tensor, code, algo, t)  # noqa: E731
+            work = self._submit(fn, async_op)
         if async_op:
             return work
         return None
@@ -214,10 +232,10 @@ class Communicator:
         _types.dtype_code(tensor.dtype)
         if tensor.layout != torch.strided:
             raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
-        if tensor.device.type != "cpu":
+        if tensor.device.type not in ("cpu", "cuda") or (tensor.is_cuda and not _C.WITH_CUDA):
             raise ValueError(
-                f"ringdp.all_reduce on rank {self.rank}: tensor is on {tensor.device}, but this ringdp "
-                f"build reduces CPU tensors only (build_info(): {build_info()})"
+                f"ringdp.all_reduce on rank {self.rank}: tensor is on {tensor.device}, which this ringdp "
+                f"build does not reduce (build_info(): {build_info()})"
             )
         if not tensor.is_contiguous():
             raise ValueError(
@@ -230,12 +248,34 @@ class Communicator:
         return code, policy.choose_algo(nbytes, self.world)
 
     # ---- registered memory --------------------------------------------------------------
-    def empty(self, size, dtype=torch.float32) -> torch.Tensor:
-        _types.dtype_code(dtype)
-        return self._native.empty([int(s) for s in size], _types.dtype_code(dtype))
+    def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:
+        code = _types.dtype_code(dtype)
+        device = torch.device(device)
+        if device.type == "cuda":
+            try:
+                return self._cuda(device).empty([int(s) for s in size], code)
+            except RingError as e:  # arena exhausted: callers fall back to ordinary memory
+                raise ValueError(str(e)) from None
+        if device.type != "cpu":
+            raise ValueError(f"ringdp.empty: device {device} is not supported")
+        return self._native.empty([int(s) for s in size], code)
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
+        if tensor.is_cuda:
+            return self._cuda_native is not None and bool(self._cuda_native.is_registered(tensor))
         return tensor.device.type == "cpu" and bool(self._native.is_registered(tensor))
+
+    def _cuda(self, device):
+        """The CUDA transport, created (collectively) on first use."""
+        if self._cuda_native is None:
+            self._cuda_native = cuda_comm.create(self, torch.device(device))
+        return self._cuda_native
+
+    def synchronize(self):
+        """Wait for queued collectives (and, on CUDA, for ringdp's stream); raise failures."""
+        self._submit(lambda: None, async_op=False)
+        if self._cuda_native is not None:
+            self._cuda_native.synchronize()
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self):
@@ -245,6 +285,9 @@ class Communicator:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=self.timeout)
+        if self._cuda_native is not None:
+            native, self._cuda_native = self._cuda_native, None
+            cuda_comm.close(self, native)
         # Registered tensors still alive keep the native object (and its mapping) alive.
         self._native = None
 
@@ -285,7 +328,9 @@ atexit.register(destroy)
 
 def build_info() -> dict:
     transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
+    extra = {"nccl": tuple(_C.cuda_nccl_info(""))} if _C.WITH_CUDA else {}
     return {
+        **extra,
         "version": __import__("ringdp").__version__,
         "cuda": bool(_C.WITH_CUDA),
         "transports": transports,

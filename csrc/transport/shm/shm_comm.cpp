@@ -107,6 +107,12 @@ void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
     segs_[static_cast<size_t>(r)] = std::move(s);
   }
   (void)timeout_s;
+  connected_ = true;
+}
+
+void ShmComm::require_connected() const {
+  if (!connected_)
+    throw RingError(cat("rank ", cfg_.rank, ": the shared-memory transport is not connected"));
 }
 
 void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
@@ -171,6 +177,7 @@ void ShmComm::exchange_headers(uint32_t s) {
 }
 
 void ShmComm::reject(const std::string& why, double timeout_s) {
+  require_connected();
   if (!poison_.empty()) return;  // peers already know this communicator is dead
   const uint32_t s = ++seq_;
   call_ = s;
@@ -183,6 +190,7 @@ void ShmComm::reject(const std::string& why, double timeout_s) {
 }
 
 void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s) {
+  require_connected();
   if (!poison_.empty())
     throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", poison_,
                         "); call ringdp.destroy() and initialise again"));

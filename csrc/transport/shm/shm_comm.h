@@ -81,6 +81,7 @@ class ShmComm {
 
  private:
   void check_health(int waiting_on, const char* what);
+  void require_connected() const;
   void exchange_headers(uint32_t s);
   void fail(const std::string& why);  // abort() and throw
   std::string describe_header(int r, int parity) const;
@@ -90,6 +91,7 @@ class ShmComm {
   std::vector<shm::Segment> segs_;  // by rank; segs_[rank] is this rank's own
   std::vector<bool> pid_usable_;
   uint32_t seq_ = 0;
+  bool connected_ = false;
   shm::WaitPolicy wait_policy_;
   shm::Clock::time_point deadline_;
   double timeout_s_ = 0;
