@@ -50,7 +50,12 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
     return get_communicator(group).is_registered(tensor)
 
 
+# Last: these modules use the functions above through `import ringdp`.
+from . import comm_hooks  # noqa: E402
+from .ddp import RingDDP  # noqa: E402
+
 __all__ = [
+    "RingDDP", "comm_hooks",
     "Communicator", "RingError", "Work", "all_reduce", "build_info", "destroy", "empty",
     "get_communicator", "init", "is_registered", "synchronize", "zeros",
 ]
