@@ -23,11 +23,11 @@ Timing. Every rank runs the same mode at the same time (a barrier before each ti
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
 torch, ring, ... then again) so that a slow spell of a shared machine hits all of them.
 Each timed block is --iters steps after --warmup untimed ones; a rank's figure is its
-wall time per step, the step time is the max over ranks. Reported: mean over rounds
-and the best round.
+wall time per step, a block's figure the max over ranks. Reported: the median over rounds
+(step_ms; robust to a round hit by other load), the mean and the best round.
 
-Exposed communication = step time of the mode - step time of `none` (what the
-communication adds to a step). For RingDDP the script also reports the time backward()
+Exposed communication = median step time of the mode - median step time of `none` (what
+the communication adds to a step). For RingDDP the script also reports the time backward()
 spent waiting for all-reduces after autograd finished (RingDDP.last_exposed_comm_ms),
 measured inside the step.
 
@@ -59,8 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=8, help="samples per rank")
     p.add_argument("--modes", default="none,torch,ring,ring_view")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--name", default="", help="suffix of the result file name")
@@ -145,15 +145,15 @@ def run(rank: int, world: int, args) -> dict | None:
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 blocks[mode].append(t[0].item())
                 internal[mode].append(t[1].item())
-        base = statistics.mean(blocks["none"])
+        base = statistics.median(blocks["none"])
         for mode in args.modes:
-            mean = statistics.mean(blocks[mode])
+            med = statistics.median(blocks[mode])
             row = {"hidden": hidden, "layers": args.layers, "params": n_params,
-                   "grad_mb": n_params * 4 / 1e6, "mode": mode, "step_ms": mean,
-                   "best_ms": min(blocks[mode]), "blocks_ms": blocks[mode],
-                   "exposed_comm_ms": mean - base if mode != "none" else 0.0}
+                   "grad_mb": n_params * 4 / 1e6, "mode": mode, "step_ms": med,
+                   "mean_ms": statistics.mean(blocks[mode]), "best_ms": min(blocks[mode]),
+                   "blocks_ms": blocks[mode], "exposed_comm_ms": med - base if mode != "none" else 0.0}
             if mode.startswith("ring"):
-                row["ring_internal_exposed_ms"] = statistics.mean(internal[mode])
+                row["ring_internal_exposed_ms"] = statistics.median(internal[mode])
             rows.append(row)
         if rank == 0:
             print_table([r for r in rows if r["hidden"] == hidden])

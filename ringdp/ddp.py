@@ -49,6 +49,12 @@ _MiB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_MB = 1
 _ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
+# A bucket holding a single gradient at least this large is, when .grad are not bucket
+# views and no comm hook is set, reduced in place in .grad: ringdp then stages it through
+# its transport on the worker thread, off the backward's critical path, instead of the
+# hook copying it into the bucket and the end of backward copying it back.
+# RINGDP_DDP_DIRECT_MIN_BYTES overrides it (-1: never).
+DIRECT_MIN_BYTES = 1 << 20
 
 
 def _ring_error(msg: str) -> Exception:
@@ -60,25 +66,36 @@ def _ring_error(msg: str) -> Exception:
 
 
 def assign_buckets(order: list[int], nbytes: list[int], keys: list[Any], cap_bytes: int,
-                   first_cap_bytes: int) -> list[list[int]]:
+                   first_cap_bytes: int, solo_bytes: int | None = None) -> list[list[int]]:
     """Group the tensors `order` (indices, in the order they should fill buckets) into
     buckets of one key (dtype, device) each. A bucket is closed once it holds at least
     its limit (so a tensor larger than the cap gets a bucket of its own); the first bucket
-    of each key has limit `first_cap_bytes`, the others `cap_bytes`. Buckets come back
-    ordered by the position of their first tensor in `order`."""
+    of each key has limit `first_cap_bytes`, the others `cap_bytes`. With `solo_bytes`, a
+    tensor of at least that size closes the open bucket of its key and takes a bucket of
+    its own. Buckets come back ordered by the position of their first tensor in `order`."""
     open_: dict[Any, tuple[list[int], int, int]] = {}
     closed_count: dict[Any, int] = {}
     done: list[tuple[int, list[int]]] = []
+
+    def close(k, members, first):
+        done.append((first, members))
+        closed_count[k] = closed_count.get(k, 0) + 1
+        open_.pop(k, None)
+
     for pos, i in enumerate(order):
         k = keys[i]
+        if solo_bytes is not None and nbytes[i] >= solo_bytes:
+            if k in open_:
+                members, _size, first = open_[k]
+                close(k, members, first)
+            close(k, [i], pos)
+            continue
         members, size, first = open_.get(k, ([], 0, pos))
         members.append(i)
         size += nbytes[i]
         limit = first_cap_bytes if closed_count.get(k, 0) == 0 else cap_bytes
         if size >= limit:
-            done.append((first, members))
-            closed_count[k] = closed_count.get(k, 0) + 1
-            open_.pop(k, None)
+            close(k, members, first)
         else:
             open_[k] = (members, size, first)
     for members, _size, first in open_.values():
@@ -100,6 +117,7 @@ class _Bucket:
         self.dtype = buffer.dtype
         self.device = buffer.device
         self.nbytes = buffer.numel() * buffer.element_size()
+        self.direct_ok = False  # set by RingDDP._build_buckets
         self.pending = len(pidxs)
         self.handle = None
         self.workspaces: dict[torch.dtype, torch.Tensor] = {}
@@ -113,6 +131,7 @@ class _Bucket:
         self.error: BaseException | None = None
         self.t_ready = self.t_launch = self.t_done = None
         self.t_wait = None  # (wait start, wait end, write-back end) in finalize
+        self.direct: torch.Tensor | None = None  # the .grad reduced in place instead of buffer
 
 
 class GradBucket:
@@ -245,6 +264,7 @@ class RingDDP(nn.Module, Joinable):
         self.output_device = output_device
         self._device = next(iter(devices))
 
+        self._direct_min_bytes = int(os.environ.get("RINGDP_DDP_DIRECT_MIN_BYTES", DIRECT_MIN_BYTES))
         if bucket_cap_mb is None:
             self._cap_bytes = DEFAULT_BUCKET_CAP_MB * _MiB
             self._first_cap_bytes = DEFAULT_FIRST_BUCKET_MB * _MiB
@@ -401,9 +421,17 @@ class RingDDP(nn.Module, Joinable):
                     self._warned_alloc = True
         return torch.empty(numel, dtype=dtype, device=device)
 
+    def _solo_bytes(self) -> int | None:
+        """Gradients reduced in place in .grad get buckets of their own (see
+        DIRECT_MIN_BYTES); not with bucket views, where .grad must live in a bucket."""
+        if self.gradient_as_bucket_view or self._direct_min_bytes < 0 or self.world_size == 1:
+            return None
+        return self._direct_min_bytes
+
     @torch.no_grad()
     def _build_buckets(self, order: list[int]) -> None:
-        assignment = assign_buckets(order, self._nbytes, self._keys, self._cap_bytes, self._first_cap_bytes)
+        assignment = assign_buckets(order, self._nbytes, self._keys, self._cap_bytes, self._first_cap_bytes,
+                                    self._solo_bytes())
         old_loc = self._loc
         # one arena per (dtype, device), buckets at aligned offsets inside it
         per_key: dict[tuple, list[int]] = {}
@@ -423,12 +451,14 @@ class RingDDP(nn.Module, Joinable):
                     o += self._params[i].numel()
                 layout[bi] = (key, total, offs, o)
                 total += (o + align - 1) // align * align
+            # no zeroing: every slot is written (gradient or zeros) before each reduction
             arenas[key] = self._alloc(max(total, 1), dtype, key[1])
-            arenas[key].zero_()
         buckets = []
         for bi, pidxs in enumerate(assignment):
             key, start, offs, n = layout[bi]
-            buckets.append(_Bucket(bi, pidxs, self._params, arenas[key][start:start + n], offs))
+            b = _Bucket(bi, pidxs, self._params, arenas[key][start:start + n], offs)
+            b.direct_ok = len(pidxs) == 1 and self._solo_bytes() is not None and b.nbytes >= self._solo_bytes()
+            buckets.append(b)
         loc: list = [None] * len(self._params)
         for b in buckets:
             for slot, i in enumerate(b.pidxs):
@@ -455,7 +485,8 @@ class RingDDP(nn.Module, Joinable):
         order = [i for i in order if 0 <= i < len(self._params) and not (i in seen or seen.add(i))]
         order += [i for i in reversed(range(len(self._params))) if i not in seen]
         current = [b.pidxs for b in self._buckets]
-        new = assign_buckets(order, self._nbytes, self._keys, self._cap_bytes, self._first_cap_bytes)
+        new = assign_buckets(order, self._nbytes, self._keys, self._cap_bytes, self._first_cap_bytes,
+                                    self._solo_bytes())
         if new != current:
             self._build_buckets(order)
 
@@ -587,6 +618,12 @@ class RingDDP(nn.Module, Joinable):
         scale = self._scale
         if grad is None:
             view.zero_()
+        elif (b.direct_ok and not self.gradient_as_bucket_view and self._comm_hook is None
+              and self.world_size > 1 and grad.layout == torch.strided and grad.is_contiguous()
+              and grad.dtype == view.dtype and grad.device == view.device):
+            if scale != 1.0:
+                grad.mul_(scale)
+            b.direct = grad  # reduced in place, nothing to copy back
         elif self.gradient_as_bucket_view and _same_view(grad, view):
             if scale != 1.0:
                 view.mul_(scale)
@@ -627,7 +664,8 @@ class RingDDP(nn.Module, Joinable):
             b.handle = self._comm_hook(self._comm_state, GradBucket(self, b, b.index == len(self._buckets) - 1))
         elif self.world_size > 1:
             op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-            b.handle = ringdp.all_reduce(b.buffer, op=op, group=self.process_group, async_op=True)
+            t = b.direct if b.direct is not None else b.buffer
+            b.handle = ringdp.all_reduce(t, op=op, group=self.process_group, async_op=True)
         else:
             b.handle = None
         if tr is not None:
@@ -704,6 +742,9 @@ class RingDDP(nn.Module, Joinable):
 
     @torch.no_grad()
     def _write_back(self, b: _Bucket, globally_unused: set[int]) -> None:
+        if b.direct is not None:  # the reduction ran on .grad itself
+            b.direct = None
+            return
         for slot, i in enumerate(b.pidxs):
             if i in globally_unused:
                 continue

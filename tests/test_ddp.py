@@ -50,11 +50,20 @@ def _pool_worker(rank, world, port, inq, outq):
         if item is None:
             break
         name, kwargs = item
+        env = kwargs.pop("_env", None) or {}
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             res = globals()[name](rank, world, **kwargs)
             outq.put((rank, True, _to_bytes(res)))
         except BaseException:
             outq.put((rank, False, traceback.format_exc()))
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     dist.destroy_process_group()
 
 
@@ -626,10 +635,20 @@ def _check_train(res, tol):
         assert res[r]["layouts"] == res[0]["layouts"], "bucket layouts differ across ranks"
 
 
+DIRECT = {"RINGDP_DDP_DIRECT_MIN_BYTES": "1"}  # every gradient reduced in place in .grad
+
+
 def test_mlp_matches_single_process(pool):
     res = pool.run("case_train", model="mlp")
     _check_train(res, 1e-5)
     assert all(all(flags) for flags in res[0]["grads_registered"]) is False  # .grad are ordinary tensors
+
+
+@pytest.mark.parametrize("model", ["mlp", "tied"])
+def test_direct_in_place_reduction(pool, model):
+    res = pool.run("case_train", model=model, _env=DIRECT)
+    _check_train(res, 1e-5)
+    assert all(len(b) == 1 for b in res[0]["layouts"][-1])  # one gradient per bucket
 
 
 def test_default_buckets_several_and_rebuilt(pool):
@@ -734,9 +753,9 @@ def test_convnet_batchnorm_matches_torch_ddp(pool):
     assert not torch.equal(res[0]["ring"]["bn1.running_mean"], res[1]["ring"]["bn1.running_mean"])
 
 
-@pytest.mark.parametrize("view", [False, True])
-def test_no_sync_accumulation_equals_large_batch(pool, view):
-    res = pool.run("case_no_sync", gradient_as_bucket_view=view)
+@pytest.mark.parametrize("view,env", [(False, None), (True, None), (False, DIRECT)])
+def test_no_sync_accumulation_equals_large_batch(pool, view, env):
+    res = pool.run("case_no_sync", gradient_as_bucket_view=view, _env=env)
     for r, out in enumerate(res):
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert max(out["nosync_local"]) < 1e-6, "no_sync should leave the local gradients alone"
@@ -744,9 +763,9 @@ def test_no_sync_accumulation_equals_large_batch(pool, view):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("static_graph", [False, True])
-def test_unused_parameters_with_flag(pool, static_graph):
-    res = pool.run("case_unused", find_unused=not static_graph, static_graph=static_graph)
+@pytest.mark.parametrize("static_graph,env", [(False, None), (True, None), (False, DIRECT)])
+def test_unused_parameters_with_flag(pool, static_graph, env):
+    res = pool.run("case_unused", find_unused=not static_graph, static_graph=static_graph, _env=env)
     for r, out in enumerate(res):
         assert "error" not in out, out.get("error")
         assert max(out["diffs"]) < 1e-5, out["diffs"]
@@ -766,9 +785,10 @@ def test_unused_parameters_without_flag_explains(pool):
     _check_train(pool.run("case_train", model="mlp", steps=5), 1e-5)
 
 
-@pytest.mark.parametrize("counts,divide_initial", [((3, 5), True), ((3, 5), False), ((0, 2), True)])
-def test_join_uneven_inputs(pool, counts, divide_initial):
-    res = pool.run("case_join", counts=counts, divide_by_initial_world_size=divide_initial)
+@pytest.mark.parametrize("counts,divide_initial,env", [((3, 5), True, None), ((3, 5), False, None),
+                                                      ((0, 2), True, None), ((3, 5), False, DIRECT)])
+def test_join_uneven_inputs(pool, counts, divide_initial, env):
+    res = pool.run("case_join", counts=counts, divide_by_initial_world_size=divide_initial, _env=env)
     for r, out in enumerate(res):
         assert out["diff"] < 1e-5, f"rank {r}: {out['diff']}"
     for a, b in zip(res[0]["params"], res[1]["params"]):
@@ -866,6 +886,8 @@ def test_assign_buckets_rules():
     assert all(len({keys[i] for i in bk}) == 1 for bk in b)
     # a tensor larger than the cap gets a bucket of its own
     assert assign_buckets([0, 1, 2], [10, 1000, 10], [f32] * 3, 100, 100) == [[0, 1], [2]]
+    # solo_bytes: a large tensor closes the open bucket and stands alone
+    assert assign_buckets([0, 1, 2, 3], [10, 1000, 10, 10], [f32] * 4, 100, 100, solo_bytes=500) == [[0], [1], [2, 3]]
 
 
 def test_trace_path_rules(tmp_path):
