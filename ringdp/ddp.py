@@ -105,27 +105,46 @@ def assign_buckets(order: list[int], nbytes: list[int], keys: list[Any], cap_byt
 
 
 class _Bucket:
-    """One bucket: a contiguous slice of a registered arena and its parameters' views."""
+    """One bucket: a contiguous slice of a registered arena and its parameters' views.
+    A bucket whose gradient is normally reduced in place in .grad (direct_ok) gets its
+    storage only when it needs it (an unused parameter, a join shadow, ...)."""
 
-    def __init__(self, index: int, pidxs: list[int], params: list[nn.Parameter], buffer: torch.Tensor,
-                 offsets: list[int]):
+    def __init__(self, index: int, pidxs: list[int], params: list[nn.Parameter], buffer: torch.Tensor | None,
+                 offsets: list[int], alloc: Callable[[], torch.Tensor] | None = None):
         self.index = index
         self.pidxs = pidxs
-        self.buffer = buffer
         self.offsets = offsets
-        self.views = [buffer[o:o + params[i].numel()].view(params[i].shape) for i, o in zip(pidxs, offsets)]
-        self.dtype = buffer.dtype
-        self.device = buffer.device
-        self.nbytes = buffer.numel() * buffer.element_size()
+        self._shapes = [params[i].shape for i in pidxs]
+        self._numels = [params[i].numel() for i in pidxs]
+        p0 = params[pidxs[0]]
+        self.dtype = p0.dtype
+        self.device = p0.device
+        self.numel = sum(self._numels)
+        self.nbytes = self.numel * p0.element_size()
+        self._buffer = buffer
+        self._views: list[torch.Tensor] | None = None
+        self._alloc = alloc
         self.direct_ok = False  # set by RingDDP._build_buckets
-        self.pending = len(pidxs)
-        self.handle = None
         self.workspaces: dict[torch.dtype, torch.Tensor] = {}
         self.reset()
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buffer is None:
+            self._buffer = self._alloc()
+        return self._buffer
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        if self._views is None:
+            buf = self.buffer
+            self._views = [buf[o:o + n].view(shape) for o, n, shape in zip(self.offsets, self._numels, self._shapes)]
+        return self._views
 
     def reset(self):
         self.pending = len(self.pidxs)
         self.handle = None
+        self.target: torch.Tensor | None = None  # what the running reduction works on
         self.done_event: threading.Event | None = None
         self.result = None
         self.error: BaseException | None = None
@@ -170,7 +189,7 @@ class GradBucket:
         device has it; allocated once per bucket and dtype (for compression hooks)."""
         ws = self._b.workspaces.get(dtype)
         if ws is None:
-            ws = self._ddp._alloc(self._b.buffer.numel(), dtype, self._b.device)
+            ws = self._ddp._alloc(self._b.numel, dtype, self._b.device)
             self._b.workspaces[dtype] = ws
         return ws
 
@@ -437,6 +456,9 @@ class RingDDP(nn.Module, Joinable):
         per_key: dict[tuple, list[int]] = {}
         for bi, pidxs in enumerate(assignment):
             per_key.setdefault(self._keys[pidxs[0]], []).append(bi)
+        solo = self._solo_bytes()
+        direct_ok = [solo is not None and len(pidxs) == 1 and self._nbytes[pidxs[0]] >= solo
+                     for pidxs in assignment]
         layout: dict[int, tuple[tuple, int, list[int], int]] = {}
         arenas: dict[tuple, torch.Tensor] = {}
         for key, bis in per_key.items():
@@ -450,14 +472,21 @@ class RingDDP(nn.Module, Joinable):
                     offs.append(o)
                     o += self._params[i].numel()
                 layout[bi] = (key, total, offs, o)
-                total += (o + align - 1) // align * align
+                if not direct_ok[bi]:
+                    total += (o + align - 1) // align * align
             # no zeroing: every slot is written (gradient or zeros) before each reduction
-            arenas[key] = self._alloc(max(total, 1), dtype, key[1])
+            if total:
+                arenas[key] = self._alloc(total, dtype, key[1])
         buckets = []
         for bi, pidxs in enumerate(assignment):
             key, start, offs, n = layout[bi]
-            b = _Bucket(bi, pidxs, self._params, arenas[key][start:start + n], offs)
-            b.direct_ok = len(pidxs) == 1 and self._solo_bytes() is not None and b.nbytes >= self._solo_bytes()
+            if direct_ok[bi]:
+                dtype, device = key
+                b = _Bucket(bi, pidxs, self._params, None, offs,
+                            alloc=lambda n=n, dtype=dtype, device=device: self._alloc(n, dtype, device))
+                b.direct_ok = True
+            else:
+                b = _Bucket(bi, pidxs, self._params, arenas[key][start:start + n], offs)
             buckets.append(b)
         loc: list = [None] * len(self._params)
         for b in buckets:
@@ -613,27 +642,27 @@ class RingDDP(nn.Module, Joinable):
         if not self._rebuilt:
             self._ready_order.append(i)
         b, slot = self._loc[i]
-        view = b.views[slot]
         grad = None if param is None else param.grad
         scale = self._scale
-        if grad is None:
-            view.zero_()
-        elif (b.direct_ok and not self.gradient_as_bucket_view and self._comm_hook is None
-              and self.world_size > 1 and grad.layout == torch.strided and grad.is_contiguous()
-              and grad.dtype == view.dtype and grad.device == view.device):
+        if (b.direct_ok and grad is not None and self._comm_hook is None and grad.layout == torch.strided
+                and grad.is_contiguous() and grad.dtype == b.dtype and grad.device == b.device):
             if scale != 1.0:
                 grad.mul_(scale)
-            b.direct = grad  # reduced in place, nothing to copy back
-        elif self.gradient_as_bucket_view and _same_view(grad, view):
-            if scale != 1.0:
-                view.mul_(scale)
+            b.direct = grad  # reduced in place, nothing to copy in or back
         else:
-            if scale != 1.0:
-                torch.mul(grad, scale, out=view)
+            view = b.views[slot]
+            if grad is None:
+                view.zero_()
+            elif self.gradient_as_bucket_view and _same_view(grad, view):
+                if scale != 1.0:
+                    view.mul_(scale)
             else:
-                view.copy_(grad)
-            if self.gradient_as_bucket_view:
-                param.grad = view
+                if scale != 1.0:
+                    torch.mul(grad, scale, out=view)
+                else:
+                    view.copy_(grad)
+                if self.gradient_as_bucket_view:
+                    param.grad = view
         b.pending -= 1
         if b.pending == 0:
             if self._tracer is not None:
@@ -661,12 +690,14 @@ class RingDDP(nn.Module, Joinable):
         if tr is not None:
             b.t_launch = _trace.now_us()
         if self._comm_hook is not None:
+            b.target = b.buffer
             b.handle = self._comm_hook(self._comm_state, GradBucket(self, b, b.index == len(self._buckets) - 1))
         elif self.world_size > 1:
             op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-            t = b.direct if b.direct is not None else b.buffer
-            b.handle = ringdp.all_reduce(t, op=op, group=self.process_group, async_op=True)
+            b.target = b.direct if b.direct is not None else b.buffer
+            b.handle = ringdp.all_reduce(b.target, op=op, group=self.process_group, async_op=True)
         else:
+            b.target = b.direct if b.direct is not None else b.buffer
             b.handle = None
         if tr is not None:
             _watch(b)
@@ -678,9 +709,9 @@ class RingDDP(nn.Module, Joinable):
                 raise b.error
             res = b.result
         else:
-            res = _wait_handle(b.handle, b.buffer)
-        if res is not b.buffer and res is not None:
-            b.buffer.copy_(res.reshape(-1))
+            res = _wait_handle(b.handle, b.target)
+        if res is not b.target and res is not None:
+            b.target.copy_(res.reshape(b.target.shape))
         b.handle = None
 
     def _finalize_backward(self) -> None:
@@ -942,14 +973,14 @@ def _watch(b: _Bucket) -> None:
     h = b.handle
     b.done_event = threading.Event()
     if h is None:
-        b.result = b.buffer
+        b.result = b.target
         b.t_done = _trace.now_us()
         b.done_event.set()
         return
 
     def finish():
         try:
-            b.result = _wait_handle(h, b.buffer)
+            b.result = _wait_handle(h, b.target)
         except BaseException as e:  # re-raised on the main thread by _wait_bucket
             b.error = e
         b.t_done = _trace.now_us()

@@ -196,11 +196,11 @@ class ConvBN(nn.Module):
 class Branchy(nn.Module):
     """`b` is used only when asked; `never` is never used."""
 
-    def __init__(self):
+    def __init__(self, d=4):
         super().__init__()
-        self.a = nn.Linear(4, 4)
-        self.b = nn.Linear(4, 4)
-        self.never = nn.Linear(4, 4)
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.never = nn.Linear(d, d)
 
     def forward(self, x, use_b=True):
         h = self.a(x)
@@ -315,7 +315,7 @@ def case_train(rank, world, model="mlp", ddp_kwargs=None, dtype="float32", hook=
             views.append(p.grad.data_ptr() == b.views[slot].data_ptr())
     return {"params": params_of(ddp.module), "diffs": diffs, "initial_diff": initial_diff, "layouts": layouts,
             "hook_calls": calls, "n_buckets": len(ddp._buckets), "grads_registered": grads_registered,
-            "grad_is_view": views}
+            "grad_is_view": views, "direct_storage": [b._buffer is not None for b in ddp._buckets if b.direct_ok]}
 
 
 def case_convbn_vs_torch(rank, world, steps=5, join_counts=None):
@@ -397,17 +397,19 @@ def ref_local_grad(ref, x, y, micro, per_rank):
     return [p.grad for p in m.parameters()]
 
 
-def case_unused(rank, world, find_unused=True, static_graph=False, steps=5):
-    """Rank 0 uses `b`, rank 1 does not; nobody uses `never`."""
+def case_unused(rank, world, find_unused=True, static_graph=False, steps=5, d=4):
+    """Rank 0 uses `b`, rank 1 does not; nobody uses `never`. With d >= 91 the weights
+    exceed ringdp's one-shot size and take the ring."""
     from ringdp.ddp import RingDDP
 
-    ref = build(Branchy, 0)
-    ddp = RingDDP(build(Branchy, 0 if rank == 0 else 50 + rank), find_unused_parameters=find_unused, static_graph=static_graph)
+    ref = build(Branchy, 0, d=d)
+    ddp = RingDDP(build(Branchy, 0 if rank == 0 else 50 + rank, d=d), find_unused_parameters=find_unused,
+                  static_graph=static_graph)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     diffs, never_none, b_grad_defined = [], [], []
     for s in range(steps):
-        x, y = batch(s, world * 3, d_in=4, d_out=4)
+        x, y = batch(s, world * 3, d_in=d, d_out=d)
         opt.zero_grad()
         try:
             ((ddp(shard(x, rank, world), use_b=(rank == 0)) - shard(y, rank, world)) ** 2).mean().backward()
@@ -649,6 +651,8 @@ def test_direct_in_place_reduction(pool, model):
     res = pool.run("case_train", model=model, _env=DIRECT)
     _check_train(res, 1e-5)
     assert all(len(b) == 1 for b in res[0]["layouts"][-1])  # one gradient per bucket
+    for out in res:  # reduced in .grad: the buckets never needed storage of their own
+        assert out["direct_storage"] and not any(out["direct_storage"])
 
 
 def test_default_buckets_several_and_rebuilt(pool):
@@ -763,9 +767,11 @@ def test_no_sync_accumulation_equals_large_batch(pool, view, env):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("static_graph,env", [(False, None), (True, None), (False, DIRECT)])
-def test_unused_parameters_with_flag(pool, static_graph, env):
-    res = pool.run("case_unused", find_unused=not static_graph, static_graph=static_graph, _env=env)
+@pytest.mark.parametrize("static_graph,env,d", [(False, None, 4), (True, None, 4), (False, DIRECT, 4),
+                                                (False, DIRECT, 128)])
+def test_unused_parameters_with_flag(pool, static_graph, env, d):
+    # with DIRECT, rank 0 reduces b's .grad in place while rank 1 reduces its zeroed bucket
+    res = pool.run("case_unused", find_unused=not static_graph, static_graph=static_graph, _env=env, d=d)
     for r, out in enumerate(res):
         assert "error" not in out, out.get("error")
         assert max(out["diffs"]) < 1e-5, out["diffs"]
