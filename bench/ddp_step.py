@@ -21,7 +21,8 @@ Modes, all in the same run, on the same data and initial weights:
 
 Timing. Every rank runs the same mode at the same time (a barrier before each timed
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
-torch, ring, ... then again) so that a slow spell of a shared machine hits all of them.
+torch, ring, ... then again) so that a slow spell of a shared machine hits all of them;
+the first --warmup-rounds rounds are not recorded (first touch of memory, allocator).
 Each timed block is --iters steps after --warmup untimed ones; a rank's figure is its
 wall time per step, a block's figure the max over ranks. Reported: the median over rounds
 (step_ms; robust to a round hit by other load), the mean and the best round.
@@ -61,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (first touch of memory)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--name", default="", help="suffix of the result file name")
@@ -129,7 +131,7 @@ def run(rank: int, world: int, args) -> dict | None:
 
         blocks = {m: [] for m in args.modes}
         internal = {m: [] for m in args.modes}
-        for _round in range(args.rounds):
+        for rnd in range(args.warmup_rounds + args.rounds):
             for mode in args.modes:
                 for i in range(args.warmup):
                     step(mode, i)
@@ -143,8 +145,9 @@ def run(rank: int, world: int, args) -> dict | None:
                 dt = (time.perf_counter() - t0) / args.iters * 1e3
                 t = torch.tensor([dt, statistics.mean(ex) if ex else 0.0], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
-                blocks[mode].append(t[0].item())
-                internal[mode].append(t[1].item())
+                if rnd >= args.warmup_rounds:
+                    blocks[mode].append(t[0].item())
+                    internal[mode].append(t[1].item())
         base = statistics.median(blocks["none"])
         for mode in args.modes:
             med = statistics.median(blocks[mode])
