@@ -38,6 +38,7 @@ import contextlib
 import hashlib
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any, Callable
@@ -50,7 +51,12 @@ from torch.utils._pytree import tree_leaves
 
 import ringdp
 
-from . import trace as _trace
+
+def _now_us() -> float:
+    """Microseconds on the monotonic clock shared by the machine's processes (as
+    ringdp.trace.now_us; ringdp.trace itself is imported only when tracing)."""
+    return time.perf_counter_ns() / 1000.0
+
 
 __all__ = ["RingDDP", "GradBucket", "assign_buckets"]
 
@@ -340,7 +346,11 @@ class RingDDP(nn.Module, Joinable):
             overlap = os.environ.get("RINGDP_DDP_OVERLAP", "1").strip().lower() not in ("0", "false", "no", "off")
         self.overlap = bool(overlap)
         trace = os.environ.get("RINGDP_TRACE") if trace is None else trace
-        self._tracer = _trace.Tracer(trace, self.rank, self.world_size) if trace else None
+        self._tracer = None
+        if trace:
+            from . import trace as _trace
+
+            self._tracer = _trace.Tracer(trace, self.rank, self.world_size)
 
         self._hook_handles = []
         selfref = weakref.ref(self)
@@ -531,7 +541,7 @@ class RingDDP(nn.Module, Joinable):
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs, **kwargs):
         tr = self._tracer
-        t0 = _trace.now_us() if tr else None
+        t0 = _now_us() if tr else None
         if self._in_backward:  # the previous backward died before its end (an exception)
             self._abandon_backward()
         if self._join_config.enable:
@@ -552,7 +562,7 @@ class RingDDP(nn.Module, Joinable):
         if self._sync_this_backward and self._tracks_unused():
             self._unused = self._find_unused(out)
         if tr is not None:
-            self._t_fwd = (t0, _trace.now_us())
+            self._t_fwd = (t0, _now_us())
             if torch.is_grad_enabled():
                 self._t_bwd_start = None
                 selfref = weakref.ref(self)
@@ -622,7 +632,7 @@ class RingDDP(nn.Module, Joinable):
         self._usage_handle = None
         torch.autograd.Variable._execution_engine.queue_callback(_make_finalize(weakref.ref(self)))
         if self._tracer is not None and self._t_bwd_start is None:
-            self._t_bwd_start = _trace.now_us()
+            self._t_bwd_start = _now_us()
         if self._tracks_unused():
             unused = self._unused
             if self._usage is None:
@@ -675,7 +685,7 @@ class RingDDP(nn.Module, Joinable):
         b.pending -= 1
         if b.pending == 0:
             if self._tracer is not None:
-                b.t_ready = _trace.now_us()
+                b.t_ready = _now_us()
             if self.overlap:
                 self._launch_ready()
 
@@ -697,7 +707,7 @@ class RingDDP(nn.Module, Joinable):
     def _launch(self, b: _Bucket) -> None:
         tr = self._tracer
         if tr is not None:
-            b.t_launch = _trace.now_us()
+            b.t_launch = _now_us()
         if self._comm_hook is not None:
             b.target = b.buffer
             b.handle = self._comm_hook(self._comm_state, GradBucket(self, b, b.index == len(self._buckets) - 1))
@@ -727,7 +737,7 @@ class RingDDP(nn.Module, Joinable):
         """End of backward (autograd callback): wait for the buckets in order and write
         each one's averaged gradients back as soon as it is done (while the next ones are
         still being reduced)."""
-        now = _trace.now_us
+        now = _now_us
         t_bwd_end = now()
         tr = self._tracer
         try:
@@ -971,7 +981,7 @@ def _make_bwd_start_hook(selfref):
     def hook(grad):
         ddp = selfref()
         if ddp is not None and ddp._t_bwd_start is None:
-            ddp._t_bwd_start = _trace.now_us()
+            ddp._t_bwd_start = _now_us()
 
     return hook
 
@@ -983,7 +993,7 @@ def _watch(b: _Bucket) -> None:
     b.done_event = threading.Event()
     if h is None:
         b.result = b.target
-        b.t_done = _trace.now_us()
+        b.t_done = _now_us()
         b.done_event.set()
         return
 
@@ -992,7 +1002,7 @@ def _watch(b: _Bucket) -> None:
             b.result = _wait_handle(h, b.target)
         except BaseException as e:  # re-raised on the main thread by _wait_bucket
             b.error = e
-        b.t_done = _trace.now_us()
+        b.t_done = _now_us()
         b.done_event.set()
 
     add = getattr(h, "add_done_callback", None)
