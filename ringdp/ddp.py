@@ -636,10 +636,10 @@ class RingDDP(nn.Module, Joinable):
         if self._tracks_unused():
             unused = self._unused
             if self._usage is None:
-                self._usage = self._alloc(len(self._params), torch.int32, torch.device("cpu"))
+                self._usage = self._alloc(len(self._params), torch.int32, self._device)
             self._usage.fill_(1)
             if unused:
-                self._usage[torch.tensor(unused, dtype=torch.long)] = 0
+                self._usage[torch.tensor(unused, dtype=torch.long, device=self._usage.device)] = 0
             if self.world_size > 1:
                 self._usage_handle = ringdp.all_reduce(self._usage, group=self.process_group, async_op=True)
             for i in unused:
@@ -860,7 +860,7 @@ class RingDDP(nn.Module, Joinable):
         """One small all-reduce per iteration inside join(): which ranks still train and
         whether they will synchronise gradients. Sets divisor and authoritative rank."""
         if self._control is None:
-            self._control = self._alloc(self.world_size + 1, torch.int32, torch.device("cpu"))
+            self._control = self._alloc(self.world_size + 1, torch.int32, self._device)
         c = self._control
         c.zero_()
         if active:
@@ -893,7 +893,7 @@ class RingDDP(nn.Module, Joinable):
         tracks = self._tracks_unused()
         if tracks:
             if self._usage is None:
-                self._usage = self._alloc(len(self._params), torch.int32, torch.device("cpu"))
+                self._usage = self._alloc(len(self._params), torch.int32, self._device)
             self._usage.zero_()
             if self.world_size > 1:
                 ringdp.all_reduce(self._usage, group=self.process_group)
@@ -910,7 +910,7 @@ class RingDDP(nn.Module, Joinable):
 
     def _join_finish(self, is_last_joiner: bool) -> None:
         """After all ranks joined: everyone takes the model of a rank that joined last."""
-        t = torch.tensor([self.rank if is_last_joiner else -1], dtype=torch.int64)
+        t = torch.tensor([self.rank if is_last_joiner else -1], dtype=torch.int64, device=self._device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.process_group)
         src = int(t.item())
         if src >= 0:
