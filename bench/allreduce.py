@@ -318,7 +318,7 @@ class Bench:
         try:
             from ringdp import policy
 
-            self.threshold = int(policy.oneshot_max_bytes() if hasattr(policy, "oneshot_max_bytes")
+            self.threshold = int(policy.oneshot_max_bytes(self.world) if hasattr(policy, "oneshot_max_bytes")
                                  else os.environ.get("RINGDP_ONESHOT_MAX_BYTES", policy.ONESHOT_MAX_BYTES))
         except Exception:  # noqa: BLE001
             self.threshold = None

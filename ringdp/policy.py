@@ -10,8 +10,10 @@ import os
 ALGO_RING = 0
 ALGO_ONESHOT = 1
 
-# Messages up to this size use the one-shot path (every rank reduces all peers' copies).
-ONESHOT_MAX_BYTES = 32 << 10
+# Messages up to this size use the one-shot path (every rank reduces all peers' copies),
+# for world sizes of 3 and more; ONESHOT_MAX_BYTES_BY_WORLD overrides per world size.
+ONESHOT_MAX_BYTES = 128 << 10
+ONESHOT_MAX_BYTES_BY_WORLD = {1: 0, 2: 0}
 # The one-shot buffer each rank keeps (twice, alternating by call parity).
 ONESHOT_BUFFER_BYTES = 256 << 10
 # Ring pipeline: bytes per FIFO slot and slots per connection.
@@ -32,8 +34,9 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"{name}={v!r} is not an integer") from None
 
 
-def oneshot_max_bytes() -> int:
-    return min(_env_int("RINGDP_ONESHOT_MAX_BYTES", ONESHOT_MAX_BYTES), oneshot_buffer_bytes())
+def oneshot_max_bytes(world: int = 3) -> int:
+    default = ONESHOT_MAX_BYTES_BY_WORLD.get(world, ONESHOT_MAX_BYTES)
+    return min(_env_int("RINGDP_ONESHOT_MAX_BYTES", default), oneshot_buffer_bytes())
 
 
 def oneshot_buffer_bytes() -> int:
@@ -53,7 +56,7 @@ def choose_algo(nbytes: int, world: int) -> int:
         return ALGO_RING
     if forced == "oneshot":
         return ALGO_ONESHOT if nbytes <= oneshot_buffer_bytes() else ALGO_RING
-    return ALGO_ONESHOT if nbytes <= oneshot_max_bytes() else ALGO_RING
+    return ALGO_ONESHOT if nbytes <= oneshot_max_bytes(world) else ALGO_RING
 
 
 def timeout_s(timeout=None) -> float:
