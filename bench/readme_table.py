@@ -44,6 +44,22 @@ def allreduce_table(path: Path) -> str:
     return out
 
 
+def threshold_table(path: Path) -> str:
+    """Median time per forced algorithm: where one-shot stops paying (ringdp/policy.py)."""
+    d = json.loads(path.read_text())
+    by, series = {}, []
+    for r in d["rows"]:
+        by.setdefault(r["size"], {})[r["series"]] = r["median_us"]
+        if r["series"] not in series:
+            series.append(r["series"])
+    out = f"**{path.name}**: world {d['args']['world']}, median us per call\n\n"
+    out += "| size | " + " | ".join(series) + " |\n|" + "---|" * (len(series) + 1) + "\n"
+    for size in sorted(by):
+        out += f"| {fmt_size(size)} | " + " | ".join(
+            f"{by[size][s]:.1f}" if s in by[size] else "-" for s in series) + " |\n"
+    return out
+
+
 def ddp_table(path: Path) -> str:
     d = json.loads(path.read_text())
     out = f"**{path.name}**\n\n"
@@ -60,7 +76,7 @@ def ddp_table(path: Path) -> str:
 def main(argv):
     files = sorted(RESULTS.glob("allreduce_cpu_*.json"))
     for f in files:
-        print(allreduce_table(f))
+        print(threshold_table(f) if "threshold" in f.name else allreduce_table(f))
     for f in sorted(RESULTS.glob("ddp_step*.json")):
         print(ddp_table(f))
 
