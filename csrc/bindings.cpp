@@ -1,6 +1,7 @@
 // The one binding file: converts between torch/Python and ringdp's torch-free C++ API.
 // No logic lives here beyond argument conversion.
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include "common/error.h"
 #include "common/types.h"
@@ -54,6 +55,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
+  m.attr("COMPILER") = __VERSION__;
+  m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
+                               "." + std::to_string(TORCH_VERSION_PATCH);
 
   py::class_<ShmConfig>(m, "ShmConfig")
       .def(py::init<>())

@@ -335,5 +335,7 @@ def build_info() -> dict:
         "cuda": bool(_C.WITH_CUDA),
         "transports": transports,
         "torch": torch.__version__,
+        "built_with_torch": _C.BUILT_WITH_TORCH,
+        "compiler": _C.COMPILER,
         "torch_cuda": torch.version.cuda,
     }
