@@ -65,3 +65,19 @@ def free_port() -> int:
 
 def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawned(rank, world, port, main_rank, args, env):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), **env)
+    main_rank(rank, world, args)
+
+
+def launch(main_rank, args, world: int, env: dict | None = None):
+    """Run main_rank(rank, world, args) on the ranks torchrun gives, or else on `world` local
+    ranks started here (env:// rendezvous on 127.0.0.1, extra environment `env`)."""
+    if under_torchrun():
+        main_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spawned, args=(world, free_port(), main_rank, args, dict(env or {})), nprocs=world)

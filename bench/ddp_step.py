@@ -47,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import free_port, machine_info, save_json, under_torchrun  # noqa: E402
+from _common import launch, machine_info, save_json  # noqa: E402
 
 ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial")
 
@@ -241,20 +241,9 @@ def main_rank(rank, world, args):
         dist.destroy_process_group()
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      OMP_NUM_THREADS=str(args.threads))
-    main_rank(rank, world, args)
-
-
 def main(argv=None):
     args = parse_args(argv)
-    if under_torchrun():
-        main_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world)
+    launch(main_rank, args, args.world, env={"OMP_NUM_THREADS": str(args.threads)})
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import RESULTS_DIR, free_port, under_torchrun  # noqa: E402
+from _common import RESULTS_DIR, launch  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -321,11 +321,6 @@ def main_rank(rank: int, world: int, args):
         dist.destroy_process_group()
 
 
-def _spawned(rank, world, port, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    main_rank(rank, world, args)
-
-
 def main(argv=None):
     args = parse_args(argv)
     if args.command == "plot":
@@ -333,12 +328,7 @@ def main(argv=None):
         if p:
             print(f"wrote {p}")
         return
-    if under_torchrun():
-        main_rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-    else:
-        import torch.multiprocessing as mp
-
-        mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world)
+    launch(main_rank, args, args.world)
 
 
 if __name__ == "__main__":
