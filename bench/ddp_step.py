@@ -38,7 +38,6 @@ arguments, every block) and, with --plot, a PNG next to it.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
