@@ -741,16 +741,20 @@ def test_allreduce_hook_equals_default(pool):
     _check_train(res, 1e-5)
 
 
+def _assert_states_close(r, ring, ref):
+    for k in ring:
+        a, b = ring[k], ref[k]
+        if a.dtype.is_floating_point:
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"rank {r} {k}: {(a - b).abs().max()}"
+        else:
+            assert torch.equal(a, b), f"rank {r} {k}"
+
+
 def test_convnet_batchnorm_matches_torch_ddp(pool):
     res = pool.run("case_convbn_vs_torch")
     for r, out in enumerate(res):
         assert out["ring"].keys() == out["torch"].keys()
-        for k in out["ring"]:
-            a, b = out["ring"][k], out["torch"][k]
-            if a.dtype.is_floating_point:
-                assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"rank {r} {k}: {(a - b).abs().max()}"
-            else:
-                assert torch.equal(a, b), f"rank {r} {k}"
+        _assert_states_close(r, out["ring"], out["torch"])
     # buffers were broadcast from rank 0 before each forward, then updated locally: rank 1's
     # running stats are rank 0's previous ones plus one local update, so they differ from a
     # run without broadcast; the comparison with torch DDP above checks exactly that.
@@ -821,12 +825,7 @@ def test_join_throw_on_early_termination(pool):
 def test_join_convnet_batchnorm_matches_torch_ddp(pool):
     res = pool.run("case_convbn_vs_torch", join_counts=(2, 4))
     for r, out in enumerate(res):
-        for k in out["ring"]:
-            a, b = out["ring"][k], out["torch"][k]
-            if a.dtype.is_floating_point:
-                assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), f"rank {r} {k}: {(a - b).abs().max()}"
-            else:
-                assert torch.equal(a, b), f"rank {r} {k}"
+        _assert_states_close(r, out["ring"], out["torch"])
 
 
 def test_state_dict_round_trip(pool, tmp_path):

@@ -108,26 +108,11 @@ __device__ __noinline__ bool wait_geq(const uint64_t* flag, uint64_t target, con
 }
 
 // ---------------------------------------------------------------- element types
-template <class T> struct Num;
-template <> struct Num<float> {
-  using Acc = float;
-  __device__ static float to(float x) { return x; }
-  __device__ static float from(float x) { return x; }
-};
-template <> struct Num<double> {
-  using Acc = double;
-  __device__ static double to(double x) { return x; }
-  __device__ static double from(double x) { return x; }
-};
-template <> struct Num<int32_t> {
-  using Acc = int32_t;
-  __device__ static int32_t to(int32_t x) { return x; }
-  __device__ static int32_t from(int32_t x) { return x; }
-};
-template <> struct Num<int64_t> {
-  using Acc = int64_t;
-  __device__ static int64_t to(int64_t x) { return x; }
-  __device__ static int64_t from(int64_t x) { return x; }
+// Types that accumulate in themselves; half types specialise below.
+template <class T> struct Num {
+  using Acc = T;
+  __device__ static T to(T x) { return x; }
+  __device__ static T from(T x) { return x; }
 };
 template <> struct Num<__half> {
   using Acc = float;
