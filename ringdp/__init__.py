@@ -15,14 +15,17 @@ import torch.distributed as dist
 from .comm import Communicator, RingError, Work, build_info, destroy, get_communicator, init
 
 
-def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None):
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None):
     """Reduce `tensor` across the ranks of `group` in place (SUM, AVG, MIN, MAX).
+
+    `algo` forces "ring" or "oneshot" (None: RINGDP_ALGO, default "auto"); a forced one-shot
+    falls back to the ring above the one-shot buffer (Communicator.algo_for tells which runs).
 
     Returns None, or a Work with wait()/is_completed() when async_op=True; the tensor must
     not be touched until wait() returns. Raises RingError (naming the rank and the problem)
     on a mismatch across ranks, a dead or stuck peer, or a timeout (`timeout` seconds, else
     RINGDP_TIMEOUT_S, default 300)."""
-    return get_communicator(group).all_reduce(tensor, op=op, async_op=async_op, timeout=timeout)
+    return get_communicator(group).all_reduce(tensor, op=op, async_op=async_op, timeout=timeout, algo=algo)
 
 
 def _size(size):

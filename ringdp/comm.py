@@ -200,10 +200,10 @@ class Communicator:
         work.wait()
         return None
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None):
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None):
         t = policy.timeout_s(timeout) if timeout is not None else self.timeout
         try:
-            code, algo = self._check(tensor, op)
+            code, algo = self._check(tensor, op, algo)
         except (TypeError, ValueError) as e:
             # Tell the peers, in order, so they fail at once instead of timing out.
             msg = str(e)
@@ -213,7 +213,7 @@ class Communicator:
         if tensor.is_cuda:
             native = self._cuda(tensor.device)
             stream = torch.cuda.current_stream(tensor.device).cuda_stream  # the caller's stream
-            cuda_algo = cuda_comm.algo_code()
+            cuda_algo = cuda_comm.algo_code(algo)
             fn = lambda: native.all_reduce_tensor(tensor, code, stream, cuda_algo, t)  # noqa: E731
             work = self._submit(fn, async_op, on_wait=native.synchronize)
         else:
@@ -225,7 +225,14 @@ class Communicator:
             return work
         return None
 
-    def _check(self, tensor, op):
+    def algo_for(self, nbytes: int, device="cpu", algo=None) -> str:
+        """The algorithm ("ring" or "oneshot") this communicator runs for an all-reduce of
+        `nbytes` bytes on `device` with the given `algo` (None: RINGDP_ALGO, else auto)."""
+        if torch.device(device).type == "cuda":
+            return cuda_comm.algo_for(nbytes, self.world, algo)
+        return "oneshot" if policy.choose_algo(nbytes, self.world, algo) == policy.ALGO_ONESHOT else "ring"
+
+    def _check(self, tensor, op, algo=None):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
         code = _types.op_code(op)
@@ -245,7 +252,7 @@ class Communicator:
         if code == _types.AVG and not tensor.dtype.is_floating_point:
             raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
         nbytes = tensor.numel() * tensor.element_size()
-        return code, policy.choose_algo(nbytes, self.world)
+        return code, policy.choose_algo(nbytes, self.world, algo)
 
     # ---- registered memory --------------------------------------------------------------
     def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:

@@ -22,9 +22,29 @@ def transport_for(hosts: list[str]) -> str:
     return "ipc" if len(set(hosts)) == 1 else "nccl"
 
 
-def algo_code() -> int:
-    """-1 lets the CUDA transport choose (its own threshold); RINGDP_ALGO forces one."""
-    return {"ring": 0, "oneshot": 1}.get(os.environ.get("RINGDP_ALGO", "auto").strip().lower(), -1)
+def _forced(algo=None) -> str:
+    forced = (algo if algo is not None else os.environ.get("RINGDP_ALGO", "auto")).strip().lower()
+    if forced not in ("auto", "ring", "oneshot"):
+        raise ValueError(f"algo={forced!r}: expected ring, oneshot or auto")
+    return forced
+
+
+def algo_code(algo=None) -> int:
+    """-1 lets the CUDA transport choose (its own threshold); `algo`/RINGDP_ALGO forces one."""
+    return {"ring": 0, "oneshot": 1}.get(_forced(algo), -1)
+
+
+def algo_for(nbytes: int, world: int, algo=None) -> str:
+    """What the IPC transport runs (csrc/cuda/ipc_transport.cu: one-shot up to 16 ranks and its
+    one-shot buffer, automatically up to RINGDP_CUDA_ONESHOT_MAX_BYTES)."""
+    forced = _forced(algo)
+    if transport_for(["?"]) == "nccl" or world > 16:
+        return "ring"
+    buf = _env_int("RINGDP_CUDA_ONESHOT_BYTES") or (256 << 10)
+    limit = min(_env_int("RINGDP_CUDA_ONESHOT_MAX_BYTES") or buf, buf)
+    if nbytes > buf or forced == "ring":
+        return "ring"
+    return "oneshot" if forced == "oneshot" or nbytes <= limit else "ring"
 
 
 def wheel_nccl() -> str:

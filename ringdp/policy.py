@@ -43,15 +43,16 @@ def oneshot_buffer_bytes() -> int:
     return _env_int("RINGDP_ONESHOT_BUFFER_BYTES", ONESHOT_BUFFER_BYTES)
 
 
-def choose_algo(nbytes: int, world: int) -> int:
+def choose_algo(nbytes: int, world: int, algo: str | None = None) -> int:
     """The algorithm for one all-reduce of `nbytes` over `world` ranks.
 
-    RINGDP_ALGO=ring|oneshot|auto forces a choice (for benchmarks); a forced one-shot still
-    falls back to the ring for messages larger than the one-shot buffer.
+    `algo` (else RINGDP_ALGO) = ring|oneshot|auto forces a choice (for benchmarks); a forced
+    one-shot still falls back to the ring for messages larger than the one-shot buffer.
     """
-    forced = os.environ.get("RINGDP_ALGO", "auto").strip().lower()
+    forced = (algo if algo is not None else os.environ.get("RINGDP_ALGO", "auto")).strip().lower()
     if forced not in ("auto", "ring", "oneshot"):
-        raise ValueError(f"RINGDP_ALGO={forced!r}: expected ring, oneshot or auto")
+        what = f"algo={forced!r}" if algo is not None else f"RINGDP_ALGO={forced!r}"
+        raise ValueError(f"{what}: expected ring, oneshot or auto")
     if forced == "ring":
         return ALGO_RING
     if forced == "oneshot":

@@ -145,3 +145,34 @@ def test_registered_views():
     for row_sum, other0, other2 in res:
         assert row_sum == 1001 * 3.0
         assert other0 == 0 and other2 == 0
+
+
+def _forced_algo(rank, world):
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    out = {}
+    for algo in ("ring", "oneshot", "auto"):
+        for count in (1, 1000, 70_001):  # 70_001 float32 > the 256 KiB one-shot buffer
+            t = (torch.arange(count) % 13 + 2 * rank).to(torch.float32)
+            for _ in range(2):
+                t.copy_((torch.arange(count) % 13 + 2 * rank).to(torch.float32))
+                ringdp.all_reduce(t, algo=algo)
+            out[(algo, count)] = (comm.algo_for(4 * count, "cpu", algo), torch.equal(t, expected("SUM", world, count, torch.float32)))
+    try:
+        ringdp.all_reduce(torch.ones(3), algo="fastest")
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_algo_keyword(world):
+    """algo= forces the algorithm per call (what the benchmark uses instead of RINGDP_ALGO);
+    a forced one-shot falls back to the ring above its buffer, and algo_for says so."""
+    for out in values(run_ranks(_forced_algo, world)):
+        assert all(v[1] for key, v in out.items() if key != "bad"), out
+        assert out[("ring", 1)][0] == "ring" and out[("oneshot", 1)][0] == "oneshot"
+        assert out[("oneshot", 70_001)][0] == "ring"
+        assert out[("auto", 1)][0] == ("ring" if world == 2 else "oneshot")
+        assert "fastest" in out["bad"]
