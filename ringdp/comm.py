@@ -31,9 +31,12 @@ RingError = _C.RingError
 class Work:
     """Handle of an async collective, like torch.distributed's Work."""
 
-    def __init__(self, future: Future, on_wait=None):
+    def __init__(self, future: Future, outputs: list, on_wait=None):
         self._future = future
+        self._outputs = outputs  # the tensors the collective writes
         self._on_wait = on_wait
+        self._torch_future: torch.futures.Future | None = None
+        self._lock = threading.Lock()
 
     def wait(self, timeout=None) -> bool:
         """Block until the collective finished; re-raises its error (a RingError)."""
@@ -51,15 +54,29 @@ class Work:
     def exception(self):
         return self._future.exception() if self._future.done() else None
 
-    def add_done_callback(self, fn):
-        """fn(work) runs (on the worker thread) when the collective finished."""
-        self._future.add_done_callback(lambda _f: fn(self))
+    def get_future(self) -> torch.futures.Future:
+        """A torch.futures.Future that completes (on ringdp's worker thread) with the list of
+        output tensors when the collective finished, or with its error; as
+        torch.distributed's Work.get_future() (what DDP comm hooks return)."""
+        with self._lock:
+            if self._torch_future is None:
+                tf: torch.futures.Future = torch.futures.Future()
+                self._torch_future = tf
 
+                def done(f: Future):
+                    exc = f.exception()
+                    if exc is None and self._on_wait is not None:
+                        try:
+                            self._on_wait()
+                        except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+                            exc = e
+                    if exc is not None:
+                        tf.set_exception(exc)
+                    else:
+                        tf.set_result(list(self._outputs))
 
-def _done_work() -> Work:
-    f: Future = Future()
-    f.set_result(None)
-    return Work(f)
+                self._future.add_done_callback(done)
+            return self._torch_future
 
 
 def _group_key(group) -> str:
@@ -177,7 +194,7 @@ class Communicator:
             with self._pending_lock:
                 self._pending -= 1
 
-    def _submit(self, fn, async_op: bool, on_wait=None) -> Work | None:
+    def _submit(self, fn, async_op: bool, outputs=(), on_wait=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued, else behind
         the queued ones on the worker thread."""
         if self._closed:
@@ -194,7 +211,7 @@ class Communicator:
             self._start_worker()
         fut: Future = Future()
         self._queue.put((fn, fut))
-        work = Work(fut, on_wait)
+        work = Work(fut, list(outputs), on_wait)
         if async_op:
             return work
         work.wait()
@@ -215,12 +232,12 @@ class Communicator:
             stream = torch.cuda.current_stream(tensor.device).cuda_stream  # the caller's stream
             cuda_algo = cuda_comm.algo_code(algo)
             fn = lambda: native.all_reduce_tensor(tensor, code, stream, cuda_algo, t)  # noqa: E731
-            work = self._submit(fn, async_op, on_wait=native.synchronize)
+            work = self._submit(fn, async_op, outputs=[tensor], on_wait=native.synchronize)
         else:
             if self._shm_error:
                 raise RingError(self._shm_error)
             fn = lambda: self._native.all_reduce(tensor, code, algo, t)  # noqa: E731
-            work = self._submit(fn, async_op)
+            work = self._submit(fn, async_op, outputs=[tensor])
         if async_op:
             return work
         return None

@@ -1,12 +1,12 @@
 """Communication hooks for RingDDP, in the style of torch's ddp_comm_hooks.
 
-A hook is ``hook(state, bucket) -> handle``: ``bucket`` is a :class:`ringdp.ddp.GradBucket`
-holding the bucket's *raw summed* local gradients in ``bucket.buffer()`` (not yet divided
-by the world size); the hook must start the reduction and return a handle whose
-``wait()`` leaves the averaged gradients in ``bucket.buffer()`` or returns a tensor holding
-them. A :class:`HookWork`, a ``torch.futures.Future`` (as torch's hooks return) and a
-torch.distributed Work are all accepted. ``state`` is the process group (or None for the
-default group), as for torch's default hooks.
+A hook is ``hook(state, bucket) -> torch.futures.Future``: ``bucket`` is a
+:class:`ringdp.reducer.GradBucket` holding the bucket's *raw summed* local gradients in
+``bucket.buffer()`` (not yet divided by the world size); the hook starts the reduction and
+returns a future whose value is the tensor holding the averaged gradients (or a list with
+it first), as torch's hooks do. ``ringdp.all_reduce(..., async_op=True).get_future()`` is
+such a future. ``state`` is the process group (or None for the default group), as for
+torch's default hooks.
 
     model = ringdp.RingDDP(net)
     model.register_comm_hook(None, ringdp.comm_hooks.bf16_compress_hook)
@@ -17,47 +17,12 @@ half the bytes and still needs no staging copy.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.distributed as dist
 
 import ringdp
 
-__all__ = ["HookWork", "allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "compress_hook"]
-
-
-class HookWork:
-    """A started reduction plus what to do once it finished.
-
-    ``wait()`` waits for ``work`` (anything with ``wait()``, or None for "already done") and
-    then returns ``then()`` (the tensor holding the result)."""
-
-    def __init__(self, work, then: Callable[[], torch.Tensor]):
-        self._work = work
-        self._then = then
-        self._result = None
-        self._done = False
-
-    def wait(self) -> torch.Tensor:
-        if not self._done:
-            if self._work is not None:
-                self._work.wait()
-            self._result = self._then()
-            self._done = True
-        return self._result
-
-    def is_completed(self) -> bool:
-        return self._done or self._work is None or bool(self._work.is_completed())
-
-    def add_done_callback(self, fn) -> None:
-        """fn(self) once the underlying reduction finished (maybe on another thread)."""
-        if self._work is None:
-            fn(self)
-        elif hasattr(self._work, "add_done_callback"):
-            self._work.add_done_callback(lambda _w: fn(self))
-        else:
-            raise AttributeError("the underlying work has no add_done_callback")
+__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "compress_hook"]
 
 
 def _group(state):
@@ -82,36 +47,35 @@ def _scratch(bucket, dtype: torch.dtype, group) -> torch.Tensor:
         return torch.empty(buf.numel(), dtype=dtype, device=buf.device)
 
 
-def allreduce_hook(state, bucket) -> HookWork:
+def allreduce_hook(state, bucket) -> torch.futures.Future:
     """What RingDDP does without a hook: divide by the world size, all-reduce (sum)."""
     group = _group(state)
     buf = bucket.buffer()
     buf.div_(_world(group))
-    work = ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return HookWork(work, lambda: buf)
+    return ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
 
 def compress_hook(dtype: torch.dtype):
     """A hook that reduces the bucket in `dtype` (divided first) and decompresses back."""
 
-    def hook(state, bucket) -> HookWork:
+    def hook(state, bucket) -> torch.futures.Future:
         group = _group(state)
         buf = bucket.buffer()
         world = _world(group)
         if buf.dtype == dtype:  # nothing to compress: reduce in place
             buf.div_(world)
-            work = ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            return HookWork(work, lambda: buf)
+            return ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
         comp = _scratch(bucket, dtype, group)
         # divide in the original precision, then round once into the compressed copy
         torch.div(buf, world, out=comp)
-        work = ringdp.all_reduce(comp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        fut = ringdp.all_reduce(comp, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
 
-        def decompress():
+        def decompress(f: torch.futures.Future) -> torch.Tensor:
+            f.wait()  # re-raises the reduction's error
             buf.copy_(comp)
             return buf
 
-        return HookWork(work, decompress)
+        return fut.then(decompress)
 
     short = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, str(dtype).replace("torch.", ""))
     hook.__name__ = f"{short}_compress_hook"

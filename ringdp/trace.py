@@ -1,6 +1,7 @@
 """Timeline of RingDDP's backward passes: a Chrome-trace JSON per rank and a summary.
 
-Enable with ``RINGDP_TRACE=path`` (or ``RingDDP(..., trace=path)``). The path may contain
+Enable with ``RINGDP_TRACE=path`` (or ``RingDDP(..., trace=path)``): a :class:`DDPTrace`
+observes the RingDDP's Reducer (ringdp/reducer.py) and feeds a :class:`Tracer`. The path may contain
 ``{rank}``; otherwise ``.rank<r>`` is inserted before a ``.json`` suffix, and a path without
 that suffix is taken as a directory. Open the file in chrome://tracing or
 https://ui.perfetto.dev. Each rank is one process with two rows:
@@ -27,17 +28,16 @@ import json
 import os
 import sys
 import threading
-import time
 import weakref
 from pathlib import Path
 
+import torch
+from torch.utils._pytree import tree_leaves
+
+from .reducer import Bucket, Observer, now_us
+
 TID_AUTOGRAD = 0
 TID_COMM = 1
-
-
-def now_us() -> float:
-    """Microseconds on the monotonic clock shared by all processes of the machine."""
-    return time.perf_counter_ns() / 1000.0
 
 
 def trace_path(path: str | os.PathLike, rank: int) -> Path:
@@ -105,10 +105,8 @@ class Tracer:
     A second RingDDP of the same process given the same path writes `<name>.ddp1.json`
     (then ddp2, ...) instead of overwriting the first one's file."""
 
-    def __init__(self, path, rank: int, world: int, max_event_steps: int | None = None):
+    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000):
         self.rank = rank
-        if max_event_steps is None:
-            max_event_steps = int(os.environ.get("RINGDP_TRACE_STEPS", "1000"))
         self.max_event_steps = max_event_steps
         self.world = world
         p = trace_path(path, rank)
@@ -197,6 +195,79 @@ class Tracer:
         tmp.write_text(json.dumps(doc))
         os.replace(tmp, self.path)
         return self.path
+
+
+class DDPTrace(Observer):
+    """The observer of one RingDDP's Reducer: collects each synchronised backward's times
+    and hands them to a Tracer (RingDDP(trace=path) or RINGDP_TRACE=path). It records; it
+    never changes what the Reducer does."""
+
+    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000):
+        self.tracer = Tracer(path, rank, world, max_event_steps=max_event_steps)
+        self._fwd: tuple[float | None, float | None] = (None, None)
+        self._bwd_start: float | None = None
+        self._records: dict[int, dict[int, dict]] = {}  # step -> bucket index -> times
+
+    def on_forward(self, t_start, t_end, outputs) -> None:
+        self._fwd = (t_start, t_end)
+        if torch.is_grad_enabled():
+            self._bwd_start = None  # the gradient of the output marks the start of backward
+            ref = weakref.ref(self)
+            for t in tree_leaves(outputs):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(_backward_start_hook(ref))
+
+    @staticmethod
+    def _blank(b: Bucket) -> dict:
+        return {"index": b.index, "nbytes": b.nbytes, "params": len(b.params), "t_ready": None,
+                "t_launch": None, "t_done": None, "t_wait": None}
+
+    def _record(self, step: int, b: Bucket) -> dict:
+        return self._records.setdefault(step, {}).setdefault(b.index, self._blank(b))
+
+    def on_backward(self, step, t) -> None:
+        self._records[step] = {}
+        if self._bwd_start is None:
+            self._bwd_start = t
+
+    def on_ready(self, step, bucket, t) -> None:
+        self._record(step, bucket)["t_ready"] = t
+
+    def on_launch(self, step, bucket, t) -> None:
+        self._record(step, bucket)["t_launch"] = t
+
+    def on_done(self, step, bucket, t) -> None:  # ringdp's worker thread
+        rec = self._records.get(step, {}).get(bucket.index)
+        if rec is not None and rec["t_done"] is None:
+            rec["t_done"] = t
+
+    def on_wait(self, step, bucket, t_wait, t_done, t_written) -> None:
+        self._record(step, bucket)["t_wait"] = (t_wait, t_done, t_written)
+
+    def on_finalize(self, step, buckets, t_bwd_end, t_end, exposed_us, writeback_us) -> None:
+        recs = self._records.pop(step, {})
+        self._records = {k: v for k, v in self._records.items() if k > step}  # join shadows
+        rows = []
+        for b in buckets:
+            rec = dict(recs.get(b.index) or self._blank(b))
+            if rec["t_wait"] is not None:  # done at the latest when its wait returned
+                end = rec["t_wait"][1]
+                rec["t_done"] = end if rec["t_done"] is None else min(rec["t_done"], end)
+            rows.append(rec)
+        t_start = self._bwd_start if self._bwd_start is not None else t_bwd_end
+        self.tracer.record_step({"step": step, "t_fwd_start": self._fwd[0], "t_fwd_end": self._fwd[1],
+                                 "t_bwd_start": t_start, "t_bwd_end": t_bwd_end, "t_end": t_end,
+                                 "exposed_us": exposed_us, "writeback_us": writeback_us, "buckets": rows})
+        self._bwd_start = None
+
+
+def _backward_start_hook(ref):
+    def hook(grad):
+        trace = ref()
+        if trace is not None and trace._bwd_start is None:
+            trace._bwd_start = now_us()
+
+    return hook
 
 
 def load_summary(path) -> dict:

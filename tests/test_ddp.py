@@ -310,12 +310,13 @@ def case_train(rank, world, model="mlp", ddp_kwargs=None, dtype="float32", hook=
         layouts.append(ddp.bucket_layout)
     views = []
     if (ddp_kwargs or {}).get("gradient_as_bucket_view"):
-        for p in ddp.parameters():
-            b, slot = ddp._loc[ddp._pidx_of[id(p)]]
+        for i, p in enumerate(ddp.reducer.params):
+            b, slot = ddp.reducer.bucket_of(i)
             views.append(p.grad.data_ptr() == b.views[slot].data_ptr())
+    buckets = ddp.reducer.buckets
     return {"params": params_of(ddp.module), "diffs": diffs, "initial_diff": initial_diff, "layouts": layouts,
-            "hook_calls": calls, "n_buckets": len(ddp._buckets), "grads_registered": grads_registered,
-            "grad_is_view": views, "direct_storage": [b._buffer is not None for b in ddp._buckets if b.direct_ok]}
+            "hook_calls": calls, "n_buckets": len(buckets), "grads_registered": grads_registered,
+            "grad_is_view": views, "in_grad_storage": [b.has_storage for b in buckets if b.in_grad]}
 
 
 def case_convbn_vs_torch(rank, world, steps=5, join_counts=None):
@@ -542,7 +543,7 @@ def case_trace(rank, world, tmpdir, steps=4):
         ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
         opt.step()
     path = ddp.flush_trace()
-    return {"path": str(path), "summary": ddp.trace_summary(), "n_buckets": len(ddp._buckets)}
+    return {"path": str(path), "summary": ddp.trace_summary(), "n_buckets": len(ddp.reducer.buckets)}
 
 
 class TwoBranch(nn.Module):
@@ -582,7 +583,7 @@ def case_rank_order(rank, world, steps=4):
         ((ref(x) - y) ** 2).mean().backward()
         diffs.append(max_diff([p.grad for p in ddp.parameters()], [p.grad for p in ref.parameters()]))
         if s == 0:
-            ready_orders.append([ddp._param_names[i] for i in ddp._ready_order])
+            ready_orders.append([ddp.reducer.names[i] for i in ddp.reducer.ready_order])
     return {"layout": ddp.bucket_layout, "ready_order": ready_orders[0], "diffs": diffs,
             "grads": [p.grad.clone() for p in ddp.parameters()]}
 
@@ -637,7 +638,7 @@ def _check_train(res, tol):
         assert res[r]["layouts"] == res[0]["layouts"], "bucket layouts differ across ranks"
 
 
-DIRECT = {"RINGDP_DDP_DIRECT_MIN_BYTES": "1"}  # every gradient reduced in place in .grad
+IN_GRAD = {"RINGDP_DDP_IN_GRAD_MIN_BYTES": "1"}  # every gradient reduced in its .grad
 
 
 def test_mlp_matches_single_process(pool):
@@ -647,12 +648,12 @@ def test_mlp_matches_single_process(pool):
 
 
 @pytest.mark.parametrize("model", ["mlp", "tied"])
-def test_direct_in_place_reduction(pool, model):
-    res = pool.run("case_train", model=model, _env=DIRECT)
+def test_reduced_in_grad(pool, model):
+    res = pool.run("case_train", model=model, _env=IN_GRAD)
     _check_train(res, 1e-5)
     assert all(len(b) == 1 for b in res[0]["layouts"][-1])  # one gradient per bucket
     for out in res:  # reduced in .grad: the buckets never needed storage of their own
-        assert out["direct_storage"] and not any(out["direct_storage"])
+        assert out["in_grad_storage"] and not any(out["in_grad_storage"])
 
 
 def test_default_buckets_several_and_rebuilt(pool):
@@ -761,7 +762,7 @@ def test_convnet_batchnorm_matches_torch_ddp(pool):
     assert not torch.equal(res[0]["ring"]["bn1.running_mean"], res[1]["ring"]["bn1.running_mean"])
 
 
-@pytest.mark.parametrize("view,env", [(False, None), (True, None), (False, DIRECT)])
+@pytest.mark.parametrize("view,env", [(False, None), (True, None), (False, IN_GRAD)])
 def test_no_sync_accumulation_equals_large_batch(pool, view, env):
     res = pool.run("case_no_sync", gradient_as_bucket_view=view, _env=env)
     for r, out in enumerate(res):
@@ -771,10 +772,10 @@ def test_no_sync_accumulation_equals_large_batch(pool, view, env):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("static_graph,env,d", [(False, None, 4), (True, None, 4), (False, DIRECT, 4),
-                                                (False, DIRECT, 128)])
+@pytest.mark.parametrize("static_graph,env,d", [(False, None, 4), (True, None, 4), (False, IN_GRAD, 4),
+                                                (False, IN_GRAD, 128)])
 def test_unused_parameters_with_flag(pool, static_graph, env, d):
-    # with DIRECT, rank 0 reduces b's .grad in place while rank 1 reduces its zeroed bucket
+    # with IN_GRAD, rank 0 reduces b's .grad in place while rank 1 reduces its zeroed bucket
     res = pool.run("case_unused", find_unused=not static_graph, static_graph=static_graph, _env=env, d=d)
     for r, out in enumerate(res):
         assert "error" not in out, out.get("error")
@@ -796,7 +797,7 @@ def test_unused_parameters_without_flag_explains(pool):
 
 
 @pytest.mark.parametrize("counts,divide_initial,env", [((3, 5), True, None), ((3, 5), False, None),
-                                                      ((0, 2), True, None), ((3, 5), False, DIRECT)])
+                                                      ((0, 2), True, None), ((3, 5), False, IN_GRAD)])
 def test_join_uneven_inputs(pool, counts, divide_initial, env):
     res = pool.run("case_join", counts=counts, divide_by_initial_world_size=divide_initial, _env=env)
     for r, out in enumerate(res):
@@ -876,7 +877,7 @@ def test_trace_file_and_summary(pool, tmp_path):
 
 # ============================================================== single-process unit tests
 def test_assign_buckets_rules():
-    from ringdp.ddp import assign_buckets
+    from ringdp.reducer import assign_buckets
 
     f32, f16 = (torch.float32, "cpu"), (torch.float16, "cpu")
     nbytes = [100, 100, 100, 100, 100, 100]
@@ -892,7 +893,7 @@ def test_assign_buckets_rules():
     # a tensor larger than the cap gets a bucket of its own
     assert assign_buckets([0, 1, 2], [10, 1000, 10], [f32] * 3, 100, 100) == [[0, 1], [2]]
     # solo_bytes: a large tensor closes the open bucket and stands alone
-    assert assign_buckets([0, 1, 2, 3], [10, 1000, 10, 10], [f32] * 4, 100, 100, solo_bytes=500) == [[0], [1], [2, 3]]
+    assert assign_buckets([0, 1, 2, 3], [10, 1000, 10, 10], [f32] * 4, 100, 100, in_grad_bytes=500) == [[0], [1], [2, 3]]
 
 
 def test_trace_path_rules(tmp_path):

@@ -1,0 +1,186 @@
+"""Every ``RINGDP_*`` setting, read in one place by one strict parser.
+
+``Config.from_env()`` reads the environment once and returns a frozen :class:`Config`. A
+communicator resolves one when it is created (``ringdp.init``) and a RingDDP when it is
+constructed; nothing else in ringdp reads ``os.environ``. A malformed value is a
+``ValueError`` that names the variable and says what it accepts; a ``RINGDP_*`` variable
+that ringdp does not know is reported once with a warning (a typo must not be silently
+ignored).
+
+Defaults and their reasons live in ringdp/policy.py (measured thresholds, slot sizes).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from . import policy
+
+ALGOS = ("auto", "ring", "oneshot")
+TRANSPORTS = ("auto", "ipc", "nccl")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Config:
+    # -- every transport -----------------------------------------------------------------
+    timeout_s: float = policy.DEFAULT_TIMEOUT_S  # RINGDP_TIMEOUT_S: seconds to wait for peers
+    algo: str = "auto"  # RINGDP_ALGO: auto | ring | oneshot (a forced one-shot falls back above its buffer)
+    # -- shared memory (CPU tensors) -----------------------------------------------------
+    oneshot_max_bytes: int | None = None  # RINGDP_ONESHOT_MAX_BYTES (None: policy's per-world default)
+    oneshot_bytes: int = policy.ONESHOT_BYTES  # RINGDP_ONESHOT_BYTES: the one-shot buffer
+    slot_bytes: int = policy.SLOT_BYTES  # RINGDP_SLOT_BYTES
+    fifo_slots: int = policy.FIFO_SLOTS  # RINGDP_FIFO_SLOTS
+    arena_gb: float = policy.ARENA_GB  # RINGDP_ARENA_GB: virtual size of the registered arena
+    spin_us: float | None = None  # RINGDP_SPIN_US (None: policy.spin_ns decides)
+    # -- CUDA ------------------------------------------------------------------------------
+    transport: str = "auto"  # RINGDP_TRANSPORT: auto | ipc | nccl (auto: IPC on one host)
+    cuda_slot_bytes: int = 0  # RINGDP_CUDA_SLOT_BYTES (0: the transport's default)
+    cuda_slots: int = 0  # RINGDP_CUDA_SLOTS
+    cuda_channels: int = 0  # RINGDP_CUDA_CHANNELS (0: SMs / ranks sharing the GPU)
+    cuda_oneshot_bytes: int = 0  # RINGDP_CUDA_ONESHOT_BYTES: the IPC one-shot buffer (0: default)
+    cuda_oneshot_max_bytes: int = 0  # RINGDP_CUDA_ONESHOT_MAX_BYTES (0: the whole buffer)
+    cuda_registered: bool = True  # RINGDP_CUDA_REGISTERED: peers read registered tensors in place
+    cuda_arena_mb: float = policy.CUDA_ARENA_MB  # RINGDP_CUDA_ARENA_MB
+    nccl_library: str = ""  # RINGDP_NCCL_LIBRARY: path of libnccl.so.2
+    nccl_hostid_per_rank: bool = False  # RINGDP_NCCL_HOSTID_PER_RANK: tests, several ranks per GPU
+    # -- RingDDP ---------------------------------------------------------------------------
+    ddp_in_grad_min_bytes: int = policy.IN_GRAD_MIN_BYTES  # RINGDP_DDP_IN_GRAD_MIN_BYTES (-1: never)
+    ddp_overlap: bool = True  # RINGDP_DDP_OVERLAP
+    trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes
+    trace_steps: int = 1000  # RINGDP_TRACE_STEPS: steps with events (later ones: summary only)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
+        """Parse the RINGDP_* variables of `environ` (default: os.environ)."""
+        env = os.environ if environ is None else environ
+        values = {}
+        for name, (field, parse) in _VARIABLES.items():
+            raw = env.get(name)
+            if raw is None or raw.strip() == "":
+                continue
+            values[field] = parse(name, raw.strip())
+        _warn_unknown(env)
+        return cls(**values)
+
+    def replace(self, **changes) -> "Config":
+        return dataclasses.replace(self, **changes)
+
+    def oneshot_threshold(self, world: int) -> int:
+        """Largest message the shared-memory transport sends one-shot under `algo` auto."""
+        default = policy.ONESHOT_MAX_BYTES_BY_WORLD.get(world, policy.ONESHOT_MAX_BYTES)
+        limit = default if self.oneshot_max_bytes is None else self.oneshot_max_bytes
+        return min(limit, self.oneshot_bytes)
+
+
+# ---------------------------------------------------------------------------------- parsers
+def _int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def _nonneg_int(name: str, raw: str) -> int:
+    v = _int(name, raw)
+    if v < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return v
+
+
+def _int_or_never(name: str, raw: str) -> int:
+    v = _int(name, raw)
+    if v < -1:
+        raise ValueError(f"{name}={raw!r}: expected a byte count, or -1 for never")
+    return v
+
+
+def _positive_float(name: str, raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not v > 0:
+        raise ValueError(f"{name}={raw!r} must be positive")
+    return v
+
+
+def _nonneg_float(name: str, raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if v < 0:
+        raise ValueError(f"{name}={raw!r} must be >= 0")
+    return v
+
+
+def _bool(name: str, raw: str) -> bool:
+    low = raw.lower()
+    if low in _TRUE:
+        return True
+    if low in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r}: expected 1/0 (or true/false, yes/no, on/off)")
+
+
+def _choice(options: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(name: str, raw: str) -> str:
+        low = raw.lower()
+        if low not in options:
+            raise ValueError(f"{name}={raw!r}: expected one of {', '.join(options)}")
+        return low
+
+    return parse
+
+
+def _text(name: str, raw: str) -> str:
+    return raw
+
+
+_VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
+    "RINGDP_TIMEOUT_S": ("timeout_s", _positive_float),
+    "RINGDP_ALGO": ("algo", _choice(ALGOS)),
+    "RINGDP_ONESHOT_MAX_BYTES": ("oneshot_max_bytes", _nonneg_int),
+    "RINGDP_ONESHOT_BYTES": ("oneshot_bytes", _nonneg_int),
+    "RINGDP_SLOT_BYTES": ("slot_bytes", _nonneg_int),
+    "RINGDP_FIFO_SLOTS": ("fifo_slots", _nonneg_int),
+    "RINGDP_ARENA_GB": ("arena_gb", _positive_float),
+    "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
+    "RINGDP_TRANSPORT": ("transport", _choice(TRANSPORTS)),
+    "RINGDP_CUDA_SLOT_BYTES": ("cuda_slot_bytes", _nonneg_int),
+    "RINGDP_CUDA_SLOTS": ("cuda_slots", _nonneg_int),
+    "RINGDP_CUDA_CHANNELS": ("cuda_channels", _nonneg_int),
+    "RINGDP_CUDA_ONESHOT_BYTES": ("cuda_oneshot_bytes", _nonneg_int),
+    "RINGDP_CUDA_ONESHOT_MAX_BYTES": ("cuda_oneshot_max_bytes", _nonneg_int),
+    "RINGDP_CUDA_REGISTERED": ("cuda_registered", _bool),
+    "RINGDP_CUDA_ARENA_MB": ("cuda_arena_mb", _nonneg_float),
+    "RINGDP_NCCL_LIBRARY": ("nccl_library", _text),
+    "RINGDP_NCCL_HOSTID_PER_RANK": ("nccl_hostid_per_rank", _bool),
+    "RINGDP_DDP_IN_GRAD_MIN_BYTES": ("ddp_in_grad_min_bytes", _int_or_never),
+    "RINGDP_DDP_OVERLAP": ("ddp_overlap", _bool),
+    "RINGDP_TRACE": ("trace", _text),
+    "RINGDP_TRACE_STEPS": ("trace_steps", _nonneg_int),
+}
+# Read by setup.py / the build scripts, or by the tests themselves, not at run time.
+_NOT_RUNTIME = {"RINGDP_BUILD_CUDA", "RINGDP_CUDA_ARCHS", "RINGDP_REQUIRE_CUDA"}
+_warned: set[str] = set()
+
+
+def _warn_unknown(env: Mapping[str, str]) -> None:
+    for name in env:
+        if (name.startswith("RINGDP_") and name not in _VARIABLES and name not in _NOT_RUNTIME
+                and not name.startswith("RINGDP_TEST_") and name not in _warned):
+            _warned.add(name)
+            known = ", ".join(sorted(_VARIABLES))
+            warnings.warn(f"ringdp: unknown environment variable {name} is ignored (known: {known})",
+                          stacklevel=3)
+
+
+def variables() -> dict[str, str]:
+    """Each variable and the Config field it sets (for docs and tests)."""
+    return {name: field for name, (field, _) in _VARIABLES.items()}

@@ -1,0 +1,707 @@
+"""The Reducer: RingDDP's gradient buckets and their reductions, one backward at a time.
+
+RingDDP (ringdp/ddp.py) is the Module: arguments, model checks, forward, no_sync, comm hooks,
+join. The Reducer owns everything between a parameter's gradient and its averaged value,
+as torch's c10d Reducer does, through named lifecycle methods:
+
+    prepare_for_forward()                before forward: abandon a backward that died
+    prepare_for_backward(outputs, sync)  after forward: will the next backward synchronise,
+                                         and which parameters did this forward not use
+    mark_ready(i, param)                 per parameter, from its post-accumulate-grad hook:
+                                         its gradient is final; fills its bucket and, once a
+                                         bucket is complete and every lower bucket started,
+                                         starts that bucket's reduction
+    finalize()                           end of backward (an autograd callback): wait for
+                                         the buckets in index order, write each one back as
+                                         soon as it is done
+    rebuild(src)                         once, after the first synchronised backward: adopt
+                                         rank src's gradient-ready order (same buckets on
+                                         every rank)
+    abandon()                            a backward died before its end (an exception)
+    shadow_backward()                    join: a rank without data matches one backward
+                                         with zero gradients
+
+Buckets. Gradients are grouped by dtype and device in reverse parameter order (the order
+backward usually produces them), each bucket up to `cap_bytes` (the first of each kind up
+to `first_cap_bytes`, so communication starts early). Storage: one arena per dtype and
+device from ``ringdp.empty`` (registered memory: the reduction needs no staging copy),
+buckets at aligned offsets inside it. With ``gradient_as_bucket_view`` the parameters'
+``.grad`` are views into the buckets.
+
+Reduced in .grad. Without bucket views and without a comm hook, a gradient of at least
+``in_grad_min_bytes`` (RINGDP_DDP_IN_GRAD_MIN_BYTES, ringdp/policy.py IN_GRAD_MIN_BYTES)
+gets a bucket of its own that is reduced in the parameter's ``.grad`` itself: ringdp stages
+it through its transport on its worker thread, instead of the backward copying it into a
+bucket and the end of backward copying it back. Such a bucket gets storage only when it
+needs it (an unused parameter, a join shadow). -1 turns it off.
+
+Reductions. Each bucket's reduction is one future (a ``torch.futures.Future`` whose value
+holds the reduced tensor): a comm hook returns one (a Work's ``get_future()`` is accepted),
+and without a hook the Reducer makes one from ``ringdp.all_reduce(..., async_op=True)``
+with ReduceOp.AVG (the division fused into the reduction). Buckets start strictly in index
+order on every rank.
+
+Observers. An :class:`Observer` is told what happens (ready, launch, done, wait, finalize);
+it records and never changes what the Reducer does (ringdp.trace.DDPTrace writes the Chrome
+trace).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import ringdp
+
+__all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "assign_buckets", "now_us"]
+
+_MiB = 1 << 20
+ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
+
+
+def now_us() -> float:
+    """Microseconds on the monotonic clock shared by the machine's processes."""
+    return time.perf_counter_ns() / 1000.0
+
+
+def assign_buckets(order: list[int], nbytes: list[int], keys: list[Any], cap_bytes: int,
+                   first_cap_bytes: int, in_grad_bytes: int | None = None) -> list[list[int]]:
+    """Group the tensors `order` (indices, in the order they should fill buckets) into
+    buckets of one key (dtype, device) each. A bucket is closed once it holds at least
+    its limit (so a tensor larger than the cap gets a bucket of its own); the first bucket
+    of each key has limit `first_cap_bytes`, the others `cap_bytes`. With `in_grad_bytes`,
+    a tensor of at least that size (reduced in its .grad) closes the open bucket of its key
+    and takes a bucket of its own. Buckets come back ordered by the position of their
+    first tensor in `order`."""
+    open_: dict[Any, tuple[list[int], int, int]] = {}
+    closed_count: dict[Any, int] = {}
+    done: list[tuple[int, list[int]]] = []
+
+    def close(k, members, first):
+        done.append((first, members))
+        closed_count[k] = closed_count.get(k, 0) + 1
+        open_.pop(k, None)
+
+    for pos, i in enumerate(order):
+        k = keys[i]
+        if in_grad_bytes is not None and nbytes[i] >= in_grad_bytes:
+            if k in open_:
+                members, _size, first = open_[k]
+                close(k, members, first)
+            close(k, [i], pos)
+            continue
+        members, size, first = open_.get(k, ([], 0, pos))
+        members.append(i)
+        size += nbytes[i]
+        limit = first_cap_bytes if closed_count.get(k, 0) == 0 else cap_bytes
+        if size >= limit:
+            close(k, members, first)
+        else:
+            open_[k] = (members, size, first)
+    for members, _size, first in open_.values():
+        done.append((first, members))
+    done.sort(key=lambda t: t[0])
+    return [m for _, m in done]
+
+
+class Bucket:
+    """One bucket: a contiguous slice of a registered arena and views of its parameters.
+    An in-grad bucket (a single large gradient, normally reduced in its own .grad) gets its
+    storage only when it needs it."""
+
+    def __init__(self, index: int, params: list[int], shapes: list[torch.Size], dtype: torch.dtype,
+                 device: torch.device, storage: torch.Tensor | None = None,
+                 alloc: Callable[[], torch.Tensor] | None = None, in_grad: bool = False):
+        self.index = index
+        self.params = params  # parameter indices, in bucket order
+        self.shapes = shapes
+        self.numels = [s.numel() for s in shapes]
+        self.offsets = [sum(self.numels[:k]) for k in range(len(shapes))]
+        self.dtype = dtype
+        self.device = device
+        self.numel = sum(self.numels)
+        self.nbytes = self.numel * torch.empty((), dtype=dtype).element_size()
+        self.in_grad = in_grad
+        self._storage = storage
+        self._alloc = alloc
+        self._views: list[torch.Tensor] | None = None
+        self.workspaces: dict[torch.dtype, torch.Tensor] = {}
+        self.reset()
+
+    @property
+    def has_storage(self) -> bool:
+        return self._storage is not None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._storage is None:
+            self._storage = self._alloc()
+        return self._storage
+
+    @property
+    def views(self) -> list[torch.Tensor]:
+        if self._views is None:
+            buf = self.buffer
+            self._views = [buf[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+        return self._views
+
+    def reset(self) -> None:
+        """Per-backward state."""
+        self.pending = len(self.params)  # gradients still to arrive
+        self.future: torch.futures.Future | None = None  # the running reduction
+        self.target: torch.Tensor | None = None  # what it reduces
+        self.grad: torch.Tensor | None = None  # the .grad reduced in place instead of the buffer
+
+
+class GradBucket:
+    """What a communication hook sees of a bucket (the subset of torch's GradBucket API)."""
+
+    def __init__(self, reducer: "Reducer", bucket: Bucket, is_last: bool):
+        self._reducer = reducer
+        self._b = bucket
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._b.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat bucket (registered memory): local summed gradients, reduced in place."""
+        return self._b.buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        self._b.buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        return list(self._b.views)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [self._reducer.params[i] for i in self._b.params]
+
+    def is_last(self) -> bool:
+        return self._is_last
+
+    @property
+    def process_group(self):
+        return self._reducer.group
+
+    def workspace(self, dtype: torch.dtype) -> torch.Tensor:
+        """A flat tensor of the bucket's length in `dtype`, in registered memory when the
+        device has it; allocated once per bucket and dtype (for compression hooks)."""
+        ws = self._b.workspaces.get(dtype)
+        if ws is None:
+            ws = self._reducer.alloc(self._b.numel, dtype, self._b.device)
+            self._b.workspaces[dtype] = ws
+        return ws
+
+
+class Observer:
+    """What a Reducer reports about each synchronised backward `step` (times in microseconds
+    from now_us()). Observers record; they never change what the Reducer does. on_done may
+    be called from ringdp's worker thread, and after the wait for that bucket returned
+    (on_wait's t_done is then the better figure)."""
+
+    def on_forward(self, t_start: float, t_end: float, outputs) -> None:
+        """RingDDP's forward ran (reported by RingDDP, not by the Reducer)."""
+
+    def on_backward(self, step: int, t: float) -> None:
+        """The first gradient of a synchronised backward arrived."""
+
+    def on_ready(self, step: int, bucket: Bucket, t: float) -> None:
+        """The bucket's last gradient arrived."""
+
+    def on_launch(self, step: int, bucket: Bucket, t: float) -> None:
+        """The bucket's reduction was submitted."""
+
+    def on_done(self, step: int, bucket: Bucket, t: float) -> None:
+        """The bucket's reduction finished."""
+
+    def on_wait(self, step: int, bucket: Bucket, t_wait: float, t_done: float, t_written: float) -> None:
+        """finalize() waited for the bucket from t_wait to t_done, wrote it back by t_written."""
+
+    def on_finalize(self, step: int, buckets: list[Bucket], t_bwd_end: float, t_end: float,
+                    exposed_us: float, writeback_us: float) -> None:
+        """The backward ended: autograd finished at t_bwd_end, finalize() at t_end."""
+
+
+def as_future(result, buffer: torch.Tensor) -> torch.futures.Future:
+    """A comm hook's result as the one future contract: a torch.futures.Future whose value
+    is the reduced tensor (or a list/tuple holding it first). Accepts a Future, a Work with
+    get_future() (torch.distributed's, ringdp's), or None (the buffer is already reduced)."""
+    if isinstance(result, torch._C.Future):  # torch.futures.Future, and what its then() returns
+        return result
+    if result is None:
+        fut = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    get = getattr(result, "get_future", None)
+    if callable(get):
+        return get()
+    raise TypeError(f"a RingDDP comm hook must return a torch.futures.Future (or a Work with get_future()), "
+                    f"got {type(result).__name__}")
+
+
+def future_tensor(fut: torch.futures.Future, target: torch.Tensor) -> torch.Tensor:
+    """Wait for `fut`; the tensor holding the result (`target` when the value names none)."""
+    res = fut.wait()
+    if isinstance(res, (list, tuple)):
+        res = res[0] if len(res) else None
+    return res if isinstance(res, torch.Tensor) else target
+
+
+class Reducer:
+    """Buckets of one RingDDP's gradients and their reductions (module doc).
+
+    params/names: the parameters that require gradients and their names, the same on every
+    rank. group: the process group (None: default). cap_bytes/first_cap_bytes: bucket caps.
+    in_grad_min_bytes: see the module doc (-1: never). find_unused/static_graph: as torch
+    DDP's find_unused_parameters/static_graph. overlap: start reductions during backward
+    (else all at its end)."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], group, *, cap_bytes: int,
+                 first_cap_bytes: int, in_grad_min_bytes: int, gradient_as_bucket_view: bool,
+                 find_unused: bool, static_graph: bool, overlap: bool, observer: Observer | None = None):
+        self.params = params
+        self.names = names
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.device = params[0].device
+        self.cap_bytes = cap_bytes
+        self.first_cap_bytes = first_cap_bytes
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused = find_unused
+        self.static_graph = static_graph
+        self.overlap = overlap
+        self.observer = observer if observer is not None else Observer()
+        self.in_grad_bytes = (None if gradient_as_bucket_view or in_grad_min_bytes < 0 or self.world == 1
+                              else in_grad_min_bytes)
+        self._nbytes = [p.numel() * p.element_size() for p in params]
+        self._keys = [(p.dtype, p.device) for p in params]
+        self._warned_alloc = False
+
+        self.buckets: list[Bucket] = []
+        self._loc: list[tuple[Bucket, int]] = []  # parameter index -> (bucket, slot)
+        self._arenas: list[torch.Tensor] = []
+        self._build(list(reversed(range(len(params)))))
+        self.rebuilt = False
+        self.ready_order: list[int] = []  # first synchronised backward's ready order
+
+        # per backward
+        self._ready = [False] * len(params)
+        self._next_launch = 0
+        self._in_backward = False
+        self._sync = False
+        self.step = 0
+        self.last_exposed_comm_ms: float | None = None
+
+        # how gradients are averaged (join may change the divisor and the authoritative rank)
+        self.divisor = self.world
+        self.auth_rank = 0
+        self._hook: Callable | None = None
+        self._hook_state = None
+        self._use_avg = True
+        self._scale = 1.0
+        self._set_scale()
+
+        # unused parameters
+        self._unused: list[int] = []  # locally unused in the latest forward
+        self._static_unused: set[int] | None = None  # globally unused, for static_graph
+        self._static_unused_local: list[int] = []  # locally unused, for static_graph
+        self._usage: torch.Tensor | None = None
+        self._usage_future: torch.futures.Future | None = None
+
+        selfref = weakref.ref(self)
+        self._hook_handles = [p.register_post_accumulate_grad_hook(_grad_hook(selfref, i))
+                              for i, p in enumerate(params)]
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def bucket_layout(self) -> list[list[str]]:
+        """Parameter names per bucket, in bucket (= reduction) order."""
+        return [[self.names[i] for i in b.params] for b in self.buckets]
+
+    def bucket_of(self, i: int) -> tuple[Bucket, int]:
+        """(bucket, slot) of parameter i."""
+        return self._loc[i]
+
+    def set_comm_hook(self, state, hook: Callable) -> None:
+        self._hook, self._hook_state = hook, state
+        self._set_scale()
+
+    def set_divisor(self, divisor: int, auth_rank: int) -> None:
+        """Divide by `divisor` this iteration; `auth_rank` is the rank whose ready order a
+        pending rebuild adopts (join: a rank that still trains)."""
+        self.divisor, self.auth_rank = divisor, auth_rank
+        self._set_scale()
+
+    def _set_scale(self) -> None:
+        """By ringdp's AVG (the division fused into the reduction) when dividing by the group
+        size without a hook, else by a scale folded into the copy into the bucket (join
+        with a smaller divisor); a comm hook gets the raw sums and divides itself."""
+        self._use_avg = self._hook is None and self.divisor == self.world
+        self._scale = 1.0 if (self._hook is not None or self._use_avg) else 1.0 / self.divisor
+
+    @property
+    def tracks_unused(self) -> bool:
+        """Whether this iteration finds and all-reduces parameter usage."""
+        return self.find_unused or (self.static_graph and self._static_unused is None)
+
+    # ------------------------------------------------------------------ storage
+    def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat tensor in ringdp's registered memory (plain memory when there is no
+        communication or the device has no registered memory)."""
+        if self.world > 1:
+            try:
+                return ringdp.empty(numel, dtype=dtype, device=device, group=self.group)
+            except ValueError as e:
+                if not self._warned_alloc:
+                    warnings.warn(f"RingDDP: no registered memory ({e}); buckets use ordinary memory", stacklevel=3)
+                    self._warned_alloc = True
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def _build(self, order: list[int]) -> None:
+        assignment = assign_buckets(order, self._nbytes, self._keys, self.cap_bytes, self.first_cap_bytes,
+                                    self.in_grad_bytes)
+        in_grad = [self.in_grad_bytes is not None and len(m) == 1 and self._nbytes[m[0]] >= self.in_grad_bytes
+                   for m in assignment]
+        # one arena per (dtype, device), buckets at aligned offsets inside it; in-grad
+        # buckets get storage of their own, and only when they need it
+        starts: dict[int, int] = {}
+        totals: dict[tuple, int] = {}
+        for bi, members in enumerate(assignment):
+            if in_grad[bi]:
+                continue
+            key = self._keys[members[0]]
+            esize = self.params[members[0]].element_size()
+            align = max(1, ALIGN_BYTES // esize)
+            starts[bi] = totals.get(key, 0)
+            n = sum(self.params[i].numel() for i in members)
+            totals[key] = starts[bi] + (n + align - 1) // align * align
+        # no zeroing: every slot is written (gradient or zeros) before each reduction
+        arenas = {key: self.alloc(total, key[0], key[1]) for key, total in totals.items() if total}
+        buckets = []
+        for bi, members in enumerate(assignment):
+            dtype, device = self._keys[members[0]]
+            shapes = [self.params[i].shape for i in members]
+            n = sum(s.numel() for s in shapes)
+            if in_grad[bi]:
+                b = Bucket(bi, members, shapes, dtype, device, in_grad=True,
+                           alloc=lambda n=n, dtype=dtype, device=device: self.alloc(n, dtype, device))
+            else:
+                b = Bucket(bi, members, shapes, dtype, device, storage=arenas[(dtype, device)][starts[bi]:starts[bi] + n])
+            buckets.append(b)
+        loc: list = [None] * len(self.params)
+        for b in buckets:
+            for slot, i in enumerate(b.params):
+                loc[i] = (b, slot)
+        if self.gradient_as_bucket_view and self._loc:  # move this step's .grad into the new buckets
+            for i, p in enumerate(self.params):
+                ob, oslot = self._loc[i]
+                if p.grad is not None and _same_view(p.grad, ob.views[oslot]):
+                    nb, nslot = loc[i]
+                    nb.views[nslot].copy_(p.grad)
+                    p.grad = nb.views[nslot]
+        self.buckets = buckets
+        self._loc = loc
+        self._arenas = list(arenas.values())
+
+    def rebuild(self, src: int) -> None:
+        """Adopt rank `src`'s gradient-ready order of the first synchronised backward, so
+        that every rank has the same buckets, filled in the order gradients arrive."""
+        self.rebuilt = True
+        obj = [list(self.ready_order) if self.rank == src else None]
+        if self.world > 1:
+            gsrc = src if self.group is None or self.group is dist.group.WORLD else dist.get_global_rank(self.group, src)
+            dist.broadcast_object_list(obj, src=gsrc, group=self.group)
+        seen: set[int] = set()
+        order = [i for i in (int(x) for x in (obj[0] or []))
+                 if 0 <= i < len(self.params) and not (i in seen or seen.add(i))]
+        order += [i for i in reversed(range(len(self.params))) if i not in seen]
+        new = assign_buckets(order, self._nbytes, self._keys, self.cap_bytes, self.first_cap_bytes,
+                             self.in_grad_bytes)
+        if new != [b.params for b in self.buckets]:
+            self._build(order)
+
+    # ------------------------------------------------------------------ one backward
+    def prepare_for_forward(self) -> None:
+        """Before forward: a backward that died before its end (an exception) is abandoned."""
+        if self._in_backward:
+            self.abandon()
+
+    def prepare_for_backward(self, outputs, sync: bool) -> None:
+        """After forward: whether the coming backward synchronises gradients, and (when
+        unused parameters are tracked) which parameters `outputs` do not depend on."""
+        self._sync = sync
+        if sync and self.tracks_unused:
+            self._unused = self._find_unused(outputs)
+
+    def _find_unused(self, outputs) -> list[int]:
+        """Indices of parameters not reachable from the outputs' autograd graph."""
+        used: set[int] = set()
+        seen = set()
+        stack = []
+        for t in tree_leaves(outputs):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                if t.grad_fn is None:
+                    used.add(id(t))
+                else:
+                    stack.append(t.grad_fn)
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                used.add(id(var))
+            for nxt, _ in fn.next_functions:
+                if nxt is not None and nxt not in seen:
+                    stack.append(nxt)
+        return [i for i, p in enumerate(self.params) if id(p) not in used]
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._next_launch = 0
+        for b in self.buckets:
+            b.reset()
+        self._ready = [False] * len(self.params)
+        self._usage_future = None
+        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
+        self.observer.on_backward(self.step, now_us())
+        if self.tracks_unused:
+            if self._usage is None:
+                self._usage = self.alloc(len(self.params), torch.int32, self.device)
+            self._usage.fill_(1)
+            if self._unused:
+                self._usage[torch.tensor(self._unused, dtype=torch.long, device=self._usage.device)] = 0
+            if self.world > 1:
+                self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM)
+            for i in self._unused:
+                self.mark_ready(i, None)
+        elif self._static_unused_local:
+            for i in self._static_unused_local:
+                self.mark_ready(i, None)
+
+    @torch.no_grad()
+    def mark_ready(self, i: int, param: nn.Parameter | None) -> None:
+        """Parameter i's gradient is final for this backward (param None: unused)."""
+        if self._ready[i]:
+            raise RuntimeError(
+                f"RingDDP: parameter {self.names[i]!r} received its gradient twice in one backward "
+                f"pass (reentrant backward, e.g. activation checkpointing with use_reentrant=True, or a "
+                f"parameter shared between several RingDDP models); RingDDP supports one gradient per "
+                f"parameter per backward")
+        self._ready[i] = True
+        if not self.rebuilt:
+            self.ready_order.append(i)
+        b, slot = self._loc[i]
+        grad = None if param is None else param.grad
+        scale = self._scale
+        if (b.in_grad and grad is not None and self._hook is None and grad.layout == torch.strided
+                and grad.is_contiguous() and grad.dtype == b.dtype and grad.device == b.device):
+            if scale != 1.0:
+                grad.mul_(scale)
+            b.grad = grad  # reduced in .grad: nothing to copy in or back
+        else:
+            view = b.views[slot]
+            if grad is None:
+                view.zero_()
+            elif self.gradient_as_bucket_view and _same_view(grad, view):
+                if scale != 1.0:
+                    view.mul_(scale)
+            else:
+                if scale != 1.0:
+                    torch.mul(grad, scale, out=view)
+                else:
+                    view.copy_(grad)
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+        b.pending -= 1
+        if b.pending == 0:
+            self.observer.on_ready(self.step, b, now_us())
+            if self.overlap:
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Start every complete bucket whose predecessors all started (index order)."""
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].pending == 0:
+            b = self.buckets[self._next_launch]
+            self._next_launch += 1
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        step = self.step
+        self.observer.on_launch(step, b, now_us())
+        if self._hook is not None:
+            b.target = b.buffer
+            result = self._hook(self._hook_state, GradBucket(self, b, b.index == len(self.buckets) - 1))
+            b.future = as_future(result, b.target)
+        else:
+            b.target = b.grad if b.grad is not None else b.buffer
+            op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
+            b.future = self._all_reduce(b.target, op) if self.world > 1 else as_future(None, b.target)
+        observer = self.observer
+        b.future.add_done_callback(lambda _f: observer.on_done(step, b, now_us()))
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.futures.Future:
+        return ringdp.all_reduce(t, op=op, group=self.group, async_op=True).get_future()
+
+    def _wait(self, b: Bucket) -> None:
+        fut, b.future = b.future, None
+        res = future_tensor(fut, b.target)
+        if res is not b.target:
+            b.target.copy_(res.reshape(b.target.shape))
+
+    def finalize(self) -> None:
+        """End of backward (autograd callback): wait for the buckets in order and write each
+        one's averaged gradients back as soon as it is done (while the next ones are still
+        being reduced); rebuild the buckets after the first synchronised backward."""
+        t_bwd_end = now_us()
+        try:
+            self._launch_ready()  # without overlap nothing was launched yet
+            if self._next_launch < len(self.buckets):
+                missing = [i for i in range(len(self.params)) if not self._ready[i]]
+                self.abandon()
+                raise RuntimeError(self._unused_message(missing))
+            wait_us = wb_us = 0.0
+            globally_unused: set[int] = set()
+            if self.tracks_unused:
+                if self._usage_future is not None:  # submitted first, so done first
+                    t0 = now_us()
+                    self._usage_future.wait()
+                    wait_us += now_us() - t0
+                    self._usage_future = None
+                globally_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
+            elif self._static_unused:
+                globally_unused = self._static_unused
+            for b in self.buckets:
+                t0 = now_us()
+                self._wait(b)
+                t1 = now_us()
+                self._write_back(b, globally_unused)
+                t2 = now_us()
+                wait_us += t1 - t0
+                wb_us += t2 - t1
+                self.observer.on_wait(self.step, b, t0, t1, t2)
+            if self.static_graph and self._static_unused is None:
+                self._static_unused = globally_unused
+                self._static_unused_local = list(self._unused)
+            self.last_exposed_comm_ms = wait_us / 1e3
+            self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
+            if not self.rebuilt:
+                self.rebuild(self.auth_rank)
+        finally:
+            self._in_backward = False
+            self.step += 1
+
+    def abandon(self) -> None:
+        """The backward died before its end: let the started reductions finish."""
+        for b in self.buckets[:self._next_launch]:
+            if b.future is not None:
+                with contextlib.suppress(Exception):
+                    self._wait(b)
+        if self._usage_future is not None:
+            with contextlib.suppress(Exception):
+                self._usage_future.wait()
+        self._usage_future = None
+        self._in_backward = False
+
+    @torch.no_grad()
+    def _write_back(self, b: Bucket, globally_unused: set[int]) -> None:
+        if b.grad is not None:  # the reduction ran on .grad itself
+            b.grad = None
+            return
+        for slot, i in enumerate(b.params):
+            if i in globally_unused:
+                continue
+            p = self.params[i]
+            view = b.views[slot]
+            if self.gradient_as_bucket_view:
+                if p.grad is None or not _same_view(p.grad, view):
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    def _unused_message(self, missing: list[int]) -> str:
+        names = ", ".join(self.names[i] for i in missing[:20])
+        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
+        if self.find_unused or self.static_graph:
+            why = ("These parameters were reachable from the forward outputs but received no gradient, "
+                   "or were used without going through RingDDP's forward.")
+        else:
+            why = ("This usually means that your module has parameters that were not used in producing "
+                   "the loss. Pass find_unused_parameters=True to RingDDP (as to torch's "
+                   "DistributedDataParallel) to mark such parameters ready (their gradient then counts as "
+                   "zero in the average), or make sure every parameter takes part in the loss. If the same "
+                   "parameters are always unused, static_graph=True also works.")
+        return (f"RingDDP on rank {self.rank}: backward finished but {len(missing)} parameter(s) received no "
+                f"gradient, so their buckets (and every bucket after them) could not be reduced: {names}{more}. "
+                f"{why}")
+
+    # ------------------------------------------------------------------ join
+    @torch.no_grad()
+    def shadow_backward(self) -> None:
+        """On a rank without data (join): the collectives of one synchronised backward, with
+        zero gradients, so that the ranks that still train can finish theirs."""
+        tracks = self.tracks_unused
+        if tracks:
+            if self._usage is None:
+                self._usage = self.alloc(len(self.params), torch.int32, self.device)
+            self._usage.zero_()
+            if self.world > 1:
+                self._all_reduce(self._usage, dist.ReduceOp.SUM).wait()
+        for b in self.buckets:
+            b.reset()
+            b.buffer.zero_()
+            self._launch(b)
+        for b in self.buckets:
+            self._wait(b)
+        if tracks and self.static_graph and self._static_unused is None:
+            self._static_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
+        if not self.rebuilt:
+            self.rebuild(self.auth_rank)
+
+    # ------------------------------------------------------------------ teardown
+    def remove_hooks(self) -> None:
+        for h in self._hook_handles:
+            h.remove()
+        self._hook_handles = []
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self.remove_hooks()
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _grad_hook(selfref, i: int):
+    def hook(param):
+        r = selfref()
+        if r is None or not r._sync:
+            return
+        if not r._in_backward:
+            r._begin_backward()
+        r.mark_ready(i, param)
+
+    return hook
+
+
+def _finalize_callback(selfref):
+    def finalize():
+        r = selfref()
+        if r is not None:
+            r.finalize()
+
+    return finalize
