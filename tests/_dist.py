@@ -154,8 +154,9 @@ class Pool:
                     self.broken = True
                     missing = sorted(set(range(self.world)) - set(results) - set(errors))
                     dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
-                    raise AssertionError(f"case {name}: ranks {missing} gave no answer within {timeout} s "
-                                         f"(hang or crash; dead workers: {dead}); errors so far: {errors}")
+                    why = f"workers {dead} died" if dead else f"none within {timeout} s: a hang?"
+                    raise AssertionError(f"case {name}: ranks {missing} gave no answer ({why}); "
+                                         f"errors so far: {errors}")
                 continue
             if ok:
                 results[r] = _from_bytes(answer)
