@@ -1,7 +1,7 @@
 """Multi-process correctness of ringdp.all_reduce on CPU (shared-memory transport).
 
 Values depend on rank and index and are small integers, so every dtype (fp16 and bf16
-included) represents the exact closed-form results:
+included) represents the exact closed-form results (tests/_closed_form.py):
     v(r, i) = (i % 13) + 2r
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
 """
@@ -10,6 +10,7 @@ import hashlib
 import pytest
 import torch
 
+from _closed_form import expected, ops_for, value
 from _dist import run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -26,12 +27,6 @@ CONFIGS = {
 }
 
 
-def expected(op, n, count, dtype):
-    i = torch.arange(count, dtype=torch.float64) % 13
-    e = {"SUM": n * i + n * (n - 1), "MIN": i, "MAX": i + 2 * (n - 1), "AVG": i + (n - 1)}[op]
-    return e.to(dtype)
-
-
 def _matrix(rank, world, sizes, dtypes):
     import torch.distributed as dist
 
@@ -40,14 +35,13 @@ def _matrix(rank, world, sizes, dtypes):
     failures = []
     checked = 0
     for dtype in dtypes:
-        ops = ["SUM", "MIN", "MAX"] + (["AVG"] if dtype.is_floating_point else [])
-        for op in ops:
+        for op in ops_for(dtype):
             for count in sizes:
                 for registered in (False, True):
                     exp = expected(op, world, count, dtype)
                     for rep in range(2):  # each collective twice in a row
                         t = ringdp.empty(count, dtype=dtype) if registered else torch.empty(count, dtype=dtype)
-                        t.copy_((torch.arange(count) % 13 + 2 * rank).to(dtype))
+                        t.copy_(value(rank, count, dtype))
                         ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
                         checked += 1
                         if not torch.equal(t, exp):
@@ -102,7 +96,7 @@ def _async(rank, world):
     n = 100_003
     ts = [ringdp.empty(n) for _ in range(3)] + [torch.empty(n)]
     for k, t in enumerate(ts):
-        t.copy_(torch.arange(n, dtype=torch.float32) % 13 + 2 * rank + k)
+        t.copy_(value(rank, n, torch.float32) + k)
     works = [ringdp.all_reduce(t, async_op=True) for t in ts]
     done_flags = []
     results = []
@@ -154,9 +148,9 @@ def _forced_algo(rank, world):
     out = {}
     for algo in ("ring", "oneshot", "auto"):
         for count in (1, 1000, 70_001):  # 70_001 float32 > the 256 KiB one-shot buffer
-            t = (torch.arange(count) % 13 + 2 * rank).to(torch.float32)
+            t = value(rank, count, torch.float32)
             for _ in range(2):
-                t.copy_((torch.arange(count) % 13 + 2 * rank).to(torch.float32))
+                t.copy_(value(rank, count, torch.float32))
                 ringdp.all_reduce(t, algo=algo)
             out[(algo, count)] = (comm.algo_for(4 * count, "cpu", algo), torch.equal(t, expected("SUM", world, count, torch.float32)))
     try:

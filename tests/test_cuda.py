@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from _closed_form import expected
 from _dist import run_ranks, values
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,12 +66,6 @@ CONFIGS = {
     # the one-shot kernel for everything that fits its buffer
     "oneshot": {"RINGDP_ALGO": "oneshot", "RINGDP_CUDA_ONESHOT_BYTES": str(4 << 20)},
 }
-
-
-def expected(op, n, count, dtype):
-    i = torch.arange(count, dtype=torch.float64) % 13
-    e = {"SUM": n * i + n * (n - 1), "MIN": i, "MAX": i + 2 * (n - 1), "AVG": i + (n - 1)}[op]
-    return e.to(dtype)
 
 
 def _digest(t: torch.Tensor) -> str:
