@@ -51,7 +51,9 @@ def save_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Pa
     out = Path(out_dir) if out_dir else OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
     return path
 
 

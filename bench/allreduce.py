@@ -83,7 +83,8 @@ not. Baseline rows show the staged-ring figure, the least any staged ring must m
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
 on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json (machine
 info with the world size of the process group that ran, args, memcpy bandwidth, roofline
-factors, every row) and, with --plot, the PNG next to it. Default --out-dir: bench/out/
+factors, every row; rewritten after every size with "complete": false until the end) and,
+with --plot, the PNG next to it. Default --out-dir: bench/out/
 (ignored by git); the committed results are refreshed with --out-dir bench/results. Without
 --name the name is made of the non-default --op and --algo.
 """
@@ -435,7 +436,7 @@ def measure(c: Caller, pattern: Pattern, s: Series, nbytes: int, memcpy_Bps: flo
 
 
 # --------------------------------------------------------------------------- driver
-HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>14} {'algo':>7} "
+HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>18} {'algo':>7} "
           f"{'iters':>6} {'time(us)':>11} {'min(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
           f"{'roof(us)':>10} {'%roof':>6} {'speedup':>7}")
 
@@ -443,7 +444,7 @@ HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>14} {
 def format_row(r: dict) -> str:
     pct = f"{r['pct_roof']:5.1f}%" if r["pct_roof"] is not None else "     -"
     sp = f"{r['speedup']:6.2f}x" if r["speedup"] is not None else "      -"
-    return (f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>14} "
+    return (f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>18} "
             f"{r['algo']:>7} {r['iters']:>6} {r['time_us']:11.2f} {r['min_us']:10.2f} "
             f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} {r['roof_us']:10.2f} {pct} {sp}")
 
@@ -522,6 +523,25 @@ def sweep(rank: int, args):
     out.line("#")
     out.line(HEADER)
 
+    def payload(complete: bool) -> dict:
+        return {
+            "benchmark": "allreduce",
+            "complete": complete,
+            "machine": info,
+            "args": {k: v for k, v in vars(args).items()},
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("RINGDP_", "NCCL_"))},
+            "transport": c.transport,
+            "memcpy": memcpy,
+            "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
+            "oneshot_max_bytes": threshold,
+            "pattern_k": pattern.k,
+            "notes": c.notes,
+            "total_wrong": sum(r["wrong"] for r in rows),
+            "elapsed_s": time.perf_counter() - out.t0,
+            "rows": rows,
+        }
+
+    name = result_name(args, n)
     rows, done = [], 0
     for nbytes in sizes:
         group = []
@@ -535,35 +555,22 @@ def sweep(rank: int, args):
                 r["speedup"] = base["time_us"] / r["time_us"]
             out.line(format_row(r))
         rows.extend(group)
+        if rank == 0 and nbytes != sizes[-1]:  # what is measured survives a killed run
+            save_json(name, payload(False), args.out_dir)
         out.progress(done, len(plan), f"done {human_bytes(nbytes)}")
 
     if rank != 0:
         return
-    wrong = sum(r["wrong"] for r in rows)
+    result = payload(True)
     out.line("#")
-    out.line(f"# total #wrong: {wrong}")
-    payload = {
-        "benchmark": "allreduce",
-        "machine": info,
-        "args": {k: v for k, v in vars(args).items()},
-        "env": {k: v for k, v in os.environ.items() if k.startswith(("RINGDP_", "NCCL_"))},
-        "transport": c.transport,
-        "memcpy": memcpy,
-        "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
-        "oneshot_max_bytes": threshold,
-        "pattern_k": pattern.k,
-        "notes": c.notes,
-        "total_wrong": wrong,
-        "elapsed_s": time.perf_counter() - out.t0,
-        "rows": rows,
-    }
-    path = save_json(result_name(args, n), payload, args.out_dir)
+    out.line(f"# total #wrong: {result['total_wrong']}")
+    path = save_json(name, result, args.out_dir)
     out.line(f"# wrote {path}  (summary: python bench/readme_table.py {path})")
     if args.plot:
         try:
             from plot_allreduce import plot_runs
 
-            out.line(f"# wrote {plot_runs([('', payload)], path.with_suffix('.png'))}")
+            out.line(f"# wrote {plot_runs([('', result)], path.with_suffix('.png'))}")
         except Exception as e:  # noqa: BLE001 -- a plot must not lose the numbers
             out.line(f"# plot failed: {type(e).__name__}: {e}")
 
