@@ -191,3 +191,45 @@ def test_gpu_check_summary_tests_without_junit(tmp_path):
 def test_gpu_check_summary_usage():
     r = subprocess.run([sys.executable, str(BENCH / "gpu_check_summary.py")], capture_output=True, text=True)
     assert r.returncode == 2
+
+
+# ------------------------------------------------------------------ README commands
+def _readme_commands() -> dict[str, str]:
+    """README "Results": first result file of each row -> its command."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    out = {}
+    for m in re.finditer(r"^\| `([^`]+)`[^|]*\| `((?:python|torchrun)[^`]+)` \|$", text, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_readme_commands_match_the_committed_results(monkeypatch):
+    """Each committed result file has a README command, and that command parses to the
+    arguments stored in the file (apart from --out-dir)."""
+    import shlex
+
+    monkeypatch.delenv("RINGDP_ALGO", raising=False)
+    cmds = _readme_commands()
+    rows = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `"))
+    committed = {p.name for p in RESULTS.iterdir() if p.suffix in (".json", ".jsonl")}
+    assert {f for f in committed if f"`{f}`" not in rows} == set()
+    for first, cmd in cmds.items():
+        argv = shlex.split(cmd)
+        assert argv[-2:] == ["--out-dir", "bench/results"], cmd
+        script = next(a for a in argv if a.startswith("bench/"))
+        rest = argv[argv.index(script) + 1:]
+        if script == "bench/train.py":
+            assert "--ddp" in rest and rest[rest.index("--ddp") + 1] == "both"
+            continue
+        stored = json.loads((RESULTS / first).read_text())["args"]
+        if script == "bench/allreduce.py":
+            parsed = vars(_allreduce().parse_args(rest))
+        else:
+            import ddp_step
+
+            parsed = vars(ddp_step.parse_args(rest))
+        for k in set(stored) | set(parsed):
+            if k != "out_dir":
+                assert parsed.get(k) == stored.get(k), (first, k, parsed.get(k), stored.get(k))
