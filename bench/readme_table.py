@@ -18,9 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import RESULTS_DIR as RESULTS  # noqa: E402
 from report import load, summary_lines, world_of  # noqa: E402
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def fmt_size(b: int) -> str:
