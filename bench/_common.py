@@ -8,7 +8,8 @@ import platform
 import socket
 from pathlib import Path
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results (README)
+OUT_DIR = Path(__file__).resolve().parent / "out"  # default output of every script (git-ignored)
 
 
 def cpu_model() -> str:
@@ -36,12 +37,9 @@ def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
         "device": device,
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
-    try:
-        import ringdp
+    import ringdp
 
-        info["ringdp"] = ringdp.build_info()
-    except Exception as e:  # the baseline-only runs still want machine facts
-        info["ringdp"] = f"unavailable: {e}"
+    info["ringdp"] = ringdp.build_info()
     if world_size is not None:
         info["world_size"] = world_size
     if device.startswith("cuda") and torch.cuda.is_available():
@@ -50,10 +48,12 @@ def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
 
 
 def save_json(name: str, payload: dict, out_dir: Path | str | None = None) -> Path:
-    out = Path(out_dir) if out_dir else RESULTS_DIR
+    out = Path(out_dir) if out_dir else OUT_DIR
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)  # a reader never sees half a file
     return path
 
 

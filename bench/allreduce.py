@@ -5,6 +5,15 @@ Run it
     python bench/allreduce.py --world 4 --plot
     python bench/allreduce.py --algo ring,oneshot  # both forced algorithms, side by side
     torchrun --nproc-per-node 2 bench/allreduce.py # uses the ranks torchrun gives it
+    python bench/readme_table.py bench/out/X.json  # tables, speedup summary, targets, crossover
+
+The file is four parts, each with one job:
+    Pattern      the values every rank reduces and the exact result (closed form)
+    bytes_factor the roofline: bytes each rank must read and write, as a multiple of S
+    Caller       what a series calls: torch.distributed on the baseline backend, or
+                 ringdp.all_reduce on an ordinary or a registered tensor, per forced algorithm
+    measure      one (size, series) point: warm-up, iteration count, one timed batch, #wrong
+and a driver (run_rank) that sweeps the sizes, prints the table and writes the JSON/PNG.
 
 Series (each size measures them back to back, in this order):
     gloo / nccl   torch.distributed.all_reduce on the baseline backend (gloo for CPU
@@ -12,23 +21,24 @@ Series (each size measures them back to back, in this order):
     ringdp        ringdp.all_reduce on an ordinary tensor (staged through the transport)
     ringdp-reg    ringdp.all_reduce on a tensor from ringdp.empty (registered memory)
 With --algo ring,oneshot the ringdp series are split per forced algorithm (ringdp:ring,
-ringdp:oneshot, ringdp-reg:ring, ...): RINGDP_ALGO is set before each series (ringdp reads
-it on every call) and a forced series is measured only at the sizes where ringdp really
-runs that algorithm (a forced one-shot falls back to the ring above its buffer). The
-summary then prints the size at which the faster algorithm changes: the one-shot threshold.
+ringdp:oneshot, ringdp-reg:ring, ...), each call passing algo= to ringdp.all_reduce; a
+forced series is measured only at the sizes where ringdp really runs that algorithm (a
+forced one-shot falls back to the ring above its buffer), as Communicator.algo_for says.
 
 Columns (nccl-tests doc/PERFORMANCE.md): size = S bytes of the tensor, count = elements,
 time(us) = mean time of one all_reduce, min(us) = fastest single iteration,
 algbw = S / time, busbw = algbw * 2(n-1)/n (GB = 1e9 bytes), #wrong = elements that differ
-from the closed-form expectation summed over all ranks, speedup = baseline time / time.
+from the closed-form expectation summed over all ranks, speedup = time of the baseline
+measured in the same run at the same size / time. algo = the algorithm ringdp ran
+(Communicator.algo_for(S, device, algo): on CUDA the transport's own one-shot threshold).
 
 Timing. Each (size, series) gets `warmup` untimed calls, then one timed batch of `iters`
 calls that starts right after a barrier on the gloo process group. Each rank stamps every
 iteration with time.perf_counter (CUDA: an event per iteration on the current stream, read
 after a synchronize). time = max over ranks of (batch time / iters); min = max over ranks
-of each rank's fastest iteration (so min <= time); the JSON also has the median. Without --iters the count adapts to
-the size: iters = clamp(target_time / (fastest warmup call, slowest rank), min_iters,
-max_iters), agreed on by all ranks.
+of each rank's fastest iteration (so min <= time); the JSON also has the median. Without
+--iters the count adapts to the size: iters = clamp(target_time / (mean warm-up call after
+the first, slowest rank), min_iters, max_iters), agreed on by all ranks.
 
 Correctness (#wrong). After the timed batch the tensor is refilled with a pattern that
 depends on rank r and index i and is all-reduced once more:
@@ -41,32 +51,42 @@ run on the same pattern (repeated SUMs grow it; that does not change the speed).
 
 Roofline. At start rank 0 alone measures one-thread memcpy bandwidth B with a large
 torch copy_ (bytes read + bytes written per second; on CUDA the device copy bandwidth).
-For each row, roof(us) = (bytes each rank must read and write) * c / B, with
-c = max(1, ranks on this host / cores) on CPU (ranks time-share the cores) and
-c = ranks sharing the GPU on CUDA (they share its memory bandwidth). %roof = roof / time.
-Bytes each rank reads+writes, as multiples of S, world n >= 2 (n = 1: nothing to do):
-  ring, ordinary tensor (staged through the transport's slots), per chunk of S/n:
-      reduce-scatter: first send 2/n (read tensor, write slot), each of the n-2 middle
-      steps 3/n (read peer slot, read tensor, write own slot), final reduce 4/n (read
-      peer slot, read tensor, write tensor, write slot for the all-gather);
-      all-gather: each of the n-2 middle steps 3/n (read slot, write tensor, write slot),
-      last receive 2/n (read slot, write tensor)
-      total (2 + 3(n-2) + 4 + 3(n-2) + 2)/n = (6n - 4)/n          (n=2: 4.0, n=4: 5.0)
-  ring, registered tensor (in place, peers read each other's tensors):
-      reduce-scatter n-1 steps of 3/n (read peer, read own, write own),
-      all-gather n-1 steps of 2/n (read peer, write own): total 5(n-1)/n  (n=2: 2.5)
-  one-shot (every rank reduces all n inputs itself):
-      ordinary: copy in 2, read n inputs, write 1: n + 3;  registered: n + 1
-  baseline rows show the ordinary-tensor ring figure, the least any staged ring must move.
-B is a DRAM figure: messages that fit in cache can beat the roofline, and it ignores latency.
-The algo column of a ringdp row is what ringdp.policy.choose_algo picks for that size under
-the RINGDP_ALGO in force (auto: one-shot up to ringdp.policy.ONESHOT_MAX_BYTES, or
-RINGDP_ONESHOT_MAX_BYTES).
+For each row, roof(us) = bytes_factor * S * c / B, with c = max(1, ranks on this host /
+cores) on CPU (ranks time-share the cores) and c = ranks sharing the GPU on CUDA (they
+share its memory bandwidth). %roof = roof / time. B is a DRAM figure: messages that fit
+in cache can beat the roofline, and it ignores latency.
+
+bytes_factor: what each rank reads + writes in memory for one all-reduce of S bytes, /S,
+n >= 2 ranks (n = 1: nothing moves), read off the transports' code. A partial sum is w
+times as wide as an element: w = 2 for float16 and bfloat16, whose partial sums travel as
+float32 during the reduce-scatter (csrc/common/types.h acc_size; shm_transports.cpp
+StagedTransport, csrc/cuda/protocol.h Planner consume/produce_elem_bytes), else w = 1.
+Per chunk of S/n (T = element width, A = partial-sum width, in units of S/n):
+    ring step (csrc/ring/ring.cpp)       staged through slots         in place (registered)
+    RS send                              read T, write A: 1+w         nothing if w=1, else 1+w
+    RS recv_reduce_send (n-2 times)      read A, read T, write A: 2w+1        2w+1 (w=1: 3)
+    RS recv_reduce_copy_send             read A, read T, write T, write T: w+3   w+2
+    AG recv_copy_send (n-2 times)        read, write T, write slot: 3         read, write: 2
+    AG recv                              read, write T: 2                     2
+    total staged     ((2w+4)n - 2w - 2)/n    w=1: (6n-4)/n = 4.0 (n=2), 5.0 (n=4)
+                                             w=2: (8n-6)/n = 5.0 (n=2), 6.5 (n=4)
+    total in place   w=1: 5(n-1)/n = 2.5 (n=2), 3.75 (n=4)
+                     w=2: ((2w+3)n - 2w - 1)/n = (7n-5)/n = 4.5 (n=2), 5.75 (n=4)
+In place applies to registered tensors on CPU only when w = 1 (shm_comm.cpp: the registered
+ring needs acc width == element width, so a registered float16/bfloat16 tensor is staged),
+on CUDA IPC for every dtype (direct export, RINGDP_CUDA_DIRECT=1, the default), and never on
+the NCCL transport (staged; NCCL's own copies are not counted: a lower bound).
+One-shot (shm_comm.cpp, csrc/cuda oneshot_kernel): each rank copies its input into its
+one-shot buffer (2), reads all n buffers and writes the result (n+1): n + 3, registered or
+not. Baseline rows show the staged-ring figure, the least any staged ring must move.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
-on stderr), then a summary, and writes bench/results/allreduce_<device>_w<world>_<dtype>
-[_<name>].json (machine info, args, memcpy bandwidth, every row) and, with --plot, the PNG
-next to it. Without --name the name is made of the non-default --op and --algo.
+on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json (machine
+info with the world size of the process group that ran, args, memcpy bandwidth, roofline
+factors, every row; rewritten after every size with "complete": false until the end) and,
+with --plot, the PNG next to it. Default --out-dir: bench/out/
+(ignored by git); the committed results are refreshed with --out-dir bench/results. Without
+--name the name is made of the non-default --op and --algo.
 """
 from __future__ import annotations
 
@@ -75,32 +95,34 @@ import datetime
 import math
 import os
 import socket
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.append(str(HERE.parent))  # an uninstalled, in-place built checkout (installed wins)
 
-from _common import free_port, machine_info, save_json, under_torchrun  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
-DTYPE_NAMES = {  # CLI name -> (torch attribute, nccl-tests style type name)
-    "float32": ("float32", "float"),
-    "float64": ("float64", "double"),
-    "float16": ("float16", "half"),
-    "bfloat16": ("bfloat16", "bfloat16"),
-    "int32": ("int32", "int32"),
-    "int64": ("int64", "int64"),
+import ringdp  # noqa: E402
+from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
+
+DTYPE_NAMES = {  # CLI name -> nccl-tests style type name
+    "float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16",
+    "int32": "int32", "int64": "int64",
 }
-OPS = ("sum", "avg", "min", "max")
+HALF_TYPES = ("float16", "bfloat16")
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 EXACT_INT_LIMIT = {"float16": 2048, "bfloat16": 256, "float32": 2 ** 24, "float64": 2 ** 53}
-MEMCPY_BYTES_CPU = 128 << 20
-MEMCPY_BYTES_CUDA = 512 << 20
+MEMCPY_BYTES = {"cpu": 128 << 20, "cuda": 512 << 20}
 CHECK_ROWS_PER_CHUNK = 128
 
 
-# --------------------------------------------------------------------------- small helpers
+# --------------------------------------------------------------------------- sizes, names
 def parse_size(text: str) -> int:
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = 1
@@ -111,7 +133,7 @@ def parse_size(text: str) -> int:
     return int(float(t) * mult)
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:g} {unit}"
@@ -119,38 +141,38 @@ def human_bytes(n: int) -> str:
     return str(n)
 
 
-def sizes_to_sweep(args, elem: int) -> list[int]:
+def sizes_to_sweep(min_bytes: int, max_bytes: int, factor: float, elem: int) -> list[int]:
     """Byte sizes min..max multiplied by factor, rounded down to whole elements."""
-    out, s = [], args.min_bytes
-    while s <= args.max_bytes:
+    out, s = [], min_bytes
+    while s <= max_bytes:
         b = (s // elem) * elem
         if b > 0 and (not out or b != out[-1]):
             out.append(b)
-        nxt = int(s * args.factor)
+        nxt = int(s * factor)
         s = nxt if nxt > s else s + 1
     return out
 
 
-def bytes_factor(kind: str, algo: str, n: int) -> float:
-    """Bytes each rank reads+writes for one all-reduce, as a multiple of S (module doc)."""
-    if n <= 1:
-        return 0.0
-    if algo == "oneshot":
-        return n + 1.0 if kind == "registered" else n + 3.0
-    if kind == "registered":
-        return 5.0 * (n - 1) / n
-    return (6.0 * n - 4.0) / n
+def result_name(args, world: int) -> str:
+    name = f"allreduce_{args.device}_w{world}_{args.dtype}"
+    extra = args.name
+    if extra is None:
+        algo = args.algo.replace(",", "+")
+        parts = [p for p in (args.op if args.op != "sum" else "", algo if algo != "auto" else "") if p]
+        extra = "_".join(parts) if parts else None
+    return f"{name}_{extra}" if extra else name
 
 
 # --------------------------------------------------------------------------- pattern
 class Pattern:
-    """v(r, i) and its exact all-reduce result, built as a periodic block and tiled."""
+    """v(r, i) and its exact all-reduce result (module doc), built as a periodic block and tiled."""
 
-    def __init__(self, torch, dtype_name: str, dtype, op: str, n: int, rank: int, device):
+    def __init__(self, dtype_name: str, op: str, n: int, rank: int, device):
+        dtype = getattr(torch, dtype_name)
         limit = EXACT_INT_LIMIT.get(dtype_name, 2 ** 62)
         k = min(3, limit // (n * n) - 1)
         self.exact = k >= 0
-        k = max(k, 0)
+        self.k = k = max(k, 0)
         period = math.lcm(2 * k + 1, n)
         self.block_len = period * max(1, (1 << 16) // period)
         idx = torch.arange(self.block_len, dtype=torch.int64, device=device)
@@ -159,14 +181,10 @@ class Pattern:
         expect = {"sum": n * n * b, "avg": n * b, "max": n * b + (n - 1), "min": n * b - (n - 1)}[op]
         self.value = value.to(dtype)
         self.expect = expect.to(dtype)
-        self.k = k
 
     def _tiles(self, t):
-        count = t.numel()
-        rows = count // self.block_len
-        body = t[: rows * self.block_len].view(rows, self.block_len)
-        tail = t[rows * self.block_len:]
-        return body, tail
+        rows = t.numel() // self.block_len
+        return t[: rows * self.block_len].view(rows, self.block_len), t[rows * self.block_len:]
 
     def fill(self, t):
         body, tail = self._tiles(t)
@@ -185,547 +203,379 @@ class Pattern:
         return bad
 
 
-# --------------------------------------------------------------------------- the worker
+# --------------------------------------------------------------------------- roofline
+def bytes_factor(n: int, algo: str = "ring", registered: bool = False, dtype: str = "float32",
+                 device: str = "cpu", transport: str = "shm") -> float:
+    """Bytes each rank reads + writes for one all-reduce of S bytes, as a multiple of S
+    (module doc: derived from the ring steps of each transport)."""
+    if n <= 1:
+        return 0.0
+    if algo == "oneshot":
+        return n + 3.0
+    w = 2 if dtype in HALF_TYPES else 1
+    in_place = registered and ((device == "cpu" and w == 1) or (device == "cuda" and transport == "ipc"))
+    if not in_place:
+        return ((2 * w + 4) * n - 2 * w - 2) / n
+    if w == 1:
+        return 5.0 * (n - 1) / n
+    return ((2 * w + 3) * n - 2 * w - 1) / n
+
+
+def memcpy_bandwidth(device, rank: int) -> dict:
+    """One large copy_: rank 0 alone (the roofline's B), then all ranks at once."""
+    nbytes = MEMCPY_BYTES[device.type]
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.zeros_like(src)
+
+    def best_copy(reps: int) -> float:
+        dst.copy_(src)
+        sync(device)
+        best = float("inf")
+        for _ in range(reps):
+            if device.type == "cuda":
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                dst.copy_(src)
+                b.record()
+                b.synchronize()
+                best = min(best, a.elapsed_time(b) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    dist.barrier()
+    alone = best_copy(7) if rank == 0 else 0.0
+    dist.barrier()
+    together = best_copy(5)
+    alone, together = max_over_ranks(alone, together)
+    return {"bytes": nbytes, "one_rank_GBps": 2 * nbytes / alone / 1e9,
+            "all_ranks_at_once_GBps_per_rank": 2 * nbytes / together / 1e9,
+            "counts": "bytes read + bytes written"}
+
+
+# --------------------------------------------------------------------------- small collectives
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def max_over_ranks(*xs: float) -> list[float]:
+    t = torch.tensor(xs, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+# --------------------------------------------------------------------------- series
+@dataclass(frozen=True)
 class Series:
-    """One curve: kind is baseline, ringdp (ordinary tensor) or ringdp-reg (registered);
-    algo is the RINGDP_ALGO it runs under (None for the baseline)."""
-
-    def __init__(self, name: str, kind: str, algo: str | None):
-        self.name, self.kind, self.algo = name, kind, algo
-
-    def __repr__(self):
-        return self.name
+    name: str         # column label: gloo, nccl, ringdp, ringdp-reg, ringdp:ring, ...
+    kind: str         # "baseline", "ringdp" (ordinary tensor) or "ringdp-reg" (registered)
+    algo: str | None  # the algo= passed to ringdp.all_reduce (None for the baseline)
 
 
-class Bench:
+class Caller:
+    """Everything a series calls, for one rank: allocation and one all-reduce."""
+
     def __init__(self, args, rank: int, world: int, local_rank: int):
-        import torch
-        import torch.distributed as dist
-
-        self.torch, self.dist = torch, dist
         self.args, self.rank, self.world = args, rank, world
-        self.dtype = getattr(torch, DTYPE_NAMES[args.dtype][0])
+        self.dtype = getattr(torch, args.dtype)
         self.elem = torch.empty(0, dtype=self.dtype).element_size()
-        self.op_name = args.op
-        self.op = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG,
-                   "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[args.op]
-        self.cuda = args.device == "cuda"
-        if self.cuda:
+        self.op = OPS[args.op]
+        if args.device == "cuda":
             torch.cuda.set_device(local_rank % torch.cuda.device_count())
             self.device = torch.device("cuda", torch.cuda.current_device())
         else:
             self.device = torch.device("cpu")
         self.notes: list[str] = []
-        self._progress_shown = False
-        self.rows: list[dict] = []
-        self.pattern = Pattern(torch, args.dtype, self.dtype, args.op, world, rank, self.device)
-        if not self.pattern.exact:
-            self.note(f"world {world} is too large for exact {args.dtype} integers; #wrong may be nonzero")
-        self._t_start = time.perf_counter()
+        # placement: ranks on this host (CPU) or on this GPU (CUDA), from every rank's facts
+        me = (socket.gethostname(), self.device.index if self.device.type == "cuda" else -1)
+        everyone = [None] * world
+        dist.all_gather_object(everyone, me)
+        self.hosts = [h for h, _ in everyone]
+        self.sharing = sum(1 for x in everyone if tuple(x) == me)
+        if self.device.type == "cuda":
+            self.contention = float(self.sharing)
+            self.transport = ringdp.cuda_comm.transport_for(self.hosts)
+        else:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+            self.contention = max(1.0, self.hosts.count(me[0]) / cores)
+            self.transport = "shm"
+        self.comm = ringdp.init() if "ringdp" in args.series or "ringdp-reg" in args.series else None
+        self.baseline, self.group = self._baseline()
 
-    # -- plumbing -----------------------------------------------------------------------
-    def log(self, *parts, err=False):
-        if self.rank == 0:
-            if self._progress_shown:  # wipe the live counter before the line lands
-                sys.stderr.write("\r\033[K")
-                sys.stderr.flush()
-                self._progress_shown = False
-            print(*parts, file=sys.stderr if err else sys.stdout, flush=True)
-
-    def note(self, text: str):
-        self.notes.append(text)
-        self.log(f"# note: {text}")
-
-    def sync(self):
-        if self.cuda:
-            self.torch.cuda.synchronize()
-
-    def reduce_scalar(self, x: float, op) -> float:
-        t = self.torch.tensor([x], dtype=self.torch.float64)
-        self.dist.all_reduce(t, op=op)
-        return float(t[0])
-
-    def agree(self, ok: bool) -> bool:
-        """True only if every rank says True (MIN over ranks)."""
-        return self.reduce_scalar(1.0 if ok else 0.0, self.dist.ReduceOp.MIN) > 0.5
-
-    # -- set-up -------------------------------------------------------------------------
-    def placement(self):
-        """Ranks on this host (CPU) or sharing this GPU (CUDA), from all ranks' facts."""
-        me = (socket.gethostname(), self.device.index if self.cuda else -1)
-        everyone = [None] * self.world
-        self.dist.all_gather_object(everyone, me)
-        host_ranks = sum(1 for h, _ in everyone if h == me[0])
-        sharing = sum(1 for x in everyone if x == me)
-        return host_ranks, sharing
-
-    def measure_memcpy(self) -> dict:
-        torch, dist = self.torch, self.dist
-        nbytes = MEMCPY_BYTES_CUDA if self.cuda else MEMCPY_BYTES_CPU
-        src = torch.ones(nbytes // 4, dtype=torch.float32, device=self.device)
-        dst = torch.zeros_like(src)
-
-        def best_copy(reps: int) -> float:
-            dst.copy_(src)
-            self.sync()
-            best = float("inf")
-            for _ in range(reps):
-                if self.cuda:
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    dst.copy_(src)
-                    b.record()
-                    b.synchronize()
-                    best = min(best, a.elapsed_time(b) / 1e3)
-                else:
-                    t0 = time.perf_counter()
-                    dst.copy_(src)
-                    best = min(best, time.perf_counter() - t0)
-            return best
-
-        dist.barrier()
-        alone = best_copy(7) if self.rank == 0 else 0.0
-        dist.barrier()
-        together = self.reduce_scalar(best_copy(5), dist.ReduceOp.MAX)
-        alone = self.reduce_scalar(alone, dist.ReduceOp.MAX)
-        del src, dst
-        return {"bytes": nbytes,
-                "one_rank_GBps": 2 * nbytes / alone / 1e9,
-                "all_ranks_at_once_GBps_per_rank": 2 * nbytes / together / 1e9,
-                "counts": "bytes read + bytes written"}
-
-    def setup_ringdp(self):
-        self.ringdp = None
-        self.threshold = None
-        want = {"ringdp", "ringdp-reg"} & set(self.args.series)
-        if not want:
-            return
-        try:
-            import ringdp  # noqa: F401
-            import ringdp._C  # noqa: F401
-            ok = True
-        except Exception as e:  # noqa: BLE001
-            ok, err = False, e
-        if not self.agree(ok):
-            self.note(f"ringdp is not importable ({err if not ok else 'on another rank'}); "
-                      "running the baseline only")
-            return
-        import ringdp
-
-        self.ringdp = ringdp
-        if hasattr(ringdp, "init"):
-            ringdp.init()
-        try:
-            from ringdp import policy
-
-            self.threshold = int(policy.oneshot_max_bytes(self.world) if hasattr(policy, "oneshot_max_bytes")
-                                 else os.environ.get("RINGDP_ONESHOT_MAX_BYTES", policy.ONESHOT_MAX_BYTES))
-        except Exception:  # noqa: BLE001
-            self.threshold = None
-
-    def setup_baseline(self, sharing: int):
-        self.bgroup, self.bname = None, None
+    def _baseline(self) -> tuple[str | None, object]:
         if "baseline" not in self.args.series:
-            return
+            return None, None
         backend = self.args.baseline
         if backend == "auto":
-            backend = "nccl" if self.cuda else "gloo"
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
         if backend == "gloo":
-            self.bgroup, self.bname = None, "gloo"  # the default (gloo) group
-            return
-        if sharing > 1:
+            return "gloo", None  # the default process group
+        if self.sharing > 1 and os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") != "1":
             # NCCL refuses two ranks on one GPU; a host id per rank makes it treat them as
             # separate hosts (it then goes over sockets: slow, but a measured baseline).
             os.environ.setdefault("NCCL_HOSTID", f"ringdp-bench-{self.rank}")
-            self.note(f"{sharing} ranks share one GPU: nccl baseline runs with one NCCL_HOSTID "
-                      "per rank (over sockets), not a fair NCCL figure")
-        self.bgroup = self.dist.new_group(backend="nccl")
-        self.bname = "nccl"
+            self.notes.append(f"{self.sharing} ranks share one GPU: the nccl baseline runs with one "
+                              "NCCL_HOSTID per rank (over sockets), not a fair NCCL figure")
+        return "nccl", dist.new_group(backend="nccl")
 
-    def use(self, series: Series):
-        """Put the series' forced algorithm in force (ringdp reads RINGDP_ALGO per call)."""
-        if series.algo is not None:
-            os.environ["RINGDP_ALGO"] = series.algo
+    def series(self) -> list[Series]:
+        out = [Series(self.baseline, "baseline", None)] if self.baseline else []
+        for kind in ("ringdp", "ringdp-reg"):
+            if kind in self.args.series:
+                out += [Series(kind if len(self.args.algos) == 1 else f"{kind}:{a}", kind, a)
+                        for a in self.args.algos]
+        return out
 
-    def probe(self, series: Series) -> bool:
-        """Every rank tries a small call; the series runs only if all succeed."""
-        ok, err = True, None
-        self.use(series)
-        try:
-            t = self.alloc(series, max(self.world, 1))
-            self.pattern.fill(t)
-            self.call(series, t)
-            self.sync()
-            ok = self.pattern.wrong(t) == 0
-            err = None if ok else "wrong result on a 1-element probe"
-        except Exception as e:  # noqa: BLE001
-            ok, err = False, f"{type(e).__name__}: {e}"
-        if not self.agree(ok):
-            self.note(f"series {series} skipped: {err or 'failed on another rank'}")
-            return False
-        return True
+    def algo(self, s: Series, nbytes: int) -> str:
+        """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline."""
+        if s.kind == "baseline":
+            return "-"
+        return self.comm.algo_for(nbytes, self.device.type, s.algo)
 
-    # -- the calls ------------------------------------------------------------------------
-    def alloc(self, series: Series, count: int):
-        if series.kind == "ringdp-reg":
-            t = self.ringdp.empty(count, dtype=self.dtype, device=str(self.device))
-            if hasattr(self.ringdp, "is_registered") and not self.ringdp.is_registered(t):
+    def oneshot_max_bytes(self) -> int:
+        """Largest size (whole elements, up to 1 GiB) that algo "auto" runs one-shot."""
+        lo, hi = 0, (1 << 30) // self.elem
+        if self.comm is None:
+            return 0
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.comm.algo_for(mid * self.elem, self.device.type, "auto") == "oneshot":
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo * self.elem
+
+    def factor(self, s: Series, algo: str) -> float:
+        return bytes_factor(self.world, "oneshot" if algo == "oneshot" else "ring", s.kind == "ringdp-reg",
+                            self.args.dtype, self.device.type, self.transport)
+
+    def alloc(self, s: Series, count: int):
+        if s.kind == "ringdp-reg":
+            t = ringdp.empty(count, dtype=self.dtype, device=str(self.device))
+            if not ringdp.is_registered(t):
                 raise RuntimeError("ringdp.empty returned a tensor that is not registered")
             return t
-        return self.torch.empty(count, dtype=self.dtype, device=self.device)
+        return torch.empty(count, dtype=self.dtype, device=self.device)
 
-    def call(self, series: Series, t):
-        if series.kind == "baseline":
-            if self.op_name == "avg" and not self.dtype.is_floating_point and self.bname == "gloo":
-                self.dist.all_reduce(t, op=self.dist.ReduceOp.SUM, group=self.bgroup)
-                t.div_(self.world, rounding_mode="trunc")  # gloo has no integer AVG
-            else:
-                self.dist.all_reduce(t, op=self.op, group=self.bgroup)
+    def call(self, s: Series, t):
+        if s.kind == "baseline":
+            dist.all_reduce(t, op=self.op, group=self.group)
         else:
-            self.ringdp.all_reduce(t, op=self.op)
+            ringdp.all_reduce(t, op=self.op, algo=s.algo)
 
-    def algo_for(self, series: Series, nbytes: int) -> str:
-        """The algorithm ringdp runs for this size under the series' RINGDP_ALGO."""
-        if series.kind == "baseline":
-            return "-"
-        policy = getattr(self.ringdp, "policy", None)
-        if policy is not None and hasattr(policy, "choose_algo"):
-            saved = os.environ.get("RINGDP_ALGO")
-            self.use(series)
-            try:
-                code = policy.choose_algo(nbytes, self.world)
-            finally:
-                if saved is None:
-                    os.environ.pop("RINGDP_ALGO", None)
-                else:
-                    os.environ["RINGDP_ALGO"] = saved
-            return "oneshot" if code == getattr(policy, "ALGO_ONESHOT", 1) else "ring"
-        if series.algo in ("ring", "oneshot"):
-            return series.algo
-        return "oneshot" if self.threshold is not None and nbytes <= self.threshold else "ring"
 
-    def timed(self, series: Series, t, iters: int) -> tuple[float, list[float]]:
-        """One batch after a barrier: (batch seconds, per-iteration seconds), this rank."""
-        torch = self.torch
-        self.sync()
-        self.dist.barrier()
-        if self.cuda:
-            evs = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-            evs[0].record()
-            for k in range(iters):
-                self.call(series, t)
-                evs[k + 1].record()
-            torch.cuda.synchronize()
-            per = [evs[k].elapsed_time(evs[k + 1]) / 1e3 for k in range(iters)]
-            return evs[0].elapsed_time(evs[-1]) / 1e3, per
-        stamps = [0.0] * (iters + 1)
-        stamps[0] = time.perf_counter()
+# --------------------------------------------------------------------------- measure
+def timed_batch(c: Caller, s: Series, t, iters: int) -> tuple[float, list[float]]:
+    """One batch right after a barrier: (batch seconds, per-iteration seconds), this rank."""
+    sync(c.device)
+    dist.barrier()
+    if c.device.type == "cuda":
+        evs = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+        evs[0].record()
         for k in range(iters):
-            self.call(series, t)
-            stamps[k + 1] = time.perf_counter()
-        return stamps[-1] - stamps[0], [stamps[k + 1] - stamps[k] for k in range(iters)]
+            c.call(s, t)
+            evs[k + 1].record()
+        torch.cuda.synchronize()
+        return evs[0].elapsed_time(evs[-1]) / 1e3, [evs[k].elapsed_time(evs[k + 1]) / 1e3 for k in range(iters)]
+    stamps = [time.perf_counter()]
+    for _ in range(iters):
+        c.call(s, t)
+        stamps.append(time.perf_counter())
+    return stamps[-1] - stamps[0], [b - a for a, b in zip(stamps, stamps[1:])]
 
-    def measure(self, series: Series, nbytes: int) -> dict:
-        torch, dist, args = self.torch, self.dist, self.args
-        count = nbytes // self.elem
-        self.use(series)
-        t = self.alloc(series, count)
-        self.pattern.fill(t)
-        self.sync()
 
-        # warm-up, each call stamped: the calls after the first size the timed batch
-        warmup = args.warmup if args.warmup is not None else (5 if nbytes < (16 << 20) else 2)
-        stamps = []
-        dist.barrier()
-        for _ in range(warmup):
-            t0 = time.perf_counter()
-            self.call(series, t)
-            self.sync()
-            stamps.append(time.perf_counter() - t0)
-        if args.iters is not None:
-            iters = args.iters
-        else:
-            steady = stamps[1:] or stamps or [1e-3]
-            est = self.reduce_scalar(sum(steady) / len(steady), dist.ReduceOp.MAX)
-            iters = int(min(args.max_iters, max(args.min_iters, math.ceil(args.target_time / max(est, 1e-7)))))
+def measure(c: Caller, pattern: Pattern, s: Series, nbytes: int, memcpy_Bps: float) -> dict:
+    """One (size, series) point, collective over all ranks; returns the row (rank 0's view)."""
+    args, n = c.args, c.world
+    count = nbytes // c.elem
+    t = c.alloc(s, count)
+    pattern.fill(t)
+    sync(c.device)
 
-        batch, per = self.timed(series, t, iters)
-        batch = self.reduce_scalar(batch, dist.ReduceOp.MAX)
-        per.sort()
-        fastest_iter = self.reduce_scalar(per[0], dist.ReduceOp.MAX)
-        median_iter = self.reduce_scalar(per[len(per) // 2], dist.ReduceOp.MAX)
+    warmup = args.warmup if args.warmup is not None else (5 if nbytes < (16 << 20) else 2)
+    stamps = []
+    dist.barrier()
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        c.call(s, t)
+        sync(c.device)
+        stamps.append(time.perf_counter() - t0)
+    if args.iters is not None:
+        iters = args.iters
+    else:
+        steady = stamps[1:] or stamps or [1e-3]
+        (est,) = max_over_ranks(statistics.fmean(steady))
+        iters = int(min(args.max_iters, max(args.min_iters, math.ceil(args.target_time / max(est, 1e-7)))))
 
-        # correctness: refill, one more call, compare with the closed form
-        self.pattern.fill(t)
-        self.call(series, t)
-        self.sync()
-        wrong_t = torch.tensor([self.pattern.wrong(t)], dtype=torch.int64)
-        dist.all_reduce(wrong_t)
-        del t
+    batch, per = timed_batch(c, s, t, iters)
+    batch, fastest, median = max_over_ranks(batch, min(per), statistics.median(per))
 
-        n = self.world
-        mean = batch / iters
-        algbw = nbytes / mean / 1e9
-        busbw = algbw * (2 * (n - 1) / n if n > 1 else 0.0)
-        kind = "registered" if series.kind == "ringdp-reg" else "ordinary"
-        algo = self.algo_for(series, nbytes)
-        factor = bytes_factor(kind, "oneshot" if algo == "oneshot" else "ring", n)
-        roof = factor * nbytes * self.contention / self.memcpy_bw if factor else 0.0
-        return {
-            "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype][1], "redop": self.op_name,
-            "series": series.name, "kind": series.kind, "algo": algo,
-            "iters": iters, "warmup": warmup,
-            "time_us": mean * 1e6, "min_us": fastest_iter * 1e6, "median_us": median_iter * 1e6,
-            "algbw_GBps": algbw, "busbw_GBps": busbw, "wrong": int(wrong_t[0]),
-            "bytes_per_rank": factor * nbytes, "roof_us": roof * 1e6,
-            "pct_roof": (100.0 * roof / mean) if roof else None,
-            "speedup": None,
-        }
+    pattern.fill(t)  # correctness: refill, one more call, compare with the closed form
+    c.call(s, t)
+    sync(c.device)
+    wrong = torch.tensor([pattern.wrong(t)], dtype=torch.int64)
+    dist.all_reduce(wrong)
+    del t
 
-    # -- output ---------------------------------------------------------------------------
-    HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>10} {'algo':>7} "
-              f"{'iters':>6} {'time(us)':>11} {'min(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
-              f"{'roof(us)':>10} {'%roof':>6} {'speedup':>7}")
+    mean = batch / iters
+    algbw = nbytes / mean / 1e9
+    algo = c.algo(s, nbytes)
+    factor = c.factor(s, algo)
+    roof = factor * nbytes * c.contention / memcpy_Bps
+    return {
+        "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
+        "series": s.name, "kind": s.kind, "algo": algo, "iters": iters, "warmup": warmup,
+        "time_us": mean * 1e6, "min_us": fastest * 1e6, "median_us": median * 1e6,
+        "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": int(wrong[0]),
+        "bytes_per_rank": factor * nbytes, "roof_us": roof * 1e6,
+        "pct_roof": (100.0 * roof / mean) if roof else None, "speedup": None,
+    }
 
-    def print_row(self, r: dict):
-        pct = f"{r['pct_roof']:5.1f}%" if r["pct_roof"] is not None else "     -"
-        sp = f"{r['speedup']:6.2f}x" if r["speedup"] is not None else "      -"
-        self.log(f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>10} "
-                 f"{r['algo']:>7} {r['iters']:>6} {r['time_us']:11.2f} {r['min_us']:10.2f} "
-                 f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} "
-                 f"{r['roof_us']:10.2f} {pct} {sp}")
+
+# --------------------------------------------------------------------------- driver
+HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>18} {'algo':>7} "
+          f"{'iters':>6} {'time(us)':>11} {'min(us)':>10} {'algbw':>7} {'busbw':>7} {'#wrong':>6} "
+          f"{'roof(us)':>10} {'%roof':>6} {'speedup':>7}")
+
+
+def format_row(r: dict) -> str:
+    pct = f"{r['pct_roof']:5.1f}%" if r["pct_roof"] is not None else "     -"
+    sp = f"{r['speedup']:6.2f}x" if r["speedup"] is not None else "      -"
+    return (f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>18} "
+            f"{r['algo']:>7} {r['iters']:>6} {r['time_us']:11.2f} {r['min_us']:10.2f} "
+            f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} {r['roof_us']:10.2f} {pct} {sp}")
+
+
+class Console:
+    """Rank 0's output: lines on stdout, a live [done/total] counter on stderr."""
+
+    def __init__(self, rank: int):
+        self.on, self.t0, self.live = rank == 0, time.perf_counter(), False
+
+    def line(self, text: str = ""):
+        if not self.on:
+            return
+        if self.live:  # wipe the counter before the line lands
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.live = False
+        print(text, flush=True)
 
     def progress(self, done: int, total: int, what: str):
-        if self.rank != 0:
+        if not self.on:
             return
-        el = time.perf_counter() - self._t_start
+        el = time.perf_counter() - self.t0
         if sys.stderr.isatty():
             sys.stderr.write(f"\r\033[K[{done}/{total}] {el:.1f}s {what}")
-            self._progress_shown = True
+            self.live = True
         elif what.startswith("done"):
             sys.stderr.write(f"[{done}/{total}] {el:.1f}s {what}\n")
         sys.stderr.flush()
 
-    # -- the run --------------------------------------------------------------------------
-    def run(self) -> dict | None:
-        args, n = self.args, self.world
-        host_ranks, sharing = self.placement()
-        if self.cuda:
-            self.contention = float(sharing)
-        else:
-            try:
-                cores = len(os.sched_getaffinity(0))
-            except AttributeError:
-                cores = os.cpu_count() or 1
-            self.contention = max(1.0, host_ranks / cores)
-        memcpy = self.measure_memcpy()
-        self.memcpy_bw = memcpy["one_rank_GBps"] * 1e9
-        self.setup_ringdp()
-        self.setup_baseline(sharing)
 
-        series = []
-        if self.bname:
-            series.append(Series(self.bname, "baseline", None))
-        for kind in ("ringdp", "ringdp-reg"):
-            if kind not in args.series or self.ringdp is None:
-                continue
-            for algo in args.algos:
-                name = kind if len(args.algos) == 1 else f"{kind}:{algo}"
-                s = Series(name, kind, algo)
-                if self.probe(s):
-                    series.append(s)
-        sizes = sizes_to_sweep(args, self.elem)
-        # a forced algorithm compared with another is measured only where ringdp runs it
-        plan = [(z, s) for z in sizes for s in series
-                if len(args.algos) == 1 or s.algo == "auto" or s.kind == "baseline"
-                or self.algo_for(s, z) == s.algo]
-
-        self.log(f"# ringdp all_reduce benchmark: world {n}, device {args.device}, {args.dtype}, "
-                 f"op {args.op}, algo {args.algo}, series {', '.join(s.name for s in series)}")
-        info = machine_info(n, args.device)
-        self.log(f"# machine: {info['cpu_model']} ({info['cpu_cores']} cores), torch {info['torch']}, "
-                 f"{info.get('gpu', 'no gpu') if self.cuda else 'cpu'}, ringdp: {info['ringdp']}")
-        self.log(f"# memcpy (read+write): {memcpy['one_rank_GBps']:.1f} GB/s one rank alone, "
-                 f"{memcpy['all_ranks_at_once_GBps_per_rank']:.1f} GB/s per rank with all {n} at once; "
-                 f"roofline: first figure, times {self.contention:g} for ranks sharing a core/GPU")
-        self.log(f"# bytes per rank / S: ring ordinary {bytes_factor('ordinary', 'ring', n):.2f}, "
-                 f"ring registered {bytes_factor('registered', 'ring', n):.2f}, one-shot ordinary "
-                 f"{bytes_factor('ordinary', 'oneshot', n):.2f}, registered {bytes_factor('registered', 'oneshot', n):.2f}")
-        if self.ringdp is not None:
-            self.log(f"# one-shot threshold (auto): {self.threshold if self.threshold is not None else 'unknown'} bytes")
-        self.log("# GB/s = 1e9 bytes/s; time = mean per call, max over ranks; speedup = baseline time / time")
-        self.log("#")
-        self.log(self.HEADER)
-
-        total = len(plan)
-        done = 0
-        for nbytes in sizes:
-            group = []
-            for z, s in plan:
-                if z != nbytes:
-                    continue
-                self.progress(done, total, f"{human_bytes(nbytes)} {s.name}")
-                group.append(self.measure(s, nbytes))
-                done += 1
-            base = next((r for r in group if r["series"] == self.bname), None)
-            for r in group:
-                if base is not None:
-                    r["speedup"] = base["time_us"] / r["time_us"]
-                self.print_row(r)
-            self.rows.extend(group)
-            self.progress(done, total, f"done {human_bytes(nbytes)}")
-
-        summary = self.summarize()
-        if self.rank != 0:
-            return None
-        wrong = sum(r["wrong"] for r in self.rows)
-        self.log("#")
-        self.log(f"# total #wrong: {wrong}")
-        for line in summary["lines"]:
-            self.log(f"# {line}")
-        payload = {
-            "benchmark": "allreduce",
-            "machine": info,
-            "args": {k: v for k, v in vars(args).items()},
-            "env": {k: v for k, v in os.environ.items() if k.startswith("RINGDP_") or k.startswith("NCCL_")},
-            "memcpy": memcpy,
-            "roofline": {"contention": self.contention,
-                         "bytes_per_rank_over_S": {
-                             "ring_ordinary": bytes_factor("ordinary", "ring", n),
-                             "ring_registered": bytes_factor("registered", "ring", n),
-                             "oneshot_ordinary": bytes_factor("ordinary", "oneshot", n),
-                             "oneshot_registered": bytes_factor("registered", "oneshot", n)}},
-            "oneshot_max_bytes": self.threshold,
-            "pattern_k": self.pattern.k,
-            "notes": self.notes,
-            "summary": summary,
-            "total_wrong": wrong,
-            "elapsed_s": time.perf_counter() - self._t_start,
-            "rows": self.rows,
-        }
-        path = save_json(result_name(args, n), payload, args.out_dir)
-        self.log(f"# wrote {path}")
-        if args.plot:
-            try:
-                from plot_allreduce import plot_runs
-
-                self.log(f"# wrote {plot_runs([('', payload)], path.with_suffix('.png'))}")
-            except Exception as e:  # noqa: BLE001 -- a plot must not lose the numbers
-                self.log(f"# plot failed: {type(e).__name__}: {e}")
-        return payload
-
-    def summarize(self) -> dict:
-        """Speedups by size range and, on CPU float32, the issue's performance targets."""
-        out: dict = {"lines": [], "targets": {}}
-        if len(self.args.algos) > 1:
-            from plot_allreduce import crossovers
-
-            out["crossovers"] = crossovers([("", {"rows": self.rows})])
-            out["lines"].extend(out["crossovers"])
-            if {"ring", "oneshot"} <= set(self.args.algos):
-                up_to, capped = {}, False
-                for kind in ("ringdp", "ringdp-reg"):
-                    ring = {r["size"]: r["time_us"] for r in self.rows if r["series"] == f"{kind}:ring"}
-                    one = {r["size"]: r["time_us"] for r in self.rows if r["series"] == f"{kind}:oneshot"}
-                    best, common = 0, sorted(set(ring) & set(one))
-                    for z in common:
-                        if one[z] >= ring[z]:
-                            break
-                        best = z
-                    if common:
-                        up_to[kind] = best
-                        capped = capped or best == common[-1]
-                if up_to:
-                    out["oneshot_faster_up_to"] = up_to
-                    out["suggested_oneshot_max_bytes"] = min(up_to.values())
-                    out["lines"].append(
-                        "one-shot beats the ring at every size up to " +
-                        ", ".join(f"{human_bytes(v)} ({k})" for k, v in up_to.items()) +
-                        f"; suggested ONESHOT_MAX_BYTES = {min(up_to.values())}" +
-                        (" (capped by the largest size measured one-shot)" if capped else ""))
-        if not self.bname:
-            return out
-        base = {r["size"]: r for r in self.rows if r["series"] == self.bname}
-        small = min(base) if base else None
-        names = list(dict.fromkeys(r["series"] for r in self.rows if r["kind"] != "baseline"))
-        for s in names:
-            rs = {r["size"]: r for r in self.rows if r["series"] == s}
-            big = [rs[z]["speedup"] for z in rs if z >= (16 << 20) and z <= (256 << 20)]
-            allsp = [r["speedup"] for r in rs.values()]
-            entry = {"min_speedup": min(allsp), "max_speedup": max(allsp)}
-            line = f"{s}: speedup over {self.bname} {min(allsp):.2f}x..{max(allsp):.2f}x"
-            if big:
-                entry["busbw_speedup_16M_256M_min"] = min(big)
-                line += f"; at 16-256 MiB busbw >= {min(big):.2f}x"
-            if small in rs:
-                entry["latency_smallest"] = {"size": small, "us": rs[small]["time_us"],
-                                             "baseline_us": base[small]["time_us"]}
-                line += (f"; at {human_bytes(small)} {rs[small]['time_us']:.1f} us vs "
-                         f"{base[small]['time_us']:.1f} us ({base[small]['time_us'] / rs[small]['time_us']:.1f}x)")
-            out[s] = entry
-            out["lines"].append(line)
-        # the issue's targets (2-core CPU, float32); informative, not a test
-        if (self.args.device == "cpu" and self.args.dtype == "float32" and self.bname == "gloo"
-                and len(self.args.algos) == 1):
-            t = out["targets"]
-            if self.world == 2:
-                if "ringdp" in out and "busbw_speedup_16M_256M_min" in out["ringdp"]:
-                    t["ordinary_16M_256M_ge_3.5x"] = out["ringdp"]["busbw_speedup_16M_256M_min"] >= 3.5
-                if "ringdp-reg" in out and "busbw_speedup_16M_256M_min" in out["ringdp-reg"]:
-                    t["registered_16M_256M_ge_6x"] = out["ringdp-reg"]["busbw_speedup_16M_256M_min"] >= 6.0
-                four_k = [r for r in self.rows if r["size"] == 4096 and r["series"].startswith("ringdp")]
-                if 4096 in base and four_k:
-                    t["latency_4KiB_le_1/8"] = all(r["time_us"] * 8 <= base[4096]["time_us"] for r in four_k)
-            elif self.world == 4:
-                rd = [r for r in self.rows if r["series"].startswith("ringdp")]
-                if rd:
-                    t["faster_than_gloo_every_size"] = all(r["speedup"] > 1.0 for r in rd)
-            for k, v in t.items():
-                out["lines"].append(f"target {k}: {'met' if v else 'NOT met'}")
-        return out
-
-
-def result_name(args, world: int) -> str:
-    name = f"allreduce_{args.device}_w{world}_{args.dtype}"
-    extra = args.name
-    if extra is None:
-        algo = args.algo.replace(",", "+")
-        parts = [p for p in (args.op if args.op != "sum" else "", algo if algo != "auto" else "") if p]
-        extra = "_".join(parts) if parts else None
-    return f"{name}_{extra}" if extra else name
-
-
-# --------------------------------------------------------------------------- processes
-def worker(local_rank: int, world: int, args, port: int | None):
-    """One rank: join (or create) the gloo group, run the sweep, leave cleanly."""
-    import torch
-    import torch.distributed as dist
-
+def run_rank(rank: int, world: int, args):
+    """One rank: join the gloo group, sweep, write the results (rank 0), leave cleanly."""
     torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=args.timeout)
-    if port is None:  # torchrun: env:// with the ranks it gave us
-        rank = int(os.environ["RANK"])
-        local_rank = int(os.environ.get("LOCAL_RANK", rank))
-        dist.init_process_group("gloo", timeout=timeout)
-    else:
-        rank = local_rank
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                          RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=rank, world_size=world, timeout=timeout)
-    bench = Bench(args, dist.get_rank(), dist.get_world_size(), local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        bench.run()
+        sweep(rank, args)
     finally:
-        ringdp = getattr(bench, "ringdp", None)
-        if ringdp is not None and hasattr(ringdp, "destroy"):
-            try:
-                ringdp.destroy()
-            except Exception:  # noqa: BLE001
-                pass
+        ringdp.destroy()
         dist.destroy_process_group()
 
 
+def sweep(rank: int, args):
+    n = dist.get_world_size()
+    out = Console(rank)
+    c = Caller(args, rank, n, int(os.environ.get("LOCAL_RANK", rank)))
+    pattern = Pattern(args.dtype, args.op, n, rank, c.device)
+    if not pattern.exact:
+        c.notes.append(f"world {n} is too large for exact {args.dtype} integers; #wrong may be nonzero")
+    memcpy = memcpy_bandwidth(c.device, rank)
+    memcpy_Bps = memcpy["one_rank_GBps"] * 1e9
+    series = c.series()
+    sizes = sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)
+    # a forced algorithm compared with another is measured only where ringdp runs it
+    plan = [(z, s) for z in sizes for s in series
+            if len(args.algos) == 1 or s.algo == "auto" or s.kind == "baseline" or c.algo(s, z) == s.algo]
+    factors = {f"{algo}_{kind}": bytes_factor(n, algo, kind == "registered", args.dtype, c.device.type, c.transport)
+               for algo in ("ring", "oneshot") for kind in ("ordinary", "registered")}
+    threshold = c.oneshot_max_bytes()
+    info = machine_info(n, args.device)
+
+    out.line(f"# ringdp all_reduce benchmark: world {n}, device {args.device} ({c.transport}), {args.dtype}, "
+             f"op {args.op}, algo {args.algo}, series {', '.join(s.name for s in series)}")
+    out.line(f"# machine: {info['cpu_model']} ({info['cpu_cores']} cores), torch {info['torch']}, "
+             f"{info.get('gpu', 'no gpu') if args.device == 'cuda' else 'cpu'}, ringdp: {info['ringdp']}")
+    out.line(f"# memcpy (read+write): {memcpy['one_rank_GBps']:.1f} GB/s one rank alone, "
+             f"{memcpy['all_ranks_at_once_GBps_per_rank']:.1f} GB/s per rank with all {n} at once; "
+             f"roofline: first figure, times {c.contention:g} for ranks sharing a core/GPU")
+    out.line("# bytes per rank / S: " + ", ".join(f"{k} {v:.2f}" for k, v in factors.items()))
+    if c.comm is not None:
+        out.line(f"# one-shot up to {threshold} bytes (algo auto)")
+    for note in c.notes:
+        out.line(f"# note: {note}")
+    out.line("# GB/s = 1e9 bytes/s; time = mean per call, max over ranks; speedup = baseline time / time")
+    out.line("#")
+    out.line(HEADER)
+
+    def payload(complete: bool) -> dict:
+        return {
+            "benchmark": "allreduce",
+            "complete": complete,
+            "machine": info,
+            "args": {k: v for k, v in vars(args).items()},
+            "env": {k: v for k, v in os.environ.items() if k.startswith(("RINGDP_", "NCCL_"))},
+            "transport": c.transport,
+            "memcpy": memcpy,
+            "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
+            "oneshot_max_bytes": threshold,
+            "pattern_k": pattern.k,
+            "notes": c.notes,
+            "total_wrong": sum(r["wrong"] for r in rows),
+            "elapsed_s": time.perf_counter() - out.t0,
+            "rows": rows,
+        }
+
+    name = result_name(args, n)
+    rows, done = [], 0
+    for nbytes in sizes:
+        group = []
+        for s in [s for z, s in plan if z == nbytes]:
+            out.progress(done, len(plan), f"{human_bytes(nbytes)} {s.name}")
+            group.append(measure(c, pattern, s, nbytes, memcpy_Bps))
+            done += 1
+        base = next((r for r in group if r["kind"] == "baseline"), None)
+        for r in group:
+            if base is not None:
+                r["speedup"] = base["time_us"] / r["time_us"]
+            out.line(format_row(r))
+        rows.extend(group)
+        if rank == 0 and nbytes != sizes[-1]:  # what is measured survives a killed run
+            save_json(name, payload(False), args.out_dir)
+        out.progress(done, len(plan), f"done {human_bytes(nbytes)}")
+
+    if rank != 0:
+        return
+    result = payload(True)
+    out.line("#")
+    out.line(f"# total #wrong: {result['total_wrong']}")
+    path = save_json(name, result, args.out_dir)
+    out.line(f"# wrote {path}  (summary: python bench/readme_table.py {path})")
+    if args.plot:
+        try:
+            from plot_allreduce import plot_runs
+
+            out.line(f"# wrote {plot_runs([('', result)], path.with_suffix('.png'))}")
+        except Exception as e:  # noqa: BLE001 -- a plot must not lose the numbers
+            out.line(f"# plot failed: {type(e).__name__}: {e}")
+
+
+# --------------------------------------------------------------------------- command line
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Sizes accept K/M/G suffixes (powers of 1024).")
@@ -741,54 +591,56 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--min-iters", type=int, default=3)
     ap.add_argument("--max-iters", type=int, default=2000)
     ap.add_argument("-d", "--dtype", choices=sorted(DTYPE_NAMES), default="float32")
-    ap.add_argument("-o", "--op", choices=OPS, default="sum")
+    ap.add_argument("-o", "--op", choices=list(OPS), default="sum")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--algo", default=None,
-                    help="ringdp algorithm auto|ring|oneshot (sets RINGDP_ALGO; default: $RINGDP_ALGO "
-                         "or auto), or a comma list such as ring,oneshot: one ringdp series per algorithm")
+                    help="ringdp algorithm auto|ring|oneshot, passed as all_reduce(algo=...) (default: "
+                         "$RINGDP_ALGO or auto), or a comma list such as ring,oneshot: one ringdp series "
+                         "per algorithm")
     ap.add_argument("--world", type=int, default=2, help="local ranks to start when not under torchrun")
     ap.add_argument("--baseline", choices=("auto", "gloo", "nccl"), default="auto",
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--series", default="baseline,ringdp,ringdp-reg",
                     help="comma list of baseline, ringdp, ringdp-reg (default: all)")
-    ap.add_argument("--out-dir", default=str(HERE / "results"))
+    ap.add_argument("--out-dir", default=str(OUT_DIR),
+                    help="where the JSON/PNG go (default bench/out, ignored by git; "
+                         "bench/results holds the committed ones)")
     ap.add_argument("--plot", action="store_true", help="also write a PNG of busbw and time against size")
     ap.add_argument("--name", default=None, help="suffix of the result file name")
     ap.add_argument("--timeout", type=float, default=900.0, help="process group timeout, seconds")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None):
+    ap = build_parser()
+    args = ap.parse_args(argv)
     args.series = [s.strip() for s in args.series.split(",") if s.strip()]
     bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg"}
     if bad:
-        raise SystemExit(f"unknown --series {sorted(bad)}")
+        ap.error(f"unknown --series {sorted(bad)}")
     if args.no_baseline and "baseline" in args.series:
         args.series.remove("baseline")
     if args.algo is None:
         args.algo = os.environ.get("RINGDP_ALGO", "auto") or "auto"
     args.algos = list(dict.fromkeys(a.strip().lower() for a in args.algo.split(",") if a.strip()))
     if not args.algos or set(args.algos) - {"auto", "ring", "oneshot"}:
-        raise SystemExit("--algo takes auto, ring, oneshot or a comma list of them")
+        ap.error("--algo takes auto, ring, oneshot or a comma list of them")
     args.algo = ",".join(args.algos)
     if args.factor <= 1.0:
-        raise SystemExit("--factor must be > 1")
+        ap.error("--factor must be > 1")
     if args.min_bytes > args.max_bytes:
-        raise SystemExit("--min-bytes is larger than --max-bytes")
+        ap.error("--min-bytes is larger than --max-bytes")
+    if args.op == "avg" and args.dtype.startswith("int"):
+        ap.error("--op avg needs a floating-point --dtype (ringdp's AVG is floating-point only)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device visible")
+    return args
 
-    if under_torchrun():
-        worker(int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]), args, None)
-        return 0
-    if args.device == "cuda":
-        import torch
 
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda: no CUDA device visible")
-    import torch.multiprocessing as mp
-
-    mp.spawn(worker, args=(args.world, args, free_port()), nprocs=args.world, join=True)
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    launch(run_rank, args, args.world)
     return 0
 
 

@@ -32,8 +32,9 @@ the communication adds to a step). For RingDDP the script also reports the time 
 spent waiting for all-reduces after autograd finished (RingDDP.last_exposed_comm_ms),
 measured inside the step.
 
-Output: a table on rank 0, bench/results/ddp_step_<device>_w<world>.json (machine info,
-arguments, every block) and, with --plot, a PNG next to it.
+Output: a table on rank 0, <out-dir>/ddp_step_<device>_w<world>[_<name>].json (machine info,
+arguments, every block) and, with --plot, a PNG next to it. Default --out-dir: bench/out/
+(ignored by git); the committed results are refreshed with --out-dir bench/results.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import launch, machine_info, save_json  # noqa: E402
+from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
 
 ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial")
 
@@ -65,7 +66,8 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
     p.add_argument("--bucket-cap-mb", type=float, default=None)
     p.add_argument("--name", default="", help="suffix of the result file name")
-    p.add_argument("--out-dir", default=None, help="where the JSON/PNG go (default bench/results)")
+    p.add_argument("--out-dir", default=str(OUT_DIR),
+                   help="where the JSON/PNG go (default bench/out, ignored by git)")
     p.add_argument("--plot", action="store_true")
     a = p.parse_args(argv)
     a.hidden = [int(h) for h in a.hidden.split(",") if h]

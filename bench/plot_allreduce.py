@@ -17,22 +17,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if float(n).is_integer() else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} GiB"
-
-
-def _series(rows: list[dict]) -> dict[str, list[dict]]:
-    out: dict[str, list[dict]] = {}
-    for row in rows:
-        out.setdefault(row["series"], []).append(row)
-    for rs in out.values():
-        rs.sort(key=lambda r: r["size"])
-    return out
+from report import crossovers, human_bytes, series_rows, world_of  # noqa: E402
 
 
 def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
@@ -45,7 +32,7 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
     fig, (ax_bw, ax_t) = plt.subplots(1, 2, figsize=(13, 5.2))
     sizes_seen: set[int] = set()
     for label, payload in runs:
-        for name, rows in _series(payload["rows"]).items():
+        for name, rows in series_rows(payload["rows"]).items():
             full = f"{name} ({label})" if label else name
             xs = [r["size"] for r in rows]
             sizes_seen.update(xs)
@@ -59,8 +46,8 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
     first = runs[0][1]
     machine = first.get("machine", {})
     args = first.get("args", {})
-    title = (f"all_reduce {args.get('dtype', '?')} {args.get('op', '?')}, world {args.get('world', '?')}, "
-             f"{machine.get('device', '?')}: {machine.get('cpu_model', '')} "
+    title = (f"all_reduce {args.get('dtype', '?')} {args.get('op', '?')}, world {world_of(first) or '?'}, "
+             f"{machine.get('device', '?')}: {machine.get('gpu') or machine.get('cpu_model', '')} "
              f"({machine.get('cpu_cores', '?')} cores), torch {machine.get('torch', '?')}")
     fig.suptitle(title, fontsize=9)
     ticks = sorted(sizes_seen)
@@ -83,36 +70,6 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
     fig.savefig(png, dpi=110)
     plt.close(fig)
     return png
-
-
-def crossovers(runs: list[tuple[str, dict]]) -> list[str]:
-    """For each pair of ringdp series of the same kind (ordinary or registered tensors:
-    the part of the name before ':'), the sizes at which the faster one changes."""
-    curves: dict[str, dict[int, float]] = {}
-    kinds: dict[str, str] = {}
-    for label, payload in runs:
-        for name, rows in _series(payload["rows"]).items():
-            if name.startswith("ringdp"):
-                full = f"{name} ({label})" if label else name
-                curves[full] = {r["size"]: r["time_us"] for r in rows}
-                kinds[full] = name.split(":", 1)[0]
-    lines = []
-    names = sorted(curves)
-    for i, a in enumerate(names):
-        for b in names[i + 1:]:
-            if kinds[a] != kinds[b]:
-                continue
-            common = sorted(set(curves[a]) & set(curves[b]))
-            if not common:
-                continue
-            winner = [a if curves[a][s] <= curves[b][s] else b for s in common]
-            parts = [f"{winner[0]} up to"]
-            for k in range(1, len(common)):
-                if winner[k] != winner[k - 1]:
-                    parts.append(f"{human_bytes(common[k - 1])}, then {winner[k]} from {human_bytes(common[k])} up to")
-            parts.append(human_bytes(common[-1]))
-            lines.append(f"{a} vs {b}: faster is " + " ".join(parts))
-    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,14 +1,25 @@
-"""Print the README's results tables (markdown) from the JSON files in bench/results.
+"""Print the README's results tables (markdown) and each file's summary from result JSON files.
 
-    python bench/readme_table.py > /tmp/table.md
+    python bench/readme_table.py                      # every file in bench/results
+    python bench/readme_table.py bench/out/*.json     # given files
+    python bench/readme_table.py --no-summary > /tmp/table.md
+
+allreduce_*.json (bench/allreduce.py): a table of time, busbw and speedup per size and
+series, or, for a run with forced algorithms (--algo ring,oneshot), the median time per
+algorithm; then the summary (bench/report.py): speedups by size range, the issue's
+targets, the ring/one-shot crossover and suggested threshold. ddp_step*.json
+(bench/ddp_step.py): its rows. The world size is the one measured (machine.world_size).
 """
 from __future__ import annotations
 
-import json
+import argparse
 import sys
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import RESULTS_DIR as RESULTS  # noqa: E402
+from report import load, summary_lines, world_of  # noqa: E402
 
 
 def fmt_size(b: int) -> str:
@@ -18,41 +29,48 @@ def fmt_size(b: int) -> str:
     return f"{b} B"
 
 
-def allreduce_table(path: Path) -> str:
-    d = json.loads(path.read_text())
+def allreduce_table(path: Path, d: dict) -> str:
     m = d["machine"]
     rows = d["rows"]
     by = {}
     for r in rows:
         by.setdefault(r["size"], {})[r["series"]] = r
-    series = [s for s in ("ringdp", "ringdp-reg") if any(s in v for v in by.values())]
+    series = [s for s in dict.fromkeys(r["series"] for r in rows) if s.startswith("ringdp")]
     base = next((r["series"] for r in rows if r["kind"] == "baseline"), None)
-    head = (f"**{path.name}**: world {d['args']['world']}, {d['args']['dtype']}, {m['cpu_model']} "
-            f"({m['cpu_cores']} cores), torch {m['torch']}; memcpy {d['memcpy']['one_rank_GBps']:.1f} GB/s; "
-            f"#wrong total {d['total_wrong']}\n\n")
-    cols = ["size", f"{base} us", f"{base} busbw"] + [c for s in series for c in (f"{s} us", f"{s} busbw", f"{s} speedup")]
+    where = (f"{m['cpu_model']} ({m['cpu_cores']} cores)" if d["args"]["device"] == "cpu"
+             else f"{m.get('gpu', 'GPU')}, {d.get('transport', 'cuda')}")
+    head = (f"**{path.name}**: world {world_of(d)}, {d['args']['dtype']}, {where}, torch {m['torch']}; "
+            f"memcpy {d['memcpy']['one_rank_GBps']:.1f} GB/s; #wrong total {d['total_wrong']}\n\n")
+    cols = ["size"] + ([f"{base} us", f"{base} busbw"] if base else [])
+    cols += [c for s in series for c in (f"{s} us", f"{s} busbw") + ((f"{s} speedup",) if base else ())]
     out = head + "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
     for size in sorted(by):
         v = by[size]
         cells = [fmt_size(size)]
-        b = v.get(base)
-        cells += [f"{b['time_us']:.1f}", f"{b['busbw_GBps']:.2f}"] if b else ["-", "-"]
+        if base:
+            b = v.get(base)
+            cells += [f"{b['time_us']:.1f}", f"{b['busbw_GBps']:.2f}"] if b else ["-", "-"]
         for s in series:
             r = v.get(s)
-            cells += [f"{r['time_us']:.1f}", f"{r['busbw_GBps']:.2f}", f"{r['speedup']:.1f}x"] if r else ["-"] * 3
+            n = 3 if base else 2
+            if r is None:
+                cells += ["-"] * n
+                continue
+            cells += [f"{r['time_us']:.1f}", f"{r['busbw_GBps']:.2f}"]
+            if base:
+                cells.append(f"{r['speedup']:.1f}x" if r.get("speedup") else "-")
         out += "| " + " | ".join(cells) + " |\n"
     return out
 
 
-def threshold_table(path: Path) -> str:
+def threshold_table(path: Path, d: dict) -> str:
     """Median time per forced algorithm: where one-shot stops paying (ringdp/policy.py)."""
-    d = json.loads(path.read_text())
     by, series = {}, []
     for r in d["rows"]:
         by.setdefault(r["size"], {})[r["series"]] = r["median_us"]
         if r["series"] not in series:
             series.append(r["series"])
-    out = f"**{path.name}**: world {d['args']['world']}, median us per call\n\n"
+    out = f"**{path.name}**: world {world_of(d)}, median us per call\n\n"
     out += "| size | " + " | ".join(series) + " |\n|" + "---|" * (len(series) + 1) + "\n"
     for size in sorted(by):
         out += f"| {fmt_size(size)} | " + " | ".join(
@@ -60,8 +78,7 @@ def threshold_table(path: Path) -> str:
     return out
 
 
-def ddp_table(path: Path) -> str:
-    d = json.loads(path.read_text())
+def ddp_table(path: Path, d: dict) -> str:
     out = f"**{path.name}**\n\n"
     rows = d.get("rows") or d.get("results") or []
     if not rows:
@@ -73,13 +90,38 @@ def ddp_table(path: Path) -> str:
     return out
 
 
-def main(argv):
-    files = sorted(RESULTS.glob("allreduce_cpu_*.json"))
+def render(path: Path, summary: bool = True) -> str:
+    d = load(path)
+    if d.get("benchmark") == "allreduce" or path.name.startswith("allreduce_"):
+        forced = len(d["args"].get("algos", [d["args"].get("algo")])) > 1
+        text = threshold_table(path, d) if forced else allreduce_table(path, d)
+        if summary:
+            lines = summary_lines(d)
+            if lines:
+                text += "\n" + "".join(f"- {line}\n" for line in lines)
+        return text
+    return ddp_table(path, d)
+
+
+def default_files(results: Path) -> list[Path]:
+    return sorted(results.glob("allreduce_*.json")) + sorted(results.glob("ddp_step*.json"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="*", type=Path,
+                    help="result JSON files (default: allreduce_*.json and ddp_step*.json in --results)")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result files (default bench/results)")
+    ap.add_argument("--no-summary", action="store_true", help="tables only, no summary lines")
+    a = ap.parse_args(argv)
+    files = a.files or default_files(a.results)
+    if not files:
+        ap.error(f"no result files in {a.results}")
     for f in files:
-        print(threshold_table(f) if "threshold" in f.name else allreduce_table(f))
-    for f in sorted(RESULTS.glob("ddp_step*.json")):
-        print(ddp_table(f))
+        print(render(f, summary=not a.no_summary))
+    return 0
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main())

@@ -6,7 +6,7 @@ Run it
     torchrun --nproc-per-node 2 bench/train.py --ddp both      # both, one after the other,
                                                                # then a loss-curve PNG
     python bench/train.py --world 2 ...                        # starts the ranks itself
-    python bench/train.py plot --out-dir DIR                   # redraw the PNG from the logs
+    python bench/train.py plot --out-dir DIR [--world N]       # redraw the PNG from the logs
 
 Data: "blobs", generated (no download): 10 classes of 1x16x16 images; each class is a
 fixed smooth random pattern, each sample that pattern shifted by up to 2 pixels, scaled by
@@ -22,12 +22,16 @@ Gradient accumulation: --accum k micro-batches of --batch samples per rank make 
 optimizer step; the first k-1 backward passes run under model.no_sync(), so gradients
 are averaged across ranks once per optimizer step.
 
-Rank 0 logs every --log-every optimizer steps (loss averaged over ranks, accuracy on the
-held-out set after each epoch) to stdout and OUT/<ddp>/log.jsonl, and writes
-OUT/<ddp>/ckpt.pt (model without the `module.` prefix, optimizer, scheduler, position in
-the data) every --ckpt-every steps and at the end of each epoch. --resume (or --resume
-PATH) continues from a checkpoint exactly where it stopped: same epoch, same batch, same
-learning rate. --max-steps stops early (to try resumption).
+Output, in --out-dir OUT (default bench/out/, ignored by git; the committed curves are
+refreshed with --out-dir bench/results), for <ddp> = ring or torch and world size n:
+rank 0 logs every --log-every optimizer steps (loss averaged over ranks, accuracy on the
+held-out set after each epoch) to stdout and OUT/train_log_<ddp>_cpu_w<n>.jsonl, writes
+OUT/train_ckpt_<ddp>_cpu_w<n>.pt (model without the `module.` prefix, optimizer,
+scheduler, position in the data) every --ckpt-every steps and at the end of each epoch,
+and at the end draws the loss curves of whatever logs OUT holds for n into
+OUT/train_loss_curves_cpu_w<n>.png. --resume (or --resume PATH) continues from a
+checkpoint exactly where it stopped: same epoch, same batch, same learning rate.
+--max-steps stops early (to try resumption).
 """
 from __future__ import annotations
 
@@ -42,14 +46,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import RESULTS_DIR, launch  # noqa: E402
+from _common import OUT_DIR, launch  # noqa: E402
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("command", nargs="?", default="train", choices=["train", "plot"])
     p.add_argument("--ddp", default="ring", choices=["ring", "torch", "both"])
-    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--world", type=int, default=2,
+                   help="ranks to start when not under torchrun (plot: whose logs to draw)")
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--train-size", type=int, default=4096)
     p.add_argument("--val-size", type=int, default=1024)
@@ -64,8 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=16)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
-                   help="continue from OUT/<ddp>/ckpt.pt (or the given path)")
-    p.add_argument("--out-dir", default=str(RESULTS_DIR / "train"))
+                   help="continue from OUT/train_ckpt_<ddp>_cpu_w<n>.pt (or the given path)")
+    p.add_argument("--out-dir", default=str(OUT_DIR), help="default bench/out (ignored by git)")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
@@ -107,13 +112,23 @@ def wrap(kind: str, module, args):
     if kind == "ring":
         import ringdp
 
-        RingDDP = getattr(ringdp, "RingDDP", None)
-        if RingDDP is None:  # older package __init__ without the export
-            from ringdp.ddp import RingDDP
-        return RingDDP(module, gradient_as_bucket_view=args.gradient_as_bucket_view)
+        return ringdp.RingDDP(module, gradient_as_bucket_view=args.gradient_as_bucket_view)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(module, gradient_as_bucket_view=args.gradient_as_bucket_view)
+
+
+# ------------------------------------------------------------------ file names
+def log_name(kind: str, world: int) -> str:
+    return f"train_log_{kind}_cpu_w{world}.jsonl"
+
+
+def ckpt_name(kind: str, world: int) -> str:
+    return f"train_ckpt_{kind}_cpu_w{world}.pt"
+
+
+def curves_name(world: int) -> str:
+    return f"train_loss_curves_cpu_w{world}.png"
 
 
 # ------------------------------------------------------------------ training
@@ -122,11 +137,11 @@ def train(kind: str, args, rank: int, world: int) -> list[dict]:
     import torch.distributed as dist
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    out = Path(args.out_dir) / kind
+    out = Path(args.out_dir)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out / "ckpt.pt"
-    log_path = out / "log.jsonl"
+    ckpt_path = out / ckpt_name(kind, world)
+    log_path = out / log_name(kind, world)
 
     xtr, ytr = make_blobs(args.train_size, args.data_seed, split=0)
     xva, yva = make_blobs(args.val_size, args.data_seed, split=1)
@@ -260,16 +275,16 @@ def read_log(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot(out_dir: Path) -> Path | None:
+def plot(out_dir: Path, world: int) -> Path | None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    logs = {k: read_log(out_dir / k / "log.jsonl") for k in ("torch", "ring")}
+    logs = {k: read_log(out_dir / log_name(k, world)) for k in ("torch", "ring")}
     logs = {k: v for k, v in logs.items() if v}
     if not logs:
-        print(f"no logs under {out_dir}")
+        print(f"no world-{world} logs under {out_dir}")
         return None
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     style = {"torch": dict(color="#d62728", lw=3, alpha=0.5, label="torch DDP (gloo)"),
@@ -292,9 +307,9 @@ def plot(out_dir: Path) -> Path | None:
     ax2.set_xlabel("epoch")
     ax2.set_ylabel("held-out accuracy")
     ax2.set_title("held-out accuracy", fontsize=9)
-    fig.suptitle("bench/train.py: conv net on generated blobs, world 2", fontsize=10)
+    fig.suptitle(f"bench/train.py: conv net on generated blobs, world {world}", fontsize=10)
     fig.tight_layout()
-    path = out_dir / "loss_curves.png"
+    path = out_dir / curves_name(world)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -313,7 +328,7 @@ def main_rank(rank: int, world: int, args):
         for kind in kinds:
             train(kind, args, rank, world)
         if rank == 0 and not args.no_plot:
-            p = plot(Path(args.out_dir))
+            p = plot(Path(args.out_dir), world)
             if p:
                 print(f"wrote {p}", flush=True)
     finally:
@@ -324,7 +339,7 @@ def main_rank(rank: int, world: int, args):
 def main(argv=None):
     args = parse_args(argv)
     if args.command == "plot":
-        p = plot(Path(args.out_dir))
+        p = plot(Path(args.out_dir), args.world)
         if p:
             print(f"wrote {p}")
         return

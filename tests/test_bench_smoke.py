@@ -42,4 +42,23 @@ def test_bench_smoke(tmp_path):
             assert r["speedup"] is not None and r["roof_us"] > 0
     assert payload["machine"]["world_size"] == 2
     assert payload["memcpy"]["one_rank_GBps"] > 0
+    assert payload["transport"] == "shm" and payload["complete"] is True
+    assert {r["algo"] for r in rows if r["kind"] != "baseline"} <= {"ring", "oneshot"}
     assert (tmp_path / "allreduce_cpu_w2_float32.png").stat().st_size > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["allreduce_cpu_w2_float32.json",
+                                                          "allreduce_cpu_w2_float32.png"]
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_forced_algorithms(tmp_path):
+    """--algo ring,oneshot: one series per forced algorithm, labelled with what ran."""
+    cmd = [sys.executable, str(BENCH), "--world", "2", "-b", "1K", "-e", "4K", "--algo", "ring,oneshot",
+           "--no-baseline", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    payload = json.loads((tmp_path / "allreduce_cpu_w2_float32_ring+oneshot.json").read_text())
+    rows = payload["rows"]
+    assert {r["series"] for r in rows} == {"ringdp:ring", "ringdp:oneshot", "ringdp-reg:ring", "ringdp-reg:oneshot"}
+    for r in rows:
+        assert r["algo"] == r["series"].split(":")[1] and r["wrong"] == 0 and r["speedup"] is None
+    assert "summary" not in payload  # summaries are bench/report.py's (readme_table.py prints them)

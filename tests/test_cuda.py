@@ -7,6 +7,10 @@ One test runs everywhere: the CPU simulation of the IPC protocol (csrc/cuda/sim)
 drives the real ring engine and the real step planner with threads as ranks and checks
 every slot/tensor reuse, the results, and freedom from deadlock.
 
+RINGDP_REQUIRE_CUDA=1 (bench/gpu_check.sh sets it) turns every such skip into a failure
+that says why (no GPU, ringdp built without CUDA, libnccl missing), so that a run on a GPU
+machine where everything was skipped never reads as a pass.
+
 Values are small integers that depend on rank and index, exact in every dtype:
     v(r, i) = (i % 13) + 2r
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
@@ -14,6 +18,7 @@ Ranks sharing one GPU without MPS are time-sliced: correct, slow. Keep the matri
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -30,28 +35,45 @@ from _dist import run_ranks, values
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _cuda_build() -> bool:
+REQUIRE_CUDA = os.environ.get("RINGDP_REQUIRE_CUDA", "") == "1"
+
+
+def _why_no_cuda() -> str | None:
+    """None when the CUDA tests can run here, else the reason they cannot."""
     if not torch.cuda.is_available():
-        return False
+        return f"no CUDA GPU visible to torch {torch.__version__} (torch.version.cuda={torch.version.cuda})"
     try:
         import ringdp
 
-        return bool(ringdp.build_info().get("cuda"))
-    except Exception:
-        return False
+        info = ringdp.build_info()
+    except Exception as e:  # noqa: BLE001
+        return f"ringdp cannot be imported: {type(e).__name__}: {e}"
+    if not info.get("cuda"):
+        return f"ringdp was built without CUDA (build_info(): {info}); rebuild with RINGDP_BUILD_CUDA=1"
+    return None
 
 
-HAVE_CUDA = _cuda_build()
-cuda = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not HAVE_CUDA, reason="needs a CUDA GPU and ringdp built with CUDA (RINGDP_BUILD_CUDA)"),
-]
+WHY_NO_CUDA = _why_no_cuda()
+HAVE_CUDA = WHY_NO_CUDA is None
+
+
+def _skip(reason: str):
+    """Skip, or fail under RINGDP_REQUIRE_CUDA=1: a GPU run must not pass by skipping."""
+    if REQUIRE_CUDA:
+        pytest.fail(f"RINGDP_REQUIRE_CUDA=1 but {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def needs_cuda(fn):
-    for m in cuda:
-        fn = m(fn)
-    return fn
+    """The `cuda` marker; skipped (RINGDP_REQUIRE_CUDA=1: failed) without a GPU and a CUDA build."""
+    if not HAVE_CUDA:
+        inner = fn
+
+        @functools.wraps(inner)
+        def fn(*args, **kwargs):
+            _skip(f"needs a CUDA GPU and ringdp built with CUDA: {WHY_NO_CUDA}")
+
+    return pytest.mark.cuda(fn)
 
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -241,7 +263,7 @@ def _skip_without_nccl():
     except Exception:
         ok = False
     if not ok:
-        pytest.skip("libnccl.so.2 cannot be loaded (nvidia-nccl wheel missing?)")
+        _skip("libnccl.so.2 cannot be loaded (nvidia-nccl wheel missing?)")
 
 
 def _nccl_env(rank):
@@ -353,7 +375,7 @@ def test_native_api_ipc():
     from ringdp import _C
 
     if not hasattr(_C, "cuda_create"):
-        pytest.skip("ringdp._C has no cuda_create binding (see docs/cuda_integration.md)")
+        _skip("ringdp._C has no cuda_create binding (see docs/cuda_integration.md)")
     for r, ok in enumerate(values(run_ranks(_native_api, 2, timeout=300))):
         assert all(ok), f"rank {r}: {ok}"
 

@@ -31,13 +31,13 @@ def read_log(path):
 
 def test_ring_and_torch_loss_curves_match(tmp_path):
     out = run_train("--ddp", "both", "--out-dir", str(tmp_path))
-    ring, torch_ = read_log(tmp_path / "ring" / "log.jsonl"), read_log(tmp_path / "torch" / "log.jsonl")
+    ring, torch_ = read_log(tmp_path / "train_log_ring_cpu_w2.jsonl"), read_log(tmp_path / "train_log_torch_cpu_w2.jsonl")
     losses = lambda log: [(r["step"], r["loss"]) for r in log if "loss" in r]  # noqa: E731
     assert len(losses(ring)) == len(losses(torch_)) >= 8
     for (s1, a), (s2, b) in zip(losses(ring), losses(torch_)):
         assert s1 == s2 and abs(a - b) < 1e-4 * max(1.0, abs(b)), (s1, a, b)
     assert losses(ring)[-1][1] < losses(ring)[0][1]  # it learns
-    assert (tmp_path / "loss_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "train_loss_curves_cpu_w2.png").stat().st_size > 10_000
     assert "[ring] epoch 1 done" in out
 
 
@@ -46,16 +46,16 @@ def test_resume_continues_exactly(tmp_path):
     run_train("--ddp", "ring", "--out-dir", str(full), "--no-plot")
     out1 = run_train("--ddp", "ring", "--out-dir", str(part), "--no-plot", "--max-steps", "5")
     assert "epoch 1" not in out1  # really stopped inside epoch 0
-    ck = torch.load(part / "ring" / "ckpt.pt", weights_only=False)
+    ck = torch.load(part / "train_ckpt_ring_cpu_w2.pt", weights_only=False)
     assert (ck["epoch"], ck["step"], ck["step_in_epoch"]) == (0, 5, 5)
     assert all(not k.startswith("module.") for k in ck["model"])
     out2 = run_train("--ddp", "ring", "--out-dir", str(part), "--no-plot", "--resume")
     assert "resumed from" in out2
-    a = torch.load(full / "ring" / "ckpt.pt", weights_only=False)
-    b = torch.load(part / "ring" / "ckpt.pt", weights_only=False)
+    a = torch.load(full / "train_ckpt_ring_cpu_w2.pt", weights_only=False)
+    b = torch.load(part / "train_ckpt_ring_cpu_w2.pt", weights_only=False)
     assert a["step"] == b["step"] == 16
     for k, v in a["model"].items():  # parameters and rank 0's BatchNorm statistics
         assert torch.equal(v, b["model"][k]), k
-    la = [r for r in read_log(full / "ring" / "log.jsonl") if "loss" in r and r["step"] > 6]
-    lb = [r for r in read_log(part / "ring" / "log.jsonl") if "loss" in r and r["step"] > 6]
+    la = [r for r in read_log(full / "train_log_ring_cpu_w2.jsonl") if "loss" in r and r["step"] > 6]
+    lb = [r for r in read_log(part / "train_log_ring_cpu_w2.jsonl") if "loss" in r and r["step"] > 6]
     assert [r["loss"] for r in la] == pytest.approx([r["loss"] for r in lb], rel=1e-6)

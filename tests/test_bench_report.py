@@ -1,0 +1,235 @@
+"""The reporting side of the benchmarks, without running one: the roofline byte factors of
+bench/allreduce.py, bench/report.py and bench/readme_table.py on the committed results,
+bench/gpu_check_summary.py on damaged phase folders, and bench/gpu_check.sh on a machine
+without a GPU (it must stop at once, non-zero, with a JSON saying CUDA is missing)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+RESULTS = BENCH / "results"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+
+
+def _allreduce():
+    pytest.importorskip("ringdp._C", reason="ringdp._C is not built")
+    import allreduce
+
+    return allreduce
+
+
+# ------------------------------------------------------------------ roofline byte factors
+@pytest.mark.parametrize("n, want", [(2, 4.0), (4, 5.0)])
+def test_bytes_factor_float32_staged(n, want):
+    bf = _allreduce().bytes_factor
+    assert bf(n, "ring", False, "float32") == pytest.approx(want)  # (6n-4)/n
+    assert bf(n, "ring", False, "float32", "cuda", "ipc") == pytest.approx(want)
+    assert bf(n, "ring", True, "float32", "cuda", "nccl") == pytest.approx(want)  # NCCL: always staged
+
+
+@pytest.mark.parametrize("n, want", [(2, 2.5), (4, 3.75)])
+def test_bytes_factor_float32_registered(n, want):
+    bf = _allreduce().bytes_factor
+    assert bf(n, "ring", True, "float32") == pytest.approx(want)  # 5(n-1)/n, in place
+    assert bf(n, "ring", True, "float32", "cuda", "ipc") == pytest.approx(want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("n, staged, cuda_direct", [(2, 5.0, 4.5), (4, 6.5, 5.75)])
+def test_bytes_factor_half_partial_sums_travel_as_float32(dtype, n, staged, cuda_direct):
+    bf = _allreduce().bytes_factor
+    assert bf(n, "ring", False, dtype) == pytest.approx(staged)  # (8n-6)/n
+    # a registered half tensor is staged on CPU (the in-place ring needs acc width == width)
+    assert bf(n, "ring", True, dtype) == pytest.approx(staged)
+    assert bf(n, "ring", False, dtype, "cuda", "ipc") == pytest.approx(staged)
+    # CUDA IPC exports in place, partial sums still go through float32 slots: (7n-5)/n
+    assert bf(n, "ring", True, dtype, "cuda", "ipc") == pytest.approx(cuda_direct)
+    assert bf(n, "ring", True, dtype, "cuda", "nccl") == pytest.approx(staged)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_bytes_factor_oneshot_and_single_rank(n, dtype):
+    bf = _allreduce().bytes_factor
+    for registered in (False, True):
+        assert bf(n, "oneshot", registered, dtype) == n + 3  # copy in, read n, write 1
+        assert bf(1, "ring", registered, dtype) == 0.0
+
+
+# ------------------------------------------------------------------ report / readme_table
+def test_readme_table_help_and_committed_results():
+    r = subprocess.run([sys.executable, str(BENCH / "readme_table.py"), "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "usage" in r.stdout
+    r = subprocess.run([sys.executable, str(BENCH / "readme_table.py")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    for f in RESULTS.glob("allreduce_*.json"):
+        assert f"**{f.name}**" in r.stdout
+    assert "**allreduce_cpu_w4_float32.json**: world 4" in r.stdout
+    assert "target faster_than_gloo_every_size" in r.stdout
+    assert "suggested ONESHOT_MAX_BYTES" in r.stdout
+
+
+def test_world_size_is_the_measured_one(tmp_path):
+    """A torchrun world-4 run leaves --world at its default 2: the table says 4."""
+    import readme_table
+
+    d = json.loads((RESULTS / "allreduce_cpu_w4_float32.json").read_text())
+    d["args"]["world"] = 2
+    assert d["machine"]["world_size"] == 4 and report.world_of(d) == 4
+    p = tmp_path / "allreduce_cpu_w4_float32.json"
+    p.write_text(json.dumps(d))
+    assert readme_table.render(p).startswith(f"**{p.name}**: world 4,")
+
+
+def test_summary_of_committed_results():
+    w2 = report.load(RESULTS / "allreduce_cpu_w2_float32.json")
+    t = report.targets(w2)
+    assert set(t) == {"ordinary_16M_256M_ge_3.5x", "registered_16M_256M_ge_6x", "latency_4KiB_le_1/8"}
+    lines = report.speedup_lines(w2)
+    assert any(line.startswith("ringdp: speedup over gloo") for line in lines)
+    th = report.load(RESULTS / "allreduce_cpu_w4_float32_threshold.json")
+    s = report.oneshot_suggestion(th)
+    assert s["up_to"]["ringdp"] == 64 << 10 and s["suggested"] == 64 << 10
+    assert report.targets(th) == {}  # forced algorithms: no targets
+    assert report.oneshot_suggestion(w2) is None
+
+
+# ------------------------------------------------------------------ gpu_check
+def test_gpu_check_syntax():
+    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
+
+
+def test_gpu_check_usage():
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "nonsense", "/nonexistent"], capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_gpu_check_build_without_gpu(tmp_path):
+    """On a machine without a GPU the build phase stops at once: exit 3 and exactly one
+    build.json (saying CUDA is missing) plus build.tar.gz in OUT."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the build phase would build")
+    out = tmp_path / "out"
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHON=sys.executable)
+    t0 = time.monotonic()
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "build", str(out)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    took = time.monotonic() - t0
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert took < 60, took
+    assert sorted(p.name for p in out.iterdir()) == ["build.json", "build.tar.gz"]
+    s = json.loads((out / "build.json").read_text())
+    assert s["phase"] == "build" and s["status"] == "no_cuda" and s["cuda_build"] is False
+    assert "CUDA is missing" in s["error"]
+    assert s["facts"]["cuda_available"] is False
+    assert "build" not in {x["step"] for x in s["steps"]}  # nothing was built
+
+
+def _summary(tmp_path, phase, rc=0):
+    out = tmp_path / f"{phase}.json"
+    r = subprocess.run([sys.executable, str(BENCH / "gpu_check_summary.py"), phase, str(tmp_path / "work"),
+                        str(out), str(rc), "12"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    return json.loads(out.read_text())
+
+
+def test_gpu_check_summary_survives_damaged_files(tmp_path):
+    work = tmp_path / "work"
+    (work / "bench").mkdir(parents=True)
+    good = json.loads((RESULTS / "allreduce_cpu_w2_float32.json").read_text())
+    good["transport"] = "ipc"
+    (work / "bench" / "allreduce_cuda_w2_float32_ipc.json").write_text(json.dumps(good))
+    (work / "bench" / "allreduce_cuda_w4_float32_ipc.json").write_text(json.dumps(good)[:5000])  # truncated
+    (work / "bench" / "allreduce_cuda_w2_float32_nccl.json").write_text('{"rows": [{"size": 1}]}')  # odd
+    (work / "copy_bw.json").write_text('{"copy_GBps": 3000.0, "add_')  # truncated
+    (work / "steps.tsv").write_text("copy_bw\t0\t3\tok\tpython3 copy_bw.py\ngarbage line\n"
+                                    "bench_ipc_w2\t1\t40\tfailed\tpython3 bench/allreduce.py\n")
+    s = _summary(tmp_path, "bench", rc=1)
+    assert s["status"] == "failed" and s["failed_steps"] == ["bench_ipc_w2"]
+    assert isinstance(s["copy_GBps"], str) and "unreadable" in s["copy_GBps"]
+    sw = s["sweeps"]
+    assert sw["allreduce_cuda_w2_float32_ipc"]["series"]["ringdp"]["pct_roof_ge_64MiB"]["min"] > 0
+    assert "target_70pct_met" in sw["allreduce_cuda_w2_float32_ipc"]["series"]["ringdp-reg"]
+    assert "speedup_vs_baseline" in sw["allreduce_cuda_w2_float32_ipc"]["series"]["ringdp"]
+    assert "unreadable" in sw["allreduce_cuda_w4_float32_ipc"]
+    assert isinstance(sw["allreduce_cuda_w2_float32_nccl"], str)
+
+
+def test_gpu_check_summary_tests_without_junit(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    ids = ["test_ipc_matrix[2-default]", "test_nccl_world2[default]", "test_stream_ordering[ipc]"]
+    names = ["test_ipc_matrix_2_default", "test_nccl_world2_default", "test_stream_ordering_ipc"]
+    (work / "steps.tsv").write_text(
+        f"{names[0]}\t0\t20\tok\tpython3 -m pytest tests/test_cuda.py::{ids[0]} --junitxml=x\n"
+        f"{names[1]}\t124\t90\ttimeout\tpython3 -m pytest tests/test_cuda.py::{ids[1]} --junitxml=y\n")
+    (work / f"{names[0]}.log").write_text(f"PASSED tests/test_cuda.py::{ids[0]}\n")
+    (work / f"{names[1]}.log").write_text("RingError: rank 1: timed out waiting\n")
+    (work / f"{names[2]}.xml").write_text("<testsuites><testsuite")  # truncated XML, step killed
+    (work / "current.step").write_text(f"{names[2]}\t{int(time.time()) - 5}\tpython3 -m pytest "
+                                       f"tests/test_cuda.py::{ids[2]}\n")
+    s = _summary(tmp_path, "smoke", rc=124)
+    assert s["status"] == "timeout"
+    assert s["tests"] == {ids[0]: "passed", ids[1]: "timeout", ids[2]: "timeout"}
+    assert "timed out" in s["why_not_passed"][ids[1]]
+    assert s["steps"][-1]["status"] == "killed"
+
+
+def test_gpu_check_summary_usage():
+    r = subprocess.run([sys.executable, str(BENCH / "gpu_check_summary.py")], capture_output=True, text=True)
+    assert r.returncode == 2
+
+
+# ------------------------------------------------------------------ README commands
+def _readme_commands() -> dict[str, str]:
+    """README "Results": first result file of each row -> its command."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    out = {}
+    for m in re.finditer(r"^\| `([^`]+)`[^|]*\| `((?:python|torchrun)[^`]+)` \|$", text, re.M):
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+def test_readme_commands_match_the_committed_results(monkeypatch):
+    """Each committed result file has a README command, and that command parses to the
+    arguments stored in the file (apart from --out-dir)."""
+    import shlex
+
+    monkeypatch.delenv("RINGDP_ALGO", raising=False)
+    cmds = _readme_commands()
+    rows = "\n".join(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `"))
+    committed = {p.name for p in RESULTS.iterdir() if p.suffix in (".json", ".jsonl")}
+    assert {f for f in committed if f"`{f}`" not in rows} == set()
+    for first, cmd in cmds.items():
+        argv = shlex.split(cmd)
+        assert argv[-2:] == ["--out-dir", "bench/results"], cmd
+        script = next(a for a in argv if a.startswith("bench/"))
+        rest = argv[argv.index(script) + 1:]
+        if script == "bench/train.py":
+            assert "--ddp" in rest and rest[rest.index("--ddp") + 1] == "both"
+            continue
+        stored = json.loads((RESULTS / first).read_text())["args"]
+        if script == "bench/allreduce.py":
+            parsed = vars(_allreduce().parse_args(rest))
+        else:
+            import ddp_step
+
+            parsed = vars(ddp_step.parse_args(rest))
+        for k in set(stored) | set(parsed):
+            if k != "out_dir":
+                assert parsed.get(k) == stored.get(k), (first, k, parsed.get(k), stored.get(k))
