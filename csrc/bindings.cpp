@@ -67,7 +67,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("host", &ShmConfig::host)
       .def_readwrite("fifo_slots", &ShmConfig::fifo_slots)
       .def_readwrite("slot_bytes", &ShmConfig::slot_bytes)
-      .def_readwrite("small_bytes", &ShmConfig::small_bytes)
+      .def_readwrite("oneshot_bytes", &ShmConfig::oneshot_bytes)
       .def_readwrite("arena_bytes", &ShmConfig::arena_bytes)
       .def_readwrite("spin_ns", &ShmConfig::spin_ns);
 

@@ -142,7 +142,7 @@ class Communicator:
         cfg.host = self.host
         cfg.fifo_slots = int(os.environ.get("RINGDP_FIFO_SLOTS", policy.FIFO_SLOTS))
         cfg.slot_bytes = int(os.environ.get("RINGDP_SLOT_BYTES", policy.SLOT_BYTES))
-        cfg.small_bytes = policy.oneshot_buffer_bytes()
+        cfg.oneshot_bytes = policy.oneshot_buffer_bytes()
         cfg.arena_bytes = int(float(os.environ.get("RINGDP_ARENA_GB", policy.ARENA_GB)) * (1 << 30))
         cfg.spin_ns = policy.spin_ns(self.world)
         native = _C.ShmComm(cfg)  # creates (and owns) this rank's segment

@@ -2,7 +2,7 @@
 // maps every peer's. Each word in here is written by its owner only; peers only read it
 // (the one exception, `sleepers`, is a counter peers bump before sleeping on a futex).
 //
-//   [ Control (4 KiB) | FIFO: slots x slot_bytes | one-shot: 2 x small_bytes | arena ]
+//   [ Control (4 KiB) | FIFO: slots x slot_bytes | one-shot: 2 x oneshot_bytes | arena ]
 //
 // Counters are monotonic 32-bit and compared wrap-safely, so a fast rank can never
 // overwrite a flag a slow rank has not read yet.
@@ -56,7 +56,7 @@ struct Control {
   uint64_t segment_bytes;
   uint64_t fifo_slots;
   uint64_t slot_bytes;
-  uint64_t small_bytes;
+  uint64_t oneshot_bytes;
   uint64_t arena_bytes;
   char host[64];
   char pad0[kCacheLine - 16];
@@ -79,13 +79,13 @@ inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 struct Geometry {
   size_t fifo_slots;
   size_t slot_bytes;
-  size_t small_bytes;
+  size_t oneshot_bytes;
   size_t arena_bytes;
   size_t fifo_offset() const { return kControlBytes; }
-  size_t small_offset(int parity) const {
-    return fifo_offset() + fifo_slots * slot_bytes + static_cast<size_t>(parity) * small_bytes;
+  size_t oneshot_offset(int parity) const {
+    return fifo_offset() + fifo_slots * slot_bytes + static_cast<size_t>(parity) * oneshot_bytes;
   }
-  size_t fixed_bytes() const { return align_up(small_offset(2), 1 << 21); }
+  size_t fixed_bytes() const { return align_up(oneshot_offset(2), 1 << 21); }
   size_t arena_offset() const { return fixed_bytes(); }
   size_t total_bytes() const { return arena_offset() + arena_bytes; }
 };

@@ -55,9 +55,9 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
   if (cfg_.fifo_slots < 2) throw RingError("fifo_slots must be at least 2");
   if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes % 64 != 0)
     throw RingError("slot_bytes must be a multiple of 64 and at least 4096");
-  cfg_.small_bytes = shm::align_up(cfg_.small_bytes, 64);
+  cfg_.oneshot_bytes = shm::align_up(cfg_.oneshot_bytes, 64);
   cfg_.arena_bytes = shm::align_up(cfg_.arena_bytes, kArenaAlign);
-  geo_ = shm::Geometry{cfg_.fifo_slots, cfg_.slot_bytes, cfg_.small_bytes, cfg_.arena_bytes};
+  geo_ = shm::Geometry{cfg_.fifo_slots, cfg_.slot_bytes, cfg_.oneshot_bytes, cfg_.arena_bytes};
   wait_policy_.spin_ns = cfg_.spin_ns;
 
   segs_.resize(static_cast<size_t>(cfg_.world));
@@ -71,7 +71,7 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
   c->segment_bytes = geo_.total_bytes();
   c->fifo_slots = geo_.fifo_slots;
   c->slot_bytes = geo_.slot_bytes;
-  c->small_bytes = geo_.small_bytes;
+  c->oneshot_bytes = geo_.oneshot_bytes;
   c->arena_bytes = geo_.arena_bytes;
   copy_msg(c->host, cfg_.host.substr(0, sizeof(c->host) - 1));
   std::atomic_thread_fence(std::memory_order_release);
@@ -96,7 +96,7 @@ void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
       throw RingError(cat("rank ", cfg_.rank, ": segment of rank ", r, " says rank ", c->rank,
                           " of world ", c->world, ", expected world ", cfg_.world));
     if (c->fifo_slots != geo_.fifo_slots || c->slot_bytes != geo_.slot_bytes ||
-        c->small_bytes != geo_.small_bytes || c->arena_bytes != geo_.arena_bytes ||
+        c->oneshot_bytes != geo_.oneshot_bytes || c->arena_bytes != geo_.arena_bytes ||
         c->segment_bytes != s.size())
       throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
                           " uses a different shared-memory configuration (slots/slot bytes/"
@@ -212,15 +212,15 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
   h.reg_offset = arena_offset_of(data, bytes);
   h.slice_bytes = geo_.slot_bytes;
   if (algo == Algo::kOneShot) {
-    if (bytes > geo_.small_bytes) {
+    if (bytes > geo_.oneshot_bytes) {
       const std::string why = cat("one-shot all_reduce of ", bytes, " bytes exceeds its buffer of ",
-                                  geo_.small_bytes, " bytes (RINGDP_ONESHOT_MAX_BYTES too large?)");
+                                  geo_.oneshot_bytes, " bytes (RINGDP_ONESHOT_MAX_BYTES too large?)");
       h.status = 1;
       copy_msg(h.msg, why);
       exchange_headers(s);
       throw RingError(cat("rank ", cfg_.rank, ": ", why));
     }
-    std::memcpy(small(cfg_.rank, par), data, bytes);
+    std::memcpy(oneshot_buf(cfg_.rank, par), data, bytes);
   }
   exchange_headers(s);
 
@@ -251,7 +251,7 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
     // 3a. One-shot: every rank reduces all ranks' buffers in rank order (bitwise identical).
     if (algo == Algo::kOneShot) {
       std::vector<const void*> srcs(static_cast<size_t>(cfg_.world));
-      for (int r = 0; r < cfg_.world; ++r) srcs[static_cast<size_t>(r)] = small(r, par);
+      for (int r = 0; r < cfg_.world; ++r) srcs[static_cast<size_t>(r)] = oneshot_buf(r, par);
       cpu::kernels_for(dtype, op).reduce_many(data, srcs.data(), cfg_.world, count,
                                               op == RedOp::kAvg ? cfg_.world : 0);
       return;

@@ -1,6 +1,6 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot small-message path, and drives the ring engine over the shm transports.
+// one-shot path, and drives the ring engine over the shm transports.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -25,7 +25,7 @@ struct ShmConfig {
   std::string host;       // written into the segment for diagnostics
   size_t fifo_slots = 8;  // slots per connection (>= 2)
   size_t slot_bytes = 256 << 10;
-  size_t small_bytes = 256 << 10;       // largest one-shot message
+  size_t oneshot_bytes = 256 << 10;     // one-shot buffer: the largest one-shot message
   size_t arena_bytes = size_t(16) << 30;  // virtual size of the registered-memory arena
   int64_t spin_ns = 50000;
 };
@@ -70,7 +70,7 @@ class ShmComm {
   // --- used by the transports -------------------------------------------------------
   shm::Control& ctrl(int r) const { return *reinterpret_cast<shm::Control*>(segs_[r].base()); }
   char* fifo(int r) const { return segs_[r].base() + geo_.fifo_offset(); }
-  char* small(int r, int parity) const { return segs_[r].base() + geo_.small_offset(parity); }
+  char* oneshot_buf(int r, int parity) const { return segs_[r].base() + geo_.oneshot_offset(parity); }
   char* arena_base_(int r) const { return segs_[r].base() + geo_.arena_offset(); }
   const shm::Geometry& geometry() const { return geo_; }
   // Block until flag (owned by rank `owner`) reaches target; `what` describes the wait.
