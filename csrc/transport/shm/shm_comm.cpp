@@ -107,6 +107,15 @@ void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
     segs_[static_cast<size_t>(r)] = std::move(s);
   }
   (void)timeout_s;
+  shm::Neighbours nb;
+  nb.rank = cfg_.rank;
+  nb.world = cfg_.world;
+  nb.prev = (cfg_.rank + cfg_.world - 1) % cfg_.world;
+  nb.next = (cfg_.rank + 1) % cfg_.world;
+  nb.mine = segs_[static_cast<size_t>(cfg_.rank)].base();
+  nb.prev_base = segs_[static_cast<size_t>(nb.prev)].base();
+  nb.next_base = segs_[static_cast<size_t>(nb.next)].base();
+  link_.reset(new shm::Link(nb, geo_, wait_policy_, health_));
   connected_ = true;
 }
 
@@ -262,12 +271,11 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
     for (int r = 0; r < cfg_.world; ++r) registered = registered && ctrl(r).hdr[par].reg_offset >= 0;
     RingPlan plan{count, cfg_.world, cfg_.rank, geo_.slot_bytes / acc_size(dtype), 64 / esz};
     if (registered) {
-      const int prev = (cfg_.rank + cfg_.world - 1) % cfg_.world;
-      const char* prev_data = arena_base_(prev) + ctrl(prev).hdr[par].reg_offset;
-      shm::RegisteredTransport t(*this, static_cast<char*>(data), prev_data, dtype, op);
+      const size_t prev_offset = static_cast<size_t>(ctrl(link_->prev()).hdr[par].reg_offset);
+      shm::RegisteredTransport t(*link_, static_cast<char*>(data), prev_offset, dtype, op);
       ring_all_reduce(t, plan);
     } else {
-      shm::StagedTransport t(*this, static_cast<char*>(data), dtype, op);
+      shm::StagedTransport t(*link_, static_cast<char*>(data), dtype, op);
       ring_all_reduce(t, plan);
     }
   } catch (const RingError&) {

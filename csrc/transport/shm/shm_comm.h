@@ -11,6 +11,7 @@
 
 #include "../../common/types.h"
 #include "layout.h"
+#include "link.h"
 #include "segment.h"
 #include "wait.h"
 
@@ -67,19 +68,26 @@ class ShmComm {
   void abort(const std::string& why);
   bool is_aborted() const { return !poison_.empty(); }
 
-  // --- used by the transports -------------------------------------------------------
+  // Largest message the one-shot path takes (its buffer).
+  size_t oneshot_bytes() const { return geo_.oneshot_bytes; }
+
+ private:
+  // The health check every wait of this communicator runs (deadline, aborted or dead peers).
+  class Health final : public shm::Watch {
+   public:
+    explicit Health(ShmComm& c) : c_(c) {}
+    void check(int peer, const char* what) override { c_.check_health(peer, what); }
+
+   private:
+    ShmComm& c_;
+  };
+
   shm::Control& ctrl(int r) const { return *reinterpret_cast<shm::Control*>(segs_[r].base()); }
-  char* fifo(int r) const { return segs_[r].base() + geo_.fifo_offset(); }
   char* oneshot_buf(int r, int parity) const { return segs_[r].base() + geo_.oneshot_offset(parity); }
   char* arena_base_(int r) const { return segs_[r].base() + geo_.arena_offset(); }
-  const shm::Geometry& geometry() const { return geo_; }
   // Block until flag (owned by rank `owner`) reaches target; `what` describes the wait.
   void wait(const shm::Flag& flag, int owner, uint32_t target, const char* what);
   void publish(shm::Flag& flag, uint32_t value) { shm::publish(flag, ctrl(cfg_.rank).sleepers, value); }
-  uint32_t posted = 0;    // local copies of ctrl(rank).posted / consumed
-  uint32_t consumed = 0;
-
- private:
   void check_health(int waiting_on, const char* what);
   void require_connected() const;
   void exchange_headers(uint32_t s);
@@ -97,6 +105,8 @@ class ShmComm {
   double timeout_s_ = 0;
   uint32_t call_ = 0;  // call number being run, for messages
   std::string poison_;
+  Health health_{*this};
+  std::unique_ptr<shm::Link> link_;  // made by connect(); its counters live as long as this
 
   mutable std::mutex arena_mu_;
   std::map<size_t, size_t> free_;  // offset -> bytes

@@ -1,8 +1,10 @@
-// The two shared-memory implementations of RingTransport (see transport.h).
+// The two shared-memory implementations of RingTransport (see transport.h). Both move
+// bytes over a Link (link.h), which owns the neighbours' flags, FIFOs and the counters.
 #pragma once
+#include "../../common/types.h"
 #include "../../kernels/cpu/reduce.h"
 #include "../transport.h"
-#include "shm_comm.h"
+#include "link.h"
 
 namespace ringdp {
 namespace shm {
@@ -12,7 +14,7 @@ namespace shm {
 // Reduce-scatter slices travel in the accumulation type (float32 for half types).
 class StagedTransport final : public RingTransport {
  public:
-  StagedTransport(ShmComm& c, char* data, DType dtype, RedOp op);
+  StagedTransport(Link& link, char* data, DType dtype, RedOp op);
   void send(const Slice& s) override;
   void recv_reduce_send(const Slice& s) override;
   void recv_reduce_copy_send(const Slice& s) override;
@@ -21,29 +23,22 @@ class StagedTransport final : public RingTransport {
   void finish() override {}
 
  private:
-  char* out_slot();      // wait until my next slot is free (successor consumed it)
-  void post_out();
-  const char* in_slot();  // wait until predecessor posted my next slot
-  void done_in();
   char* at(const Slice& s) const { return data_ + s.offset * esz_; }
 
-  ShmComm& c_;
+  Link& link_;
   char* data_;
   const cpu::Kernels& k_;
   size_t esz_, asz_;
   int avg_div_;
-  int next_, prev_;
-  char* my_fifo_;
-  const char* prev_fifo_;
-  size_t slots_, slot_bytes_;
 };
 
 // Registered tensors (ringdp.empty): the tensor itself lives in the arena every peer has
-// mapped, so I read my predecessor's slice in place and reduce into my own tensor in place.
-// No slots, no staging copies. finish() waits until my successor has read my last slice.
+// mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and
+// reduce into my own tensor in place. No slots, no staging copies. finish() waits until my
+// successor has read my last slice.
 class RegisteredTransport final : public RingTransport {
  public:
-  RegisteredTransport(ShmComm& c, char* data, const char* prev_data, DType dtype, RedOp op);
+  RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype, RedOp op);
   void send(const Slice& s) override;
   void recv_reduce_send(const Slice& s) override;
   void recv_reduce_copy_send(const Slice& s) override;
@@ -53,16 +48,13 @@ class RegisteredTransport final : public RingTransport {
 
  private:
   const char* in(const Slice& s);  // wait for predecessor's slice
-  void done_in();
-  void post_out();
 
-  ShmComm& c_;
+  Link& link_;
   char* data_;
   const char* prev_data_;
   const cpu::Kernels& k_;
   size_t esz_;
   int avg_div_;
-  int next_, prev_;
 };
 
 }  // namespace shm
