@@ -79,7 +79,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("calls", &ShmComm::calls)
       .def_property_readonly("aborted", &ShmComm::is_aborted)
       .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
-      .def("connect", &ShmComm::connect, py::call_guard<py::gil_scoped_release>())
+      .def("local_blob", [](ShmComm& c) { return py::bytes(c.local_blob()); })
+      .def("connect",
+           [](ShmComm& c, const std::vector<py::bytes>& blobs) {
+             std::vector<std::string> v;
+             for (const auto& b : blobs) v.emplace_back(b);
+             py::gil_scoped_release nogil;
+             c.connect(v);
+           })
       .def("unlink_own", &ShmComm::unlink_own)
       .def("unlink_all", &ShmComm::unlink_all)
       .def("abort", &ShmComm::abort)

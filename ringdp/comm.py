@@ -148,8 +148,10 @@ class Communicator:
         native = _C.ShmComm(cfg)  # creates (and owns) this rank's segment
         names = [f"/ringdp-{uid}-r{r}" for r in range(self.world)]
         try:
+            st.set(f"blob/{self.rank}", native.local_blob())
             st.set(f"seg/{self.rank}", json.dumps({"name": cfg.name, "host": self.host, "pid": os.getpid()}))
-            self._wait_keys("the shared-memory segments", [f"seg/{r}" for r in range(self.world)])
+            self._wait_keys("the shared-memory segments",
+                            [f"seg/{r}" for r in range(self.world)] + [f"blob/{r}" for r in range(self.world)])
             infos = [json.loads(st.get(f"seg/{r}")) for r in range(self.world)]
             self.hosts = [i["host"] for i in infos]
             if len(set(self.hosts)) > 1:
@@ -161,7 +163,7 @@ class Communicator:
                     f"not supported; CUDA tensors across hosts use the NCCL transport."
                 )
             else:
-                native.connect([i["name"] for i in infos], self.timeout)
+                native.connect([st.get(f"blob/{r}") for r in range(self.world)])
             st.set(f"mapped/{self.rank}", "1")
             self._wait_keys("peers to map the segments", [f"mapped/{r}" for r in range(self.world)])
             native.unlink_own()  # every peer has mapped it: nothing left to leak in /dev/shm

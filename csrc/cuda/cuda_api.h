@@ -1,6 +1,7 @@
 // ringdp's CUDA transports as a torch-free C++ API: what csrc/bindings.cpp calls.
 //
-// Lifecycle (every rank of the group, collectively where marked):
+// Lifecycle (every rank of the group, collectively where marked; the shape of endpoint.h,
+// which the shared-memory communicator shares):
 //
 //   auto c = create_comm(opts);            // allocate, export: no peers needed yet
 //   blob = c->local_blob();                // opaque bytes -> store.set("<prefix>/<rank>")
@@ -25,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/endpoint.h"
 #include "../common/types.h"
 
 namespace ringdp {
@@ -57,15 +59,13 @@ struct Options {
   std::string nccl_library;   // NCCL: path of libnccl.so.2; empty: already loaded, then search
 };
 
-class Comm {
+// Endpoint (endpoint.h):
+//   local_blob()    bytes this rank publishes for its peers (IPC: memory handle and
+//                   configuration; NCCL: the unique id on rank 0, configuration on the others)
+//   connect(blobs)  every rank's blob, index = rank. Collective. Throws RingError on
+//                   incompatible peers.
+class Comm : public Endpoint {
  public:
-  virtual ~Comm() = default;
-
-  // Bytes this rank publishes for its peers (IPC: memory handle and configuration; NCCL:
-  // the unique id on rank 0, configuration on the others).
-  virtual std::string local_blob() = 0;
-  // Every rank's blob, index = rank. Collective. Throws RingError on incompatible peers.
-  virtual void connect(const std::vector<std::string>& blobs) = 0;
   // In-place all-reduce of `count` elements of `dtype` at device pointer `data`, ordered on
   // the CUDA stream `stream` (cudaStream_t as an integer; 0 = legacy default stream).
   // algo: kAlgoAuto / kAlgoRing / kAlgoOneShot (a forced one-shot falls back to the ring for

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 namespace ringdp {
 namespace shm {
@@ -73,6 +74,25 @@ static_assert(offsetof(Control, hdr) % kCacheLine == 0, "headers start on a cach
 static_assert(sizeof(Control) <= 4096, "control block fits its page");
 
 constexpr size_t kControlBytes = 4096;
+
+// What a rank publishes for its peers (ShmComm::local_blob): its identity and shared-memory
+// configuration, followed by the `name_len` bytes of its segment's name (no terminator).
+struct Blob {
+  uint64_t magic;  // kMagic
+  uint32_t version;  // kLayoutVersion
+  int32_t rank;
+  int32_t world;
+  int32_t pid;
+  uint64_t segment_bytes;
+  uint64_t fifo_slots;
+  uint64_t slot_bytes;
+  uint64_t oneshot_bytes;
+  uint64_t arena_bytes;
+  uint32_t name_len;
+  uint32_t pad;
+};
+static_assert(sizeof(Blob) == 72, "blob layout changed");
+static_assert(std::is_trivially_copyable<Blob>::value, "a blob travels as raw bytes");
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 

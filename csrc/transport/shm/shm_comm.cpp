@@ -82,12 +82,54 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
 
 ShmComm::~ShmComm() = default;  // Segments unmap (and unlink, if still linked) themselves.
 
-void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
-  if (static_cast<int>(names.size()) != cfg_.world)
-    throw RingError(cat("rank ", cfg_.rank, ": expected ", cfg_.world, " segment names, got ", names.size()));
+std::string ShmComm::local_blob() {
+  const Control& c = ctrl(cfg_.rank);
+  shm::Blob b;
+  std::memset(&b, 0, sizeof(b));
+  b.magic = shm::kMagic;
+  b.version = shm::kLayoutVersion;
+  b.rank = cfg_.rank;
+  b.world = cfg_.world;
+  b.pid = c.pid;
+  b.segment_bytes = c.segment_bytes;
+  b.fifo_slots = c.fifo_slots;
+  b.slot_bytes = c.slot_bytes;
+  b.oneshot_bytes = c.oneshot_bytes;
+  b.arena_bytes = c.arena_bytes;
+  b.name_len = static_cast<uint32_t>(cfg_.name.size());
+  return std::string(reinterpret_cast<const char*>(&b), sizeof(b)) + cfg_.name;
+}
+
+void ShmComm::check_config(int r, uint64_t fifo_slots, uint64_t slot_bytes, uint64_t oneshot_bytes,
+                           uint64_t arena_bytes, bool same_size) const {
+  if (!same_size || fifo_slots != geo_.fifo_slots || slot_bytes != geo_.slot_bytes ||
+      oneshot_bytes != geo_.oneshot_bytes || arena_bytes != geo_.arena_bytes)
+    throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
+                        " uses a different shared-memory configuration (slots/slot bytes/"
+                        "one-shot bytes/arena differ): set the same RINGDP_* variables on every rank"));
+}
+
+void ShmComm::connect(const std::vector<std::string>& blobs) {
+  if (connected_) throw RingError(cat("rank ", cfg_.rank, ": connect() called twice"));
+  if (static_cast<int>(blobs.size()) != cfg_.world)
+    throw RingError(cat("rank ", cfg_.rank, ": expected ", cfg_.world, " shared-memory records, got ", blobs.size()));
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank) continue;
-    shm::Segment s = shm::Segment::open(names[static_cast<size_t>(r)], geo_.fixed_bytes());
+    // The record first: identity and configuration, before anything is opened.
+    const std::string& blob = blobs[static_cast<size_t>(r)];
+    shm::Blob b;
+    if (blob.size() >= sizeof(b)) std::memcpy(&b, blob.data(), sizeof(b));
+    if (blob.size() < sizeof(b) || b.magic != shm::kMagic || b.version != shm::kLayoutVersion ||
+        blob.size() != sizeof(b) + b.name_len)
+      throw RingError(cat("rank ", cfg_.rank, ": the shared-memory record of rank ", r,
+                          " is not from a ringdp of this version (different ringdp builds?)"));
+    if (b.rank != r || b.world != cfg_.world)
+      throw RingError(cat("rank ", cfg_.rank, ": the record of rank ", r, " says rank ", b.rank, " of world ",
+                          b.world, ", expected rank ", r, " of world ", cfg_.world));
+    check_config(r, b.fifo_slots, b.slot_bytes, b.oneshot_bytes, b.arena_bytes,
+                 b.segment_bytes == geo_.total_bytes());
+    // Then the segment it names, which must say the same.
+    shm::Segment s = shm::Segment::open(blob.substr(sizeof(b)), geo_.fixed_bytes());
     const Control* c = reinterpret_cast<const Control*>(s.base());
     if (s.size() < shm::kControlBytes || c->magic != shm::kMagic || c->version != shm::kLayoutVersion)
       throw RingError(cat("rank ", cfg_.rank, ": segment ", s.name(), " of rank ", r,
@@ -95,18 +137,12 @@ void ShmComm::connect(const std::vector<std::string>& names, double timeout_s) {
     if (c->rank != r || c->world != cfg_.world)
       throw RingError(cat("rank ", cfg_.rank, ": segment of rank ", r, " says rank ", c->rank,
                           " of world ", c->world, ", expected world ", cfg_.world));
-    if (c->fifo_slots != geo_.fifo_slots || c->slot_bytes != geo_.slot_bytes ||
-        c->oneshot_bytes != geo_.oneshot_bytes || c->arena_bytes != geo_.arena_bytes ||
-        c->segment_bytes != s.size())
-      throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
-                          " uses a different shared-memory configuration (slots/slot bytes/"
-                          "one-shot bytes/arena differ): set the same RINGDP_* variables on every rank"));
+    check_config(r, c->fifo_slots, c->slot_bytes, c->oneshot_bytes, c->arena_bytes, c->segment_bytes == s.size());
     // Use the peer's pid for liveness checks only if it is visible from this process
     // (same pid namespace).
     pid_usable_[static_cast<size_t>(r)] = (::kill(c->pid, 0) == 0 || errno == EPERM);
     segs_[static_cast<size_t>(r)] = std::move(s);
   }
-  (void)timeout_s;
   shm::Neighbours nb;
   nb.rank = cfg_.rank;
   nb.world = cfg_.world;

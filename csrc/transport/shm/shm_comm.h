@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "../../common/endpoint.h"
 #include "../../common/types.h"
 #include "layout.h"
 #include "link.h"
@@ -31,18 +32,23 @@ struct ShmConfig {
   int64_t spin_ns = 50000;
 };
 
-class ShmComm {
+// Lifecycle (endpoint.h): the constructor creates (and owns) this rank's segment;
+// local_blob() describes it; connect() maps every peer's segment; unlink_own() once every
+// peer has mapped it.
+class ShmComm final : public Endpoint {
  public:
   explicit ShmComm(const ShmConfig& cfg);
-  ~ShmComm();
+  ~ShmComm() override;
 
   const std::string& name() const { return cfg_.name; }
   int rank() const { return cfg_.rank; }
   int world() const { return cfg_.world; }
   uint32_t calls() const { return seq_; }
 
-  // Map every peer's segment (names indexed by rank) and check their identity.
-  void connect(const std::vector<std::string>& names, double timeout_s);
+  // This rank's segment name, identity and configuration (shm::Blob + name).
+  std::string local_blob() override;
+  // Map every peer's segment (blobs indexed by rank) and check identity and configuration.
+  void connect(const std::vector<std::string>& blobs) override;
   // Remove this rank's name from /dev/shm once every peer has mapped it.
   void unlink_own();
   // Best-effort removal of every rank's name (failure paths during set-up).
@@ -90,6 +96,9 @@ class ShmComm {
   void publish(shm::Flag& flag, uint32_t value) { shm::publish(flag, ctrl(cfg_.rank).sleepers, value); }
   void check_health(int waiting_on, const char* what);
   void require_connected() const;
+  // Throws unless rank r's configuration (from its record or its segment) equals mine.
+  void check_config(int r, uint64_t fifo_slots, uint64_t slot_bytes, uint64_t oneshot_bytes,
+                    uint64_t arena_bytes, bool same_size) const;
   void exchange_headers(uint32_t s);
   void fail(const std::string& why);  // abort() and throw
   std::string describe_header(int r, int parity) const;
