@@ -31,6 +31,7 @@
 #include "../ring/ring.h"
 #include "../transport/transport.h"
 #include "cuda_util.h"
+#include "step_ring.h"
 
 namespace ringdp {
 namespace cuda {
@@ -63,22 +64,6 @@ std::string meta_str(const SlotMeta& m) {
              " op=", redop_name(static_cast<RedOp>(m.op)));
 }
 
-class IpcComm;
-
-// The RingTransport the shared ring engine drives; forwards to IpcComm.
-class Ring final : public RingTransport {
- public:
-  explicit Ring(IpcComm* c) : c_(c) {}
-  void send(const Slice& s) override;
-  void recv_reduce_send(const Slice& s) override;
-  void recv_reduce_copy_send(const Slice& s) override;
-  void recv_copy_send(const Slice& s) override;
-  void recv(const Slice& s) override;
-  void finish() override;
-
- private:
-  IpcComm* c_;
-};
 
 class IpcComm final : public Comm {
  public:
@@ -343,7 +328,7 @@ class IpcComm final : public Comm {
                oneshot_max_, " B, arena ", lay_.arena_bytes, " B, direct ", opt_.direct ? "on" : "off");
   }
 
-  // ---- ring primitives (called by Ring) ---------------------------------------------------
+  // ---- ring primitives (called by StepRing) -----------------------------------------------
   void step(StepKind k, const Slice& s);
   void finish_ring();
 
@@ -550,7 +535,7 @@ class IpcComm final : public Comm {
   uint64_t oneshot_seq_ = 0;  // one-shot collectives started
   uint64_t timeout_ns_ = 0;
   Call cur_;
-  Ring ring_;
+  StepRing<IpcComm> ring_;
   Planner plan_;  // counters and guards of the ring protocol (protocol.h)
 
   mutable std::mutex mu_;
@@ -628,12 +613,6 @@ void IpcComm::finish_ring() {
   finish_call(cur_.caller);
 }
 
-void Ring::send(const Slice& s) { c_->step(StepKind::kSend, s); }
-void Ring::recv_reduce_send(const Slice& s) { c_->step(StepKind::kRecvReduceSend, s); }
-void Ring::recv_reduce_copy_send(const Slice& s) { c_->step(StepKind::kRecvReduceCopySend, s); }
-void Ring::recv_copy_send(const Slice& s) { c_->step(StepKind::kRecvCopySend, s); }
-void Ring::recv(const Slice& s) { c_->step(StepKind::kRecv, s); }
-void Ring::finish() { c_->finish_ring(); }
 
 }  // namespace
 

@@ -31,6 +31,7 @@
 #include "../ring/ring.h"
 #include "../transport/transport.h"
 #include "cuda_util.h"
+#include "step_ring.h"
 #include "reduce_kernels.cuh"
 
 namespace ringdp {
@@ -111,21 +112,6 @@ struct Blob {
   ncclUniqueId id;
 };
 
-class NcclComm;
-
-class Ring final : public RingTransport {
- public:
-  explicit Ring(NcclComm* c) : c_(c) {}
-  void send(const Slice& s) override;
-  void recv_reduce_send(const Slice& s) override;
-  void recv_reduce_copy_send(const Slice& s) override;
-  void recv_copy_send(const Slice& s) override;
-  void recv(const Slice& s) override;
-  void finish() override;
-
- private:
-  NcclComm* c_;
-};
 
 class NcclComm final : public Comm {
  public:
@@ -404,7 +390,7 @@ class NcclComm final : public Comm {
   int rank_;
   int world_;
   const Api& api_;
-  Ring ring_;
+  StepRing<NcclComm> ring_;
   int device_ = 0;
   int channels_ = 1;
   size_t slot_bytes_ = 0;
@@ -480,12 +466,6 @@ void NcclComm::finish_ring() {
   RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller_, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
 }
 
-void Ring::send(const Slice& s) { c_->step(StepKind::kSend, s); }
-void Ring::recv_reduce_send(const Slice& s) { c_->step(StepKind::kRecvReduceSend, s); }
-void Ring::recv_reduce_copy_send(const Slice& s) { c_->step(StepKind::kRecvReduceCopySend, s); }
-void Ring::recv_copy_send(const Slice& s) { c_->step(StepKind::kRecvCopySend, s); }
-void Ring::recv(const Slice& s) { c_->step(StepKind::kRecv, s); }
-void Ring::finish() { c_->finish_ring(); }
 
 }  // namespace
 

@@ -33,6 +33,7 @@
 
 #include "../../ring/ring.h"
 #include "../protocol.h"
+#include "../step_ring.h"
 
 using namespace ringdp;
 using namespace ringdp::cuda;
@@ -126,7 +127,7 @@ double input(int r, size_t i, int call) { return static_cast<double>((r + 1) * s
 class SimRank;
 std::vector<SimRank*> g_ranks;
 
-class SimRank final : public RingTransport {
+class SimRank final {
  public:
   SimRank(const Config& cfg, int rank, RankMem* mem)
       : cfg_(cfg), rank_(rank), me_(mem), plan_(cfg.slots), rng_(cfg.seed * 131 + rank) {
@@ -155,16 +156,12 @@ class SimRank final : public RingTransport {
       p.slice_elems = geo_.slice_elems(A);  // as the transport sizes it
       if (p.slice_elems == 0) die("slot geometry gives empty slices");
       p.align = kPackElems;
-      ring_all_reduce(*this, p);
+      ring_all_reduce(ring_, p);
     }
   }
 
-  void send(const Slice& s) override { step(StepKind::kSend, s); }
-  void recv_reduce_send(const Slice& s) override { step(StepKind::kRecvReduceSend, s); }
-  void recv_reduce_copy_send(const Slice& s) override { step(StepKind::kRecvReduceCopySend, s); }
-  void recv_copy_send(const Slice& s) override { step(StepKind::kRecvCopySend, s); }
-  void recv(const Slice& s) override { step(StepKind::kRecv, s); }
-  void finish() override {
+  // Driven by StepRing (csrc/cuda/step_ring.h), the forwarder the CUDA transports use.
+  void finish_ring() {
     const uint64_t drain = plan_.end_call();
     RankMem* succ = mem(rank_ + 1);
     if (drain)
@@ -211,6 +208,7 @@ class SimRank final : public RingTransport {
     return cb < ce && cb < e && b < ce;
   }
 
+ public:
   void step(StepKind k, const Slice& s) {
     const StepPlan p = plan_.step(k, s);
     const int n = cfg_.world;
@@ -299,6 +297,7 @@ class SimRank final : public RingTransport {
     }
   }
 
+ private:
   const Config& cfg_;
   int rank_;
   RankMem* me_;
@@ -307,6 +306,7 @@ class SimRank final : public RingTransport {
   int call_ = 0;
   std::map<size_t, size_t> export_len_;
   SlotGeometry geo_;
+  StepRing<SimRank> ring_{this};
 };
 
 std::vector<RankMem*> g_mems;
