@@ -142,7 +142,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("oneshot_bytes", &Options::oneshot_bytes)
         .def_readwrite("oneshot_max_bytes", &Options::oneshot_max_bytes)
         .def_readwrite("arena_bytes", &Options::arena_bytes)
-        .def_readwrite("direct", &Options::direct)
+        .def_readwrite("registered", &Options::registered)
         .def_readwrite("nccl_library", &Options::nccl_library);
 
     py::class_<Comm, std::shared_ptr<Comm>>(m, "CudaComm")

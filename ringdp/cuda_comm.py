@@ -80,7 +80,7 @@ def create(comm, device: torch.device):
     o.channels = _env_int("RINGDP_CUDA_CHANNELS")
     o.oneshot_bytes = _env_int("RINGDP_CUDA_ONESHOT_BYTES")
     o.oneshot_max_bytes = _env_int("RINGDP_CUDA_ONESHOT_MAX_BYTES")
-    o.direct = os.environ.get("RINGDP_CUDA_DIRECT", "1") != "0"
+    o.registered = os.environ.get("RINGDP_CUDA_REGISTERED", "1") != "0"
     if kind == "ipc":
         o.arena_bytes = int(float(os.environ.get("RINGDP_CUDA_ARENA_MB", 256)) * (1 << 20))
     else:

@@ -55,7 +55,7 @@ struct Options {
                               // (0: 256 KiB; must agree)
   size_t oneshot_max_bytes = 0;  // IPC: automatic one-shot threshold (0: oneshot_bytes)
   size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank
-  bool direct = true;         // IPC: peers read registered tensors in place (no staging copy)
+  bool registered = true;     // IPC: peers read registered tensors in place (no staging copy)
   std::string nccl_library;   // NCCL: path of libnccl.so.2; empty: already loaded, then search
 };
 

@@ -108,7 +108,7 @@ class IpcComm final : public Comm {
     b.sm_count = sm_count_;
     b.pid = static_cast<int32_t>(getpid());
     b.channels_req = opt_.channels;
-    b.direct = opt_.direct ? 1 : 0;
+    b.registered = opt_.registered ? 1 : 0;
     std::memcpy(b.uuid, uuid_, 16);
     b.slots = lay_.slots;
     b.slot_bytes = lay_.slot_bytes;
@@ -212,8 +212,8 @@ class IpcComm final : public Comm {
         finish_call(caller);
       } else {
         cur_ = Call{reinterpret_cast<char*>(data), count, dtype, op, esize, acc_size(dtype), caller,
-                    direct_ok(data, bytes)};
-        plan_.begin_call(cur_.direct, cur_.esize, cur_.acc, op, world_);
+                    read_in_place(data, bytes)};
+        plan_.begin_call(cur_.registered, cur_.esize, cur_.acc, op, world_);
         RingPlan plan;
         plan.count = count;
         plan.world = world_;
@@ -325,7 +325,7 @@ class IpcComm final : public Comm {
   std::string describe() const override {
     return cat("cuda-ipc rank ", rank_, "/", world_, " on device ", device_, " (", device_name_, ", ", sm_count_,
                " SMs): ", channels_, " channels, ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
-               oneshot_max_, " B, arena ", lay_.arena_bytes, " B, direct ", opt_.direct ? "on" : "off");
+               oneshot_max_, " B, arena ", lay_.arena_bytes, " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
   }
 
   // ---- ring primitives (called by StepRing) -----------------------------------------------
@@ -341,7 +341,7 @@ class IpcComm final : public Comm {
     size_t esize = 4;
     size_t acc = 4;
     cudaStream_t caller = nullptr;
-    bool direct = false;
+    bool registered = false;  // the successor reads this call's tensor in place
   };
 
   void setup() {
@@ -419,8 +419,10 @@ class IpcComm final : public Comm {
       fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": ", why, "; this communicator is unusable now");
   }
 
-  bool direct_ok(uintptr_t data, size_t bytes) const {
-    return opt_.direct && aligned16(reinterpret_cast<const void*>(data)) && is_registered(data, bytes);
+  // Whether the successor may read this tensor in place: registered memory (our arena),
+  // 16-byte aligned, and Options::registered on.
+  bool read_in_place(uintptr_t data, size_t bytes) const {
+    return opt_.registered && aligned16(reinterpret_cast<const void*>(data)) && is_registered(data, bytes);
   }
 
   SlotGeometry geometry() const {
@@ -581,8 +583,8 @@ void IpcComm::step(StepKind k, const Slice& s) {
     g.my_meta = ring_meta(rank_, p.produce_index);
     g.produce_value = p.produce_value;
     g.produce_elem_bytes = p.produce_elem_bytes;
-    g.produce_src_off = p.exported ? static_cast<uint64_t>(d - base_) : lay_.slot_off(p.produce_index);
-    g.produce_chan_stride = p.exported ? 0 : geometry().sub_bytes();
+    g.produce_src_off = p.in_place ? static_cast<uint64_t>(d - base_) : lay_.slot_off(p.produce_index);
+    g.produce_chan_stride = p.in_place ? 0 : geometry().sub_bytes();
   }
   g.succ_consumed = &ctrl(succ)->consumed[0].v;
   g.succ_abort = &ctrl(succ)->abort.v;

@@ -14,9 +14,8 @@
 //   FIFO        `slots` slots of `slot_bytes`; the k-th slice I produce goes to slot k % slots
 //               (partial sums in Acc during the reduce-scatter, final values in T after).
 //   one-shot    two buffers, alternating by one-shot call parity.
-//   arena       registered memory (alloc()): a tensor here is exported in place, so the
-//               successor reads it directly and no staging copy is made (when T == Acc or
-//               the values are final).
+//   arena       registered memory (alloc()): the successor reads a tensor here in place,
+//               so no staging copy is made (when T == Acc or the values are final).
 //
 // Data flows by *pull*: a consumer reads its predecessor's slot (or tensor) and writes only
 // its own memory. No rank ever writes another rank's memory, flags included.
@@ -81,7 +80,7 @@ struct Blob {
   int32_t sm_count;
   int32_t pid;
   int32_t channels_req;  // Options::channels (0: auto)
-  int32_t direct;
+  int32_t registered;  // Options::registered
   unsigned char uuid[16];  // the GPU's UUID: ranks that share a GPU split its SMs
   uint64_t slots;
   uint64_t slot_bytes;

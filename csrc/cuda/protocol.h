@@ -4,14 +4,15 @@
 //
 // Every rank keeps two counters per connection, monotonic over the communicator's life:
 //   produced  slices made available to the successor (the k-th goes to slot k % slots, or
-//             is the rank's own registered tensor, "exported" in place)
+//             is a slice of the rank's own registered tensor, which the successor reads in
+//             place)
 //   consumed  slices taken from the predecessor
 // A step that consumes waits pred.posted >= c+1 and publishes my.consumed = c+1 afterwards;
 // a step that produces publishes my.posted = p+1 after its writes; and before any write a
 // step waits succ.consumed >= guard, where guard covers
 //   * slot reuse: slice p reuses the slot of slice p-slots, so guard >= p+1-slots;
-//   * in-place exports: rewriting a range of my tensor that I exported as slice j (the
-//     successor reads it there) needs guard >= j+1.
+//   * in-place reads: rewriting a range of my registered tensor that I produced in place as
+//     slice j (the successor reads it there) needs guard >= j+1.
 // With slots >= 2 every wait is on a step that is at least two positions earlier in the
 // peer's (identical) sequence: the wait graph has no cycle (see docs/cuda.md).
 #pragma once
@@ -84,7 +85,8 @@ struct StepPlan {
   uint64_t guard = 0;           // wait succ.consumed >= this before writing (0: no wait)
   bool reads_in = false;        // reads my tensor's slice
   bool writes_out = false;      // writes my tensor's slice
-  bool exported = false;        // the produced slice is my tensor's slice (no slot write)
+  bool in_place = false;        // the produced slice is my registered tensor's slice, read
+                                // in place by the successor (no slot write)
   bool writes_slot = false;     // the produced slice goes to slot produce_index % slots
   uint32_t consume_elem_bytes = 0;  // Acc during the reduce-scatter, T after
   uint32_t produce_elem_bytes = 0;
@@ -95,14 +97,14 @@ class Planner {
  public:
   explicit Planner(size_t slots = 2) : slots_(slots) {}
 
-  // `direct`: my tensor is registered (peers can read it in place).
-  void begin_call(bool direct, size_t esize, size_t acc, RedOp op, int world) {
-    direct_ = direct;
+  // `registered`: my tensor is registered memory that my successor may read in place.
+  void begin_call(bool registered, size_t esize, size_t acc, RedOp op, int world) {
+    registered_ = registered;
     esize_ = esize;
     acc_ = acc;
     op_ = op;
     world_ = world;
-    exports_.clear();
+    in_place_.clear();
     drain_ = 0;
   }
 
@@ -114,25 +116,25 @@ class Planner {
     const bool partial_out = k == StepKind::kSend || k == StepKind::kRecvReduceSend;
     const bool partial_in = k == StepKind::kRecvReduceSend || k == StepKind::kRecvReduceCopySend;
     p.reads_in = k == StepKind::kSend || partial_in;
-    // Export in place: final values, or partial sums when they have the tensor's type.
-    p.exported = p.produces && direct_ && s.count > 0 && (!partial_out || acc_ == esize_);
+    // Produce in place: final values, or partial sums when they have the tensor's type.
+    p.in_place = p.produces && registered_ && s.count > 0 && (!partial_out || acc_ == esize_);
     if (k == StepKind::kSend) {
       p.writes_out = false;
     } else if (k == StepKind::kRecvReduceSend) {
-      p.writes_out = p.exported;  // the partial sum replaces my (no longer needed) values
+      p.writes_out = p.in_place;  // the partial sum replaces my (no longer needed) values
     } else {
       p.writes_out = true;
     }
-    p.writes_slot = p.produces && !p.exported;
+    p.writes_slot = p.produces && !p.in_place;
     p.consume_elem_bytes = static_cast<uint32_t>(partial_in ? acc_ : esize_);
     p.produce_elem_bytes = static_cast<uint32_t>(partial_out ? acc_ : esize_);
     p.avg_div = (k == StepKind::kRecvReduceCopySend && op_ == RedOp::kAvg) ? world_ : 0;
     if (p.consumes) p.consume_target = ++consumed_;
-    // Guards are computed before this step's own export is recorded: it protects readers of
-    // the *previous* export of the range.
+    // Guards are computed before this step's own in-place slice is recorded: it protects
+    // readers of the *previous* in-place slice of the range.
     if (p.writes_out && s.count > 0) {
-      auto it = exports_.find(s.offset);
-      if (it != exports_.end()) p.guard = it->second + 1;
+      auto it = in_place_.find(s.offset);
+      if (it != in_place_.end()) p.guard = it->second + 1;
     }
     if (p.produces) {
       p.produce_index = produced_++;
@@ -141,8 +143,8 @@ class Planner {
         const uint64_t g = p.produce_index + 1 - slots_;
         if (g > p.guard) p.guard = g;
       }
-      if (p.exported) {
-        exports_[s.offset] = p.produce_index;
+      if (p.in_place) {
+        in_place_[s.offset] = p.produce_index;
         if (p.produce_index + 1 > drain_) drain_ = p.produce_index + 1;
       }
     }
@@ -150,10 +152,10 @@ class Planner {
   }
 
   // After the last step of a collective: the successor's `consumed` value to wait for before
-  // the caller may touch the tensor again (0: nothing of it was exported).
+  // the caller may touch the tensor again (0: nothing of it was read in place).
   uint64_t end_call() {
     const uint64_t d = drain_;
-    exports_.clear();
+    in_place_.clear();
     drain_ = 0;
     return d;
   }
@@ -164,7 +166,7 @@ class Planner {
 
  private:
   size_t slots_;
-  bool direct_ = false;
+  bool registered_ = false;
   size_t esize_ = 4;
   size_t acc_ = 4;
   RedOp op_ = RedOp::kSum;
@@ -172,9 +174,9 @@ class Planner {
   uint64_t produced_ = 0;
   uint64_t consumed_ = 0;
   uint64_t drain_ = 0;
-  // Non-empty slices exported in place during this call: slice offset -> production index.
+  // Non-empty slices produced in place during this call: slice offset -> production index.
   // Within a call, equal offsets mean the same chunk of the same round.
-  std::unordered_map<size_t, uint64_t> exports_;
+  std::unordered_map<size_t, uint64_t> in_place_;
 };
 
 }  // namespace cuda

@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kBlockThreads)
           good = fits(m.src_off, 0, s.pred_region_bytes) && m.chan_stride <= s.pred_region_bytes;
           off = m.src_off + static_cast<uint64_t>(ch) * m.chan_stride;
           good = good && n * eb <= m.chan_stride && fits(off, n * eb, s.pred_region_bytes);
-        } else {  // exported tensor slice: contiguous
+        } else {  // a registered tensor's slice, read in place: contiguous
           good = fits(m.src_off, bytes, s.pred_region_bytes);
           off = m.src_off + b * eb;
         }

@@ -50,9 +50,9 @@ struct alignas(64) SlotMeta {
   uint64_t count;    // total elements of the producer's collective
   uint64_t src_off;  // where the slice's bytes are: offset from the producer's region base
   uint64_t bytes;    // bytes of the slice (elements x element size of what travels)
-  // 0: the slice is contiguous at src_off (an exported tensor slice): channel c's range
-  // starts at src_off + begin_c * elem. > 0: a staged slot whose channel c starts at
-  // src_off + c * chan_stride (protocol.h SlotGeometry).
+  // 0: the slice is contiguous at src_off (a registered tensor's slice, read in place):
+  // channel c's range starts at src_off + begin_c * elem. > 0: a staged slot whose channel
+  // c starts at src_off + c * chan_stride (protocol.h SlotGeometry).
   uint64_t chan_stride;
   int32_t dtype;
   int32_t op;
@@ -124,7 +124,7 @@ struct StepSig {
   SlotMeta* my_meta;
   uint64_t produce_value;
   uint64_t produce_src_off;   // offset of the produced slice's start (slot or tensor) in my region
-  uint64_t produce_chan_stride;  // SlotMeta::chan_stride of what I produce (0: exported tensor)
+  uint64_t produce_chan_stride;  // SlotMeta::chan_stride of what I produce (0: read in place)
   uint32_t produce_elem_bytes;  // element size of what is produced (Acc or T)
   uint32_t consume_elem_bytes;  // element size of what is consumed
   // Identity of this call, for descriptors and mismatch checks.

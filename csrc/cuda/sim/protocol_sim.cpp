@@ -4,8 +4,8 @@
 // each step kernel channel by channel with the waits the kernel performs. Independently
 // of the planner it checks every write against the readers that may still need the bytes:
 //   * a slot is rewritten only after the successor consumed the slice it held;
-//   * a range of a rank's tensor that was exported in place is rewritten (by the ring or by
-//     the "user" between calls) only after the successor consumed that export;
+//   * a range of a rank's registered tensor that the successor reads in place is rewritten
+//     (by the ring or by the "user" between calls) only after the successor consumed it;
 //   * a consumer finds the descriptor of exactly the slice it expects, before and after
 //     reading (so no overwrite happened underneath it);
 // and it checks the results against closed forms, bitwise identical on every rank. A wait
@@ -55,8 +55,8 @@ std::mutex g_print;
 struct Meta {
   std::atomic<uint64_t> index{~0ull};  // production index of the slice described
   uint64_t call = 0;
-  bool exported = false;
-  size_t offset = 0;  // element offset in the producer's tensor when exported
+  bool in_place = false;  // a slice of the producer's registered tensor, read in place
+  size_t offset = 0;      // element offset in the producer's tensor when in place
   size_t bytes = 0;
 };
 
@@ -68,9 +68,10 @@ struct RankMem {
   std::vector<unsigned char> tensor;               // the rank's buffer
   std::unique_ptr<std::atomic<uint64_t>[]> posted, consumed;
   std::unique_ptr<Meta[]> meta;                    // slots x channels
-  // Simulation bookkeeping (not part of the protocol): offset -> export index, last call.
+  // Simulation bookkeeping (not part of the protocol): offset -> (production index of the
+  // slice read in place there << 8) | 1, this call.
   std::mutex exp_mu;
-  std::map<size_t, uint64_t> exports;
+  std::map<size_t, uint64_t> in_place;
   void init(int ch, size_t s, size_t sb) {
     channels = ch;
     slots = s;
@@ -91,7 +92,7 @@ struct Config {
   size_t slice_elems;
   bool halfish;  // T = float, Acc = double (partials travel wider than T, like fp16/bf16)
   RedOp op;
-  std::vector<bool> direct;  // per rank
+  std::vector<bool> registered;  // per rank: the tensor is registered (read in place)
   int calls;
   unsigned seed;
 };
@@ -140,15 +141,15 @@ class SimRank final {
     const size_t A = 8;
     for (int call = 1; call <= cfg_.calls; ++call) {
       call_ = call;
-      // The "user" writes new input: every in-place export of the previous call must have
+      // The "user" writes new input: every in-place slice of the previous call must have
       // been consumed already (the drain guaranteed it).
       check_tensor_write(0, cfg_.count, "user input before call");
       for (size_t i = 0; i < cfg_.count; ++i) store(&me_->tensor[i * T], T, input(rank_, i, call));
       {
         std::lock_guard<std::mutex> lk(me_->exp_mu);
-        me_->exports.clear();
+        me_->in_place.clear();
       }
-      plan_.begin_call(cfg_.direct[rank_], T, A, cfg_.op, cfg_.world);
+      plan_.begin_call(cfg_.registered[rank_], T, A, cfg_.op, cfg_.world);
       RingPlan p;
       p.count = cfg_.count;
       p.world = cfg_.world;
@@ -186,18 +187,18 @@ class SimRank final {
   }
 
   // Independent of the planner: may the "user" overwrite the tensor range [b, e) now?
-  // Every channel part of every in-place export that overlaps it must have been consumed.
+  // Every channel part of every in-place slice that overlaps it must have been consumed.
   void check_tensor_write(size_t b, size_t e, const char* what) {
     if (b >= e) return;
     RankMem* succ = mem(rank_ + 1);
     std::lock_guard<std::mutex> lk(me_->exp_mu);
-    for (auto& kv : me_->exports) {
+    for (auto& kv : me_->in_place) {
       const size_t off = kv.first;
       const uint64_t idx = kv.second >> 8;
-      const size_t len = export_len_.at(off);
+      const size_t len = in_place_len_.at(off);
       for (int c = 0; c < me_->channels; ++c)
         if (channel_overlaps(off, len, c, b, e) && succ->consumed[c].load() < idx + 1)
-          die("rank " + std::to_string(rank_) + ": " + what + " overwrites tensor elements exported as slice " +
+          die("rank " + std::to_string(rank_) + ": " + what + " overwrites tensor elements read in place as slice " +
               std::to_string(idx) + " before the successor consumed it (channel " + std::to_string(c) + ")");
     }
   }
@@ -231,9 +232,9 @@ class SimRank final {
           die("rank " + std::to_string(rank_) + ": descriptor of slice " + std::to_string(p.consume_target - 1) +
               " was overwritten or is stale (holds slice " + std::to_string(m->index.load()) + ")");
         if (m->bytes != s.count * p.consume_elem_bytes) die("descriptor bytes mismatch");
-        // Channel-local source, as step_kernel computes it: an exported slice is contiguous,
+        // Channel-local source, as step_kernel computes it: an in-place slice is contiguous,
         // a staged one has a fixed sub-buffer per channel.
-        src = m->exported ? &pred->tensor[(m->offset + b) * T]
+        src = m->in_place ? &pred->tensor[(m->offset + b) * T]
                           : &pred->slot[((p.consume_target - 1) % pred->slots) * pred->slot_bytes + ch * geo_.sub_bytes()];
       }
       if (p.guard) wait_geq(succ->consumed[ch], p.guard, "succ consumed (guard)", ch);
@@ -244,10 +245,10 @@ class SimRank final {
             " before the successor consumed it");
       if (p.writes_out) {
         std::lock_guard<std::mutex> lk(me_->exp_mu);
-        auto it = me_->exports.find(s.offset);
-        if (it != me_->exports.end() && succ->consumed[ch].load() < (it->second >> 8) + 1)
+        auto it = me_->in_place.find(s.offset);
+        if (it != me_->in_place.end() && succ->consumed[ch].load() < (it->second >> 8) + 1)
           die("rank " + std::to_string(rank_) + " rewrites its tensor at " + std::to_string(s.offset) +
-              " (exported as slice " + std::to_string(it->second >> 8) + ") before the successor read it");
+              " (read in place as slice " + std::to_string(it->second >> 8) + ") before the successor read it");
       }
       // --- the arithmetic, element by element (reads first, like the kernel's registers)
       std::vector<double> in(e - b), sv(e - b);
@@ -282,7 +283,7 @@ class SimRank final {
       if (p.produces) {
         Meta& mm = me_->meta[(p.produce_index % me_->slots) * C + ch];
         mm.call = call_;
-        mm.exported = p.exported;
+        mm.in_place = p.in_place;
         mm.offset = s.offset;
         mm.bytes = s.count * p.produce_elem_bytes;
         mm.index.store(p.produce_index, std::memory_order_release);
@@ -290,10 +291,10 @@ class SimRank final {
       if (p.consumes) me_->consumed[ch].store(p.consume_target, std::memory_order_release);
       if (p.produces) me_->posted[ch].store(p.produce_value, std::memory_order_release);
     }
-    if (p.exported) {  // bookkeeping for the checks of later writes (after all channels)
+    if (p.in_place) {  // bookkeeping for the checks of later writes (after all channels)
       std::lock_guard<std::mutex> lk(me_->exp_mu);
-      me_->exports[s.offset] = (p.produce_index << 8) | 1;
-      export_len_[s.offset] = s.count;
+      me_->in_place[s.offset] = (p.produce_index << 8) | 1;
+      in_place_len_[s.offset] = s.count;
     }
   }
 
@@ -304,7 +305,7 @@ class SimRank final {
   Planner plan_;
   std::mt19937 rng_;
   int call_ = 0;
-  std::map<size_t, size_t> export_len_;
+  std::map<size_t, size_t> in_place_len_;
   SlotGeometry geo_;
   StepRing<SimRank> ring_{this};
 };
@@ -360,7 +361,7 @@ bool run(const Config& cfg) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 10) {  // one configuration: world count slots channels slice halfish op directmask calls
+  if (argc == 10) {  // one configuration: world count slots channels slice halfish op registeredmask calls
     Config c;
     c.world = std::atoi(argv[1]);
     c.count = std::strtoull(argv[2], nullptr, 10);
@@ -372,7 +373,7 @@ int main(int argc, char** argv) {
     const int mask = std::atoi(argv[8]);
     c.calls = std::atoi(argv[9]);
     c.seed = 7;
-    for (int r = 0; r < c.world; ++r) c.direct.push_back((mask >> r) & 1);
+    for (int r = 0; r < c.world; ++r) c.registered.push_back((mask >> r) & 1);
     const bool ok = run(c);
     std::printf("%s\n", ok ? "ok" : "FAILED");
     return ok ? 0 : 1;
@@ -386,7 +387,7 @@ int main(int argc, char** argv) {
     for (size_t count : counts) {
       for (int slots : {2, 3, 5}) {
         for (int channels : {1, 3}) {
-          for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: direct pattern
+          for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: registered pattern
             if (quick && (slots == 3 || (count % 2 == 1 && count > 1))) continue;
             Config c;
             c.world = world;
@@ -398,11 +399,11 @@ int main(int argc, char** argv) {
             c.op = ops[seed % 4];
             c.calls = 3;
             c.seed = seed++;
-            c.direct.resize(world);
-            for (int r = 0; r < world; ++r) c.direct[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
+            c.registered.resize(world);
+            for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
             if (!run(c)) {
               int mask = 0;
-              for (int r = 0; r < world; ++r) mask |= c.direct[r] ? (1 << r) : 0;
+              for (int r = 0; r < world; ++r) mask |= c.registered[r] ? (1 << r) : 0;
               std::fprintf(stderr, "  config (argv): %d %zu %d %d %zu %d %d %d %d\n", world, count, slots, channels,
                            c.slice_elems, c.halfish ? 1 : 0, static_cast<int>(c.op), mask, c.calls);
               return 1;
@@ -413,7 +414,7 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("protocol_sim: %d configurations passed (world 2-5, staged/direct/mixed, fp64 and fp32-with-fp64-partials)\n",
+  std::printf("protocol_sim: %d configurations passed (world 2-5, staged/registered/mixed, fp64 and fp32-with-fp64-partials)\n",
               n_ok);
   return 0;
 }
