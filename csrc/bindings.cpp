@@ -19,29 +19,34 @@ using namespace ringdp;
 
 namespace {
 
+// The one dtype table: the torch dtypes ringdp reduces and their codes (types.h DType).
+// Python asks for the list (supported_dtypes) instead of keeping its own.
+struct DTypeEntry {
+  at::ScalarType scalar;
+  DType dtype;
+};
+constexpr DTypeEntry kDTypes[] = {
+    {at::kFloat, DType::kFloat32}, {at::kDouble, DType::kFloat64}, {at::kHalf, DType::kFloat16},
+    {at::kBFloat16, DType::kBFloat16}, {at::kInt, DType::kInt32}, {at::kLong, DType::kInt64},
+};
+
 DType to_dtype(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return DType::kFloat32;
-    case at::kDouble: return DType::kFloat64;
-    case at::kHalf: return DType::kFloat16;
-    case at::kBFloat16: return DType::kBFloat16;
-    case at::kInt: return DType::kInt32;
-    case at::kLong: return DType::kInt64;
-    default: break;
-  }
+  for (const auto& e : kDTypes)
+    if (e.scalar == t) return e.dtype;
   throw py::type_error(std::string("ringdp does not support dtype ") + c10::toString(t));
 }
 
-at::ScalarType to_scalar(int code) {
-  switch (static_cast<DType>(code)) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kFloat64: return at::kDouble;
-    case DType::kFloat16: return at::kHalf;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kInt32: return at::kInt;
-    case DType::kInt64: return at::kLong;
-  }
-  throw py::value_error("unknown ringdp dtype code");
+// A DType code from Python (the raw CudaComm.all_reduce), checked against the table.
+DType dtype_from_code(int code) {
+  for (const auto& e : kDTypes)
+    if (static_cast<int>(e.dtype) == code) return e.dtype;
+  throw py::value_error("unknown ringdp dtype code " + std::to_string(code));
+}
+
+std::vector<at::ScalarType> supported_dtypes() {
+  std::vector<at::ScalarType> v;
+  for (const auto& e : kDTypes) v.push_back(e.scalar);
+  return v;
 }
 
 }  // namespace
@@ -56,6 +61,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("WITH_CUDA") = false;
 #endif
   m.attr("COMPILER") = __VERSION__;
+  m.def("supported_dtypes", &supported_dtypes, "the torch dtypes ringdp reduces");
   m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
                                "." + std::to_string(TORCH_VERSION_PATCH);
 
@@ -102,8 +108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            [](const ShmComm& c, const torch::Tensor& t) {
              return c.arena_offset_of(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()) >= 0;
            })
-      .def("empty", [](std::shared_ptr<ShmComm> c, std::vector<int64_t> sizes, int dtype_code) {
-        const at::ScalarType st = to_scalar(dtype_code);
+      .def("empty", [](std::shared_ptr<ShmComm> c, std::vector<int64_t> sizes, at::ScalarType st) {
+        to_dtype(st);  // TypeError for a dtype ringdp does not reduce
         int64_t numel = 1;
         for (int64_t s : sizes) {
           if (s < 0) throw py::value_error("ringdp.empty: negative dimension");
@@ -158,7 +164,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("all_reduce",
              [](Comm& c, uintptr_t ptr, size_t count, int dtype, int op, uintptr_t stream, int algo,
                 double timeout_s) {
-               c.all_reduce(ptr, count, static_cast<DType>(dtype), static_cast<RedOp>(op), stream, algo,
+               c.all_reduce(ptr, count, dtype_from_code(dtype), static_cast<RedOp>(op), stream, algo,
                             timeout_s);
              },
              py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
@@ -180,8 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                      static_cast<size_t>(t.numel()) * t.element_size());
              })
         .def("empty",
-             [](std::shared_ptr<Comm> c, std::vector<int64_t> sizes, int dtype_code) {
-               const at::ScalarType st = to_scalar(dtype_code);
+             [](std::shared_ptr<Comm> c, std::vector<int64_t> sizes, at::ScalarType st) {
+               to_dtype(st);  // TypeError for a dtype ringdp does not reduce
                int64_t numel = 1;
                for (int64_t s : sizes) {
                  if (s < 0) throw py::value_error("ringdp.empty: negative dimension");

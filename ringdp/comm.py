@@ -26,6 +26,13 @@ except ImportError as e:  # pragma: no cover - a broken install should say how t
     ) from e
 
 RingError = _C.RingError
+_DTYPES = tuple(_C.supported_dtypes())  # the one dtype table is in csrc/bindings.cpp
+
+
+def _check_dtype(dtype):
+    if dtype not in _DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
+        raise TypeError(f"ringdp.all_reduce does not support dtype {dtype}; supported: {names}")
 
 
 class Work:
@@ -255,7 +262,7 @@ class Communicator:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
         code = _types.op_code(op)
-        _types.dtype_code(tensor.dtype)
+        _check_dtype(tensor.dtype)
         if tensor.layout != torch.strided:
             raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
         if tensor.device.type not in ("cpu", "cuda") or (tensor.is_cuda and not _C.WITH_CUDA):
@@ -275,16 +282,16 @@ class Communicator:
 
     # ---- registered memory --------------------------------------------------------------
     def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:
-        code = _types.dtype_code(dtype)
+        _check_dtype(dtype)
         device = torch.device(device)
         if device.type == "cuda":
             try:
-                return self._cuda(device).empty([int(s) for s in size], code)
+                return self._cuda(device).empty([int(s) for s in size], dtype)
             except RingError as e:  # arena exhausted: callers fall back to ordinary memory
                 raise ValueError(str(e)) from None
         if device.type != "cpu":
             raise ValueError(f"ringdp.empty: device {device} is not supported")
-        return self._native.empty([int(s) for s in size], code)
+        return self._native.empty([int(s) for s in size], dtype)
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:

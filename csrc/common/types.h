@@ -6,8 +6,9 @@
 
 namespace ringdp {
 
-// Element types. The numeric values are part of the Python <-> C++ contract
-// (ringdp/_types.py) and of the shared-memory call header: never renumber.
+// Element types. The numeric values are in the shared-memory call header and in the raw
+// CudaComm.all_reduce binding (csrc/bindings.cpp maps torch dtypes to them, once): never
+// renumber.
 enum class DType : int32_t {
   kFloat32 = 0,
   kFloat64 = 1,
@@ -17,7 +18,7 @@ enum class DType : int32_t {
   kInt64 = 5,
 };
 
-// Reduction operators; same contract as DType.
+// Reduction operators; the numeric values are also ringdp/_types.py's op codes.
 enum class RedOp : int32_t {
   kSum = 0,
   kAvg = 1,
