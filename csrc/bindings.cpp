@@ -85,6 +85,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("calls", &ShmComm::calls)
       .def_property_readonly("aborted", &ShmComm::is_aborted)
       .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
+      .def_property_readonly("oneshot_bytes", &ShmComm::oneshot_bytes)
       .def("local_blob", [](ShmComm& c) { return py::bytes(c.local_blob()); })
       .def("connect",
            [](ShmComm& c, const std::vector<py::bytes>& blobs) {
@@ -146,7 +147,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("slots", &Options::slots)
         .def_readwrite("channels", &Options::channels)
         .def_readwrite("oneshot_bytes", &Options::oneshot_bytes)
-        .def_readwrite("oneshot_max_bytes", &Options::oneshot_max_bytes)
         .def_readwrite("arena_bytes", &Options::arena_bytes)
         .def_readwrite("registered", &Options::registered)
         .def_readwrite("nccl_library", &Options::nccl_library);
@@ -168,7 +168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             timeout_s);
              },
              py::arg("ptr"), py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"),
-             py::arg("algo") = -1, py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>())
+             py::arg("algo"), py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>())
         .def("all_reduce_tensor",
              [](Comm& c, const torch::Tensor& t, int op, uintptr_t stream, int algo, double timeout_s) {
                c.all_reduce(reinterpret_cast<uintptr_t>(t.data_ptr()), static_cast<size_t>(t.numel()),
@@ -201,6 +201,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              })
         .def_property_readonly("stream", &Comm::stream)
         .def_property_readonly("device", &Comm::device)
+        .def_property_readonly("oneshot_bytes", &Comm::oneshot_bytes)
         .def("describe", &Comm::describe);
 
     m.def("cuda_create", &cuda::create_comm, py::call_guard<py::gil_scoped_release>());

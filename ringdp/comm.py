@@ -229,7 +229,7 @@ class Communicator:
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None):
         t = policy.timeout_s(timeout) if timeout is not None else self.timeout
         try:
-            code, algo = self._check(tensor, op, algo)
+            code, shm_algo = self._check(tensor, op, algo)
         except (TypeError, ValueError) as e:
             # Tell the peers, in order, so they fail at once instead of timing out.
             msg = str(e)
@@ -239,13 +239,14 @@ class Communicator:
         if tensor.is_cuda:
             native = self._cuda(tensor.device)
             stream = torch.cuda.current_stream(tensor.device).cuda_stream  # the caller's stream
-            cuda_algo = cuda_comm.algo_code(algo)
+            nbytes = tensor.numel() * tensor.element_size()
+            cuda_algo = cuda_comm.algo_code(nbytes, self.world, native.oneshot_bytes, algo)
             fn = lambda: native.all_reduce_tensor(tensor, code, stream, cuda_algo, t)  # noqa: E731
             work = self._submit(fn, async_op, outputs=[tensor], on_wait=native.synchronize)
         else:
             if self._shm_error:
                 raise RingError(self._shm_error)
-            fn = lambda: self._native.all_reduce(tensor, code, algo, t)  # noqa: E731
+            fn = lambda: self._native.all_reduce(tensor, code, shm_algo, t)  # noqa: E731
             work = self._submit(fn, async_op, outputs=[tensor])
         if async_op:
             return work
@@ -255,7 +256,8 @@ class Communicator:
         """The algorithm ("ring" or "oneshot") this communicator runs for an all-reduce of
         `nbytes` bytes on `device` with the given `algo` (None: RINGDP_ALGO, else auto)."""
         if torch.device(device).type == "cuda":
-            return cuda_comm.algo_for(nbytes, self.world, algo)
+            cap = self._cuda_native.oneshot_bytes if self._cuda_native is not None else None
+            return cuda_comm.algo_for(nbytes, self.world, algo, cap)
         return "oneshot" if policy.choose_algo(nbytes, self.world, algo) == policy.ALGO_ONESHOT else "ring"
 
     def _check(self, tensor, op, algo=None):

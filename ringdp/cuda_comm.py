@@ -29,21 +29,22 @@ def _forced(algo=None) -> str:
     return forced
 
 
-def algo_code(algo=None) -> int:
-    """-1 lets the CUDA transport choose (its own threshold); `algo`/RINGDP_ALGO forces one."""
-    return {"ring": 0, "oneshot": 1}.get(_forced(algo), -1)
+def algo_code(nbytes: int, world: int, capacity: int, algo=None) -> int:
+    """The algorithm code (0 ring, 1 one-shot) the CUDA transport is told to run."""
+    return 1 if algo_for(nbytes, world, algo, capacity) == "oneshot" else 0
 
 
-def algo_for(nbytes: int, world: int, algo=None) -> str:
-    """What the IPC transport runs (csrc/cuda/ipc_transport.cu: one-shot up to 16 ranks and its
-    one-shot buffer, automatically up to RINGDP_CUDA_ONESHOT_MAX_BYTES)."""
+def algo_for(nbytes: int, world: int, algo=None, capacity=None) -> str:
+    """One-shot when forced (`algo`/RINGDP_ALGO) or, automatically, up to
+    RINGDP_CUDA_ONESHOT_MAX_BYTES (default: all of it), and only within the transport's one-shot
+    capacity (CudaComm.oneshot_bytes; None: what the IPC transport would have); else the ring."""
     forced = _forced(algo)
-    if transport_for(["?"]) == "nccl" or world > 16:
+    if capacity is None:  # no CUDA transport yet: what it would say
+        capacity = 0 if transport_for(["?"]) == "nccl" or world > 16 else (
+            _env_int("RINGDP_CUDA_ONESHOT_BYTES") or (256 << 10))
+    if capacity == 0 or nbytes > capacity or forced == "ring":
         return "ring"
-    buf = _env_int("RINGDP_CUDA_ONESHOT_BYTES") or (256 << 10)
-    limit = min(_env_int("RINGDP_CUDA_ONESHOT_MAX_BYTES") or buf, buf)
-    if nbytes > buf or forced == "ring":
-        return "ring"
+    limit = min(_env_int("RINGDP_CUDA_ONESHOT_MAX_BYTES") or capacity, capacity)
     return "oneshot" if forced == "oneshot" or nbytes <= limit else "ring"
 
 
@@ -79,7 +80,6 @@ def create(comm, device: torch.device):
     o.slots = _env_int("RINGDP_CUDA_SLOTS")
     o.channels = _env_int("RINGDP_CUDA_CHANNELS")
     o.oneshot_bytes = _env_int("RINGDP_CUDA_ONESHOT_BYTES")
-    o.oneshot_max_bytes = _env_int("RINGDP_CUDA_ONESHOT_MAX_BYTES")
     o.registered = os.environ.get("RINGDP_CUDA_REGISTERED", "1") != "0"
     if kind == "ipc":
         o.arena_bytes = int(float(os.environ.get("RINGDP_CUDA_ARENA_MB", 256)) * (1 << 20))

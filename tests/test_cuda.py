@@ -361,7 +361,8 @@ def _native_api(rank, world):
     out = []
     for count in (1, 100_003):
         t = (torch.arange(count, device="cuda", dtype=torch.float32) % 13 + 2 * rank)
-        c.all_reduce(t.data_ptr(), t.numel(), 0, 0, torch.cuda.current_stream().cuda_stream, -1, 0.0)
+        algo = 1 if 4 * count <= c.oneshot_bytes else 0  # the caller chooses: one-shot when it fits
+        c.all_reduce(t.data_ptr(), t.numel(), 0, 0, torch.cuda.current_stream().cuda_stream, algo, 0.0)
         c.synchronize()
         out.append(torch.equal(t.cpu(), expected("SUM", world, count, torch.float32)))
     c.quiesce()

@@ -37,8 +37,7 @@ enum class Kind : int32_t {
   kNccl = 1,  // NCCL point-to-point (loaded with dlopen at run time): any ranks
 };
 
-// Algorithm hint for all_reduce (same codes as ringdp/policy.py).
-constexpr int kAlgoAuto = -1;
+// The algorithm of one all_reduce, chosen by the caller (same codes as ringdp/policy.py).
 constexpr int kAlgoRing = 0;
 constexpr int kAlgoOneShot = 1;
 
@@ -51,9 +50,8 @@ struct Options {
   size_t slot_bytes = 0;      // bytes per pipeline slot (0: 4 MiB); must agree across ranks
   int slots = 0;              // IPC slots per connection (0: 4, at least 2); must agree
   int channels = 0;           // IPC blocks per step (0: SMs / ranks sharing a GPU, <= 64)
-  size_t oneshot_bytes = 0;   // IPC: one-shot buffer; messages up to this size may go one-shot
+  size_t oneshot_bytes = 0;   // IPC: one-shot buffer = the largest one-shot message
                               // (0: 256 KiB; must agree)
-  size_t oneshot_max_bytes = 0;  // IPC: automatic one-shot threshold (0: oneshot_bytes)
   size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank
   bool registered = true;     // IPC: peers read registered tensors in place (no staging copy)
   std::string nccl_library;   // NCCL: path of libnccl.so.2; empty: already loaded, then search
@@ -68,10 +66,15 @@ class Comm : public Endpoint {
  public:
   // In-place all-reduce of `count` elements of `dtype` at device pointer `data`, ordered on
   // the CUDA stream `stream` (cudaStream_t as an integer; 0 = legacy default stream).
-  // algo: kAlgoAuto / kAlgoRing / kAlgoOneShot (a forced one-shot falls back to the ring for
-  // messages larger than the one-shot buffer). timeout_s <= 0: the creation timeout.
+  // algo: kAlgoRing or kAlgoOneShot, as the caller chose (ringdp/cuda_comm.py). A one-shot
+  // request larger than oneshot_bytes() throws RingError naming the rank and the sizes
+  // before anything is enqueued (never a silent fallback to the ring).
+  // timeout_s <= 0: the creation timeout.
   virtual void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream,
-                          int algo = kAlgoAuto, double timeout_s = 0.0) = 0;
+                          int algo, double timeout_s = 0.0) = 0;
+  // The largest message (bytes) all_reduce can run one-shot; 0: this transport has no
+  // one-shot path (NCCL; IPC above kMaxOneShotWorld ranks).
+  virtual size_t oneshot_bytes() const = 0;
   // Raise the first failure the device reported, if any. Cheap: reads host memory.
   virtual void check() = 0;
   // Wait for all work queued so far on ringdp's stream, then check().

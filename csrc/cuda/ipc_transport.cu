@@ -85,7 +85,6 @@ class IpcComm final : public Comm {
     lay_.oneshot_bytes = round_up(o.oneshot_bytes ? o.oneshot_bytes : kDefaultOneShotBytes, 4096);
     lay_.arena_bytes = round_up(o.arena_bytes, size_t(1) << 21);
     plan_ = Planner(lay_.slots);
-    oneshot_max_ = std::min(o.oneshot_max_bytes ? o.oneshot_max_bytes : lay_.oneshot_bytes, lay_.oneshot_bytes);
     try {
       setup();
     } catch (...) {
@@ -193,8 +192,20 @@ class IpcComm final : public Comm {
     if (!connected_ || quiesced_)
       throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce on a communicator that is ",
                           connected_ ? "shut down" : "not connected"));
+    if (algo != kAlgoRing && algo != kAlgoOneShot)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (count == 0 || world_ == 1) return;  // nothing moves; AVG over one rank is the identity
     if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce of a null pointer"));
+    const size_t esize = dtype_size(dtype);
+    const size_t bytes = count * esize;
+    const bool oneshot = algo == kAlgoOneShot;
+    if (oneshot && bytes > oneshot_bytes())
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": one-shot all_reduce of ", bytes, " bytes (", count, " x ",
+                          dtype_name(dtype), ") requested, but this transport runs one-shot only up to ",
+                          oneshot_bytes(), " bytes",
+                          world_ > kMaxOneShotWorld ? cat(" (none above ", kMaxOneShotWorld, " ranks)")
+                                                    : std::string(" (its one-shot buffer, RINGDP_CUDA_ONESHOT_BYTES)"),
+                          "; nothing was run"));
     DeviceGuard g(device_);
     cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
     const double t = timeout_s > 0 ? timeout_s : opt_.timeout_s;
@@ -202,10 +213,6 @@ class IpcComm final : public Comm {
     RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller), "cudaEventRecord on the caller's stream");
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
     ++call_;
-    const size_t esize = dtype_size(dtype);
-    const size_t bytes = count * esize;
-    const bool oneshot = world_ <= kMaxOneShotWorld && bytes <= lay_.oneshot_bytes &&
-                         (algo == kAlgoOneShot || (algo == kAlgoAuto && bytes <= oneshot_max_));
     try {
       if (oneshot) {
         run_oneshot(reinterpret_cast<char*>(data), count, dtype, op);
@@ -321,11 +328,12 @@ class IpcComm final : public Comm {
 
   uintptr_t stream() const override { return reinterpret_cast<uintptr_t>(stream_); }
   int device() const override { return device_; }
+  size_t oneshot_bytes() const override { return world_ > kMaxOneShotWorld ? 0 : lay_.oneshot_bytes; }
 
   std::string describe() const override {
     return cat("cuda-ipc rank ", rank_, "/", world_, " on device ", device_, " (", device_name_, ", ", sm_count_,
                " SMs): ", channels_, " channels, ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
-               oneshot_max_, " B, arena ", lay_.arena_bytes, " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
+               oneshot_bytes(), " B, arena ", lay_.arena_bytes, " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
   }
 
   // ---- ring primitives (called by StepRing) -----------------------------------------------
@@ -514,7 +522,6 @@ class IpcComm final : public Comm {
   unsigned char uuid_[16] = {};
   std::string device_name_;
   Layout lay_;
-  size_t oneshot_max_ = 0;
   int channels_ = 1;
 
   char* base_ = nullptr;

@@ -195,13 +195,20 @@ class NcclComm final : public Comm {
     connected_ = true;
   }
 
-  void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int /*algo*/,
+  void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int algo,
                   double timeout_s) override {
     check();
     if (!connected_ || quiesced_)
       throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce on a communicator that is ",
                           connected_ ? "shut down" : "not connected"));
+    if (algo != kAlgoRing && algo != kAlgoOneShot)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (count == 0 || world_ == 1) return;
+    if (algo == kAlgoOneShot)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": one-shot all_reduce of ", count * dtype_size(dtype),
+                          " bytes (", count, " x ", dtype_name(dtype),
+                          ") requested, but the NCCL transport has no one-shot path (oneshot_bytes 0); "
+                          "nothing was run"));
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
     if (timeout_s > 0) timeout_s_ = timeout_s;
     DeviceGuard g(device_);
@@ -300,6 +307,7 @@ class NcclComm final : public Comm {
 
   uintptr_t stream() const override { return reinterpret_cast<uintptr_t>(stream_); }
   int device() const override { return device_; }
+  size_t oneshot_bytes() const override { return 0; }  // the ring only
   std::string describe() const override {
     return cat("nccl rank ", rank_, "/", world_, " on device ", device_, ": NCCL ", api_.version, " from ", api_.path,
                ", slices of ", slot_bytes_, " B, ", channels_, " reduce blocks");
