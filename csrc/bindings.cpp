@@ -175,6 +175,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             to_dtype(t.scalar_type()), static_cast<RedOp>(op), stream, algo, timeout_s);
              },
              py::call_guard<py::gil_scoped_release>())
+        .def("reject", &Comm::reject, py::call_guard<py::gil_scoped_release>())
         .def("check", &Comm::check)
         .def("synchronize", &Comm::synchronize, py::call_guard<py::gil_scoped_release>())
         .def("abort", &Comm::abort)

@@ -233,7 +233,10 @@ class Communicator:
         except (TypeError, ValueError) as e:
             # Tell the peers, in order, so they fail at once instead of timing out.
             msg = str(e)
-            if not self._shm_error:
+            if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
+                native = self._cuda(tensor.device)  # the transport of the tensor's device
+                self._submit(lambda: native.reject(msg), async_op=False)
+            elif not self._shm_error:
                 self._submit(lambda: self._native.reject(msg, t), async_op=False)
             raise
         if tensor.is_cuda:

@@ -79,6 +79,19 @@ class Comm : public Endpoint {
   virtual void check() = 0;
   // Wait for all work queued so far on ringdp's stream, then check().
   virtual void synchronize() = 0;
+  // This rank rejected its input for the next collective (ringdp/comm.py's checks): make the
+  // peers fail fast instead of waiting for data that will not come. On CUDA a rejection
+  // POISONS the communicator (unlike the shared-memory transport, which stays usable): every
+  // later call of this rank raises RingError, and the peers' calls fail too.
+  //   IPC:  after the collectives already queued on ringdp's stream, the reason is written
+  //         next to this rank's abort flag and the flag is raised; peers waiting on this rank
+  //         fail with "rank r rejected its input: <why>; it gave up ...", their own
+  //         neighbours with "rank q gave up ...".
+  //   NCCL: waits (bounded) for the queued collectives, then aborts the NCCL communicator;
+  //         peers see NCCL's error for the broken connection or time out (NCCL offers no
+  //         channel for the reason).
+  // Never throws.
+  virtual void reject(const std::string& why) = 0;
   // Ask every pending and future device wait of this rank to give up (e.g. the host knows a
   // peer died). Later calls raise RingError carrying `reason`.
   virtual void abort(const std::string& reason) = 0;

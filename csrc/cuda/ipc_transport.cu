@@ -48,6 +48,9 @@ constexpr size_t kArenaAlign = 512;
 struct HostShared {
   ErrorRecord rec;
   volatile int32_t host_abort;
+  // Sources of reject()'s copies into this rank's Ctrl (pinned, so the copies are async).
+  char reason[kReasonBytes];
+  uint64_t one;
 };
 
 const char* what_name(int32_t w) {
@@ -251,6 +254,28 @@ class IpcComm final : public Comm {
       RINGDP_CUDA_CHECK(cudaStreamSynchronize(stream_), "cudaStreamSynchronize (ringdp stream)");
     }
     check();
+  }
+
+  void reject(const std::string& why) override {
+    if (!fatal_.empty()) return;  // already unusable (aborted, failed, destroyed)
+    fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this rank rejected its input (", why,
+                 "); a rejection poisons the CUDA communicator: call ringdp.destroy() and initialise again");
+    if (!host_ || !connected_ || quiesced_) return;
+    // After the collectives already queued on ringdp's stream (peers run them too): the
+    // reason, then the abort flag. Peers waiting on this rank stop and report the reason.
+    const std::string r = cat("rejected its input: ", why).substr(0, kReasonBytes - 1);
+    std::memset(host_->reason, 0, kReasonBytes);
+    std::memcpy(host_->reason, r.data(), r.size());
+    host_->one = 1;
+    DeviceGuard g(device_);
+    Ctrl* me = ctrl(rank_);
+    cudaError_t e = cudaMemcpyAsync(me->reason, host_->reason, kReasonBytes, cudaMemcpyHostToDevice, stream_);
+    if (e == cudaSuccess)
+      e = cudaMemcpyAsync(&me->abort.v, &host_->one, sizeof(uint64_t), cudaMemcpyHostToDevice, stream_);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      host_->host_abort = 1;  // best effort: this rank's pending waits give up and raise the flag
+    }
   }
 
   void abort(const std::string& reason) override {
@@ -499,6 +524,9 @@ class IpcComm final : public Comm {
                    r.target, "). Rank ", r.peer, " is stuck, dead, or did not make the same all_reduce calls (every "
                    "rank must call all_reduce in the same order with the same size, dtype and op)");
       case kErrPeerAborted:
+        if (r.reason[0] != 0)
+          return cat(me, "rank ", r.peer, " ", std::string(r.reason, strnlen(r.reason, kReasonBytes)),
+                     "; it gave up (raised its abort flag), so this rank stopped too");
         return cat(me, "rank ", r.peer, " gave up (it raised its abort flag), so this rank stopped too; rank ", r.peer,
                    "'s own error says why");
       case kErrHostAbort:

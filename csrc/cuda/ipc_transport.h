@@ -6,10 +6,11 @@
 //
 //   [ Ctrl | ring descriptors | one-shot descriptors | FIFO slots | one-shot x2 | arena ]
 //
-//   Ctrl        one 128-byte line per counter: abort, the failure lock, and per channel
-//               posted (slices I produced), consumed (slices I took from my predecessor),
-//               oneshot (one-shot calls I published). Monotonic 64-bit, written only by
-//               the owner, read by peers with ld.acquire.sys.
+//   Ctrl        one 128-byte line per counter: abort (followed by the reason of a
+//               rejection, kAbortReasonOffset), the failure lock, and per channel posted
+//               (slices I produced), consumed (slices I took from my predecessor), oneshot
+//               (one-shot calls I published). Monotonic 64-bit, written only by the owner,
+//               read by peers with ld.acquire.sys.
 //   descriptors SlotMeta per (slot, channel): call, count, dtype, op, where the slice lives.
 //   FIFO        `slots` slots of `slot_bytes`; the k-th slice I produce goes to slot k % slots
 //               (partial sums in Acc during the reduce-scatter, final values in T after).
@@ -39,14 +40,20 @@ static_assert(sizeof(Line) == kLineBytes, "one counter per line");
 
 struct Ctrl {
   Line abort;  // nonzero once this rank gave up (peers poll it while they wait on us)
+  alignas(kLineBytes) char reason[kReasonBytes];  // why, when the host gave up (reject); else empty
   Line lock;   // device-side lock of the failure record (first failure wins)
   Line posted[kMaxChannels];
   Line consumed[kMaxChannels];
   Line oneshot[kMaxChannels];
 };
+static_assert(offsetof(Ctrl, abort) == 0, "the abort flag leads the control block");
+static_assert(offsetof(Ctrl, reason) - offsetof(Ctrl, abort) == kAbortReasonOffset,
+              "kernels find the reason at a fixed offset from the abort flag");
+static_assert(offsetof(Ctrl, lock) % kLineBytes == 0 && offsetof(Ctrl, posted) % kLineBytes == 0,
+              "one counter per line");
 
 constexpr uint64_t kMagic = 0x6370696470676e72ull;  // "rngdpipc"
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: Ctrl::reason
 
 struct Layout {
   size_t slots = 0;

@@ -253,6 +253,16 @@ class NcclComm final : public Comm {
     check();
   }
 
+  void reject(const std::string& why) override {
+    if (!fatal_.empty()) return;  // already unusable (aborted, failed, destroyed)
+    try {
+      wait_stream("rejecting an input");  // the collectives already queued finish first
+    } catch (...) {
+    }
+    abort(cat("this rank rejected its input (", why, "); a rejection poisons the CUDA communicator: "
+              "call ringdp.destroy() and initialise again"));
+  }
+
   void abort(const std::string& reason) override {
     if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason);
     if (comm_) {

@@ -56,9 +56,17 @@ __device__ __forceinline__ SlotMeta load_meta_cg(const SlotMeta* m) {
 // ---------------------------------------------------------------- failure reporting
 __device__ void report(const FailCtx& f, int32_t code, int32_t peer, int32_t ch, int32_t what,
                        uint64_t target, uint64_t seen, uint64_t waited, const SlotMeta* mine,
-                       const SlotMeta* theirs) {
+                       const SlotMeta* theirs, const char* reason = nullptr) {
   if (atomicCAS(f.lock, 0ull, 1ull) == 0ull) {
     ErrorRecord* r = f.record;
+    if (reason) {  // the peer's reason (written before its abort flag), from L2
+      for (size_t i = 0; i + 1 < kReasonBytes; ++i) {
+        const char c = __ldcg(reason + i);
+        r->reason[i] = c;
+        if (c == 0) break;
+      }
+      r->reason[kReasonBytes - 1] = 0;
+    }
     r->peer = peer;
     r->channel = ch;
     r->what = what;
@@ -91,8 +99,9 @@ __device__ __noinline__ bool wait_geq(const uint64_t* flag, uint64_t target, con
     if ((it & 31u) == 0) {
       if (ld_relaxed_sys(f.my_abort) != 0) return false;  // already failed and reported
       const uint64_t waited = now_ns() - t0;
-      if (peer_abort && ld_relaxed_sys(peer_abort) != 0) {
-        report(f, kErrPeerAborted, peer, ch, what, target, v, waited, nullptr, nullptr);
+      if (peer_abort && ld_acquire_sys(peer_abort) != 0) {
+        report(f, kErrPeerAborted, peer, ch, what, target, v, waited, nullptr, nullptr,
+               reinterpret_cast<const char*>(peer_abort) + kAbortReasonOffset);
         return false;
       }
       if (*f.host_abort != 0) {

@@ -67,7 +67,7 @@ enum ErrorCode : int32_t {
   kErrNone = 0,
   kErrTimeout = 1,      // a flag did not reach its target within the timeout
   kErrPeerAborted = 2,  // the peer we waited on gave up first
-  kErrHostAbort = 3,    // the host asked this rank to stop (RingComm::abort)
+  kErrHostAbort = 3,    // the host asked this rank to stop (Comm::abort)
   kErrMismatch = 4,     // the producer's descriptor disagrees with our call
   kErrBadDescriptor = 5,  // the producer's descriptor points outside its region
 };
@@ -76,6 +76,13 @@ enum WaitWhat : int32_t {
   kWaitConsumed = 1,  // waiting for the successor to free a slot / stop reading our data
   kWaitOneShot = 2,   // waiting for a peer's one-shot buffer
 };
+// A rank that gives up for a reason its peers should see (Comm::reject) writes the reason,
+// NUL-terminated, kAbortReasonOffset bytes after its abort flag (ipc_transport.h
+// Ctrl::reason) before it raises the flag; a peer that sees the flag copies the text into
+// its failure record.
+constexpr size_t kReasonBytes = 256;
+constexpr size_t kAbortReasonOffset = kLineBytes;
+
 struct ErrorRecord {
   volatile int32_t code;
   int32_t peer;     // the rank we were waiting on / whose descriptor was wrong
@@ -86,6 +93,7 @@ struct ErrorRecord {
   uint64_t waited_ns;
   SlotMeta mine;    // our own call (for mismatches)
   SlotMeta theirs;  // the peer's descriptor (for mismatches)
+  char reason[kReasonBytes];  // kErrPeerAborted: the peer's reason, if it left one
 };
 
 // Where a block reports failure and what it polls while it waits. All pointers are device
