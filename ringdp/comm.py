@@ -366,7 +366,7 @@ atexit.register(destroy)
 
 def build_info() -> dict:
     transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
-    extra = {"nccl": tuple(_C.cuda_nccl_info(""))} if _C.WITH_CUDA else {}
+    extra = {"nccl": tuple(_C.cuda_nccl_info(cuda_comm.wheel_nccl()))} if _C.WITH_CUDA else {}
     return {
         **extra,
         "version": __import__("ringdp").__version__,

@@ -49,7 +49,10 @@ def algo_for(nbytes: int, world: int, algo=None, capacity=None) -> str:
 
 
 def wheel_nccl() -> str:
-    """libnccl.so.2 of the nvidia-nccl wheel CUDA torch depends on ("" lets C++ search)."""
+    """RINGDP_NCCL_LIBRARY if set, else libnccl.so.2 of the nvidia-nccl wheel CUDA torch depends
+    on ("" lets C++ search what is loaded and the loader's path)."""
+    if os.environ.get("RINGDP_NCCL_LIBRARY"):
+        return os.environ["RINGDP_NCCL_LIBRARY"]
     try:
         import nvidia.nccl  # type: ignore
 
@@ -59,7 +62,7 @@ def wheel_nccl() -> str:
                 return str(p)
     except Exception:
         pass
-    return os.environ.get("RINGDP_NCCL_LIBRARY", "")
+    return ""
 
 
 def _env_int(name: str) -> int:

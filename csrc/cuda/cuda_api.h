@@ -54,7 +54,8 @@ struct Options {
                               // (0: 256 KiB; must agree)
   size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank
   bool registered = true;     // IPC: peers read registered tensors in place (no staging copy)
-  std::string nccl_library;   // NCCL: path of libnccl.so.2; empty: already loaded, then search
+  std::string nccl_library;   // NCCL: path of libnccl.so.2 (Python: $RINGDP_NCCL_LIBRARY, else
+                              // the nvidia-nccl wheel's); empty: already loaded, then search
 };
 
 // Endpoint (endpoint.h):

@@ -21,7 +21,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -81,9 +80,7 @@ const Api& load(const std::string& library) {
   if (g_loaded) return g_api;
   Api api;
   std::string tried;
-  const char* env = std::getenv("RINGDP_NCCL_LIBRARY");
   bool ok = (!library.empty() && try_open(library, RTLD_NOW | RTLD_LOCAL, api, tried)) ||
-            (env && *env && try_open(env, RTLD_NOW | RTLD_LOCAL, api, tried)) ||
             try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD, api, tried) ||
             try_open("libnccl.so.2", RTLD_NOW | RTLD_LOCAL, api, tried) ||
             try_open("libnccl.so", RTLD_NOW | RTLD_LOCAL, api, tried);

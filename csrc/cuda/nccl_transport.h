@@ -51,9 +51,9 @@ struct Api {
   ncclResult_t (*Recv)(void*, size_t, int, int, ncclComm_t, cudaStream_t) = nullptr;
 };
 
-// Load NCCL once per process: `library` if given, else $RINGDP_NCCL_LIBRARY, else the
-// libnccl.so.2 already loaded (by torch), else the loader's search path. Throws RingError
-// listing what was tried.
+// Load NCCL once per process: `library` if given (Options::nccl_library; ringdp/cuda_comm.py
+// passes $RINGDP_NCCL_LIBRARY, else the nvidia-nccl wheel's), else the libnccl.so.2 already
+// loaded (by torch), else the loader's search path. Throws RingError listing what was tried.
 const Api& load(const std::string& library);
 
 std::shared_ptr<Comm> make_comm(const Options& opts);
