@@ -49,7 +49,8 @@ struct Options {
   double timeout_s = 300.0;   // IPC: bound on every device-side wait
   size_t slot_bytes = 0;      // bytes per pipeline slot (0: 4 MiB); must agree across ranks
   int slots = 0;              // IPC slots per connection (0: 4, at least 2); must agree
-  int channels = 0;           // IPC blocks per step (0: SMs / ranks sharing a GPU, <= 64)
+  int channels = 0;           // IPC blocks per step (0: SMs / ranks sharing a GPU, <= 64);
+                              // an explicit count is clamped to that share (describe() says so)
   size_t oneshot_bytes = 0;   // IPC: one-shot buffer = the largest one-shot message
                               // (0: 256 KiB; must agree)
   size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank

@@ -150,18 +150,16 @@ class IpcComm final : public Comm {
         throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " lives in the same process; the IPC transport "
                             "needs one process per rank"));
     }
-    // Channels: explicit, else the smallest share of SMs any rank gets on its GPU.
-    if (opt_.channels > 0) {
-      channels_ = std::min(opt_.channels, kMaxChannels);
-    } else {
-      int ch = kMaxChannels;
-      for (int p = 0; p < world_; ++p) {
-        int sharing = 0;
-        for (int q = 0; q < world_; ++q) sharing += std::memcmp(bs[p].uuid, bs[q].uuid, 16) == 0 ? 1 : 0;
-        ch = std::min(ch, std::max(1, bs[p].sm_count / std::max(1, sharing)));
-      }
-      channels_ = std::max(1, std::min(ch, kMaxChannels));
+    // Channels: explicit or automatic, never more than the smallest share of SMs any rank
+    // gets on its GPU (blocks that cannot all be resident would spin on peers that cannot be
+    // scheduled); protocol.h choose_channels.
+    std::vector<int> sms(world_), sharing(world_, 0);
+    for (int p = 0; p < world_; ++p) {
+      sms[p] = bs[p].sm_count;
+      for (int q = 0; q < world_; ++q) sharing[p] += std::memcmp(bs[p].uuid, bs[q].uuid, 16) == 0 ? 1 : 0;
     }
+    channel_choice_ = choose_channels(opt_.channels, smallest_sm_share(world_, sms.data(), sharing.data()));
+    channels_ = channel_choice_.channels;
     DeviceGuard g(device_);
     bases_.assign(world_, nullptr);
     region_bytes_.assign(world_, 0);
@@ -357,7 +355,7 @@ class IpcComm final : public Comm {
 
   std::string describe() const override {
     return cat("cuda-ipc rank ", rank_, "/", world_, " on device ", device_, " (", device_name_, ", ", sm_count_,
-               " SMs): ", channels_, " channels, ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
+               " SMs): ", channels_, " channels", channels_note(), ", ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
                oneshot_bytes(), " B, arena ", lay_.arena_bytes, " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
   }
 
@@ -458,6 +456,16 @@ class IpcComm final : public Comm {
     return opt_.registered && aligned16(reinterpret_cast<const void*>(data)) && is_registered(data, bytes);
   }
 
+  // How the channel count came about, for describe().
+  std::string channels_note() const {
+    const ChannelChoice& c = channel_choice_;
+    if (!c.clamped) return "";
+    if (c.channels == c.share)
+      return cat(" (clamped from the requested ", c.requested, ": the most shared GPU gives each rank ", c.share,
+                 " SMs, and every block must be resident)");
+    return cat(" (clamped from the requested ", c.requested, ": at most ", kMaxChannels, ")");
+  }
+
   SlotGeometry geometry() const {
     SlotGeometry g;
     g.slot_bytes = lay_.slot_bytes;
@@ -551,6 +559,7 @@ class IpcComm final : public Comm {
   std::string device_name_;
   Layout lay_;
   int channels_ = 1;
+  ChannelChoice channel_choice_;
 
   char* base_ = nullptr;
   cudaIpcMemHandle_t handle_{};

@@ -74,6 +74,41 @@ struct SlotGeometry {
   }
 };
 
+// Channels per rank of the IPC transport. Each channel is one thread block per step kernel
+// that spins on its peers' blocks of the same channel, so every rank's blocks should be able
+// to be resident at once: ranks that share a GPU split its SMs. The share is the smallest,
+// over all ranks, of floor(SMs of the rank's GPU / ranks on that GPU), at least 1. A request
+// of 0 takes the share; an explicit request above it (or above kMaxChannels) is clamped.
+// Every rank computes this from the same records, so both ends of a connection agree.
+struct ChannelChoice {
+  int channels = 1;    // what the transport uses
+  int requested = 0;   // Options::channels (0: automatic)
+  int share = 1;       // SMs per rank on the most shared GPU
+  bool clamped = false;  // an explicit request was lowered
+};
+
+// sm_count[p]: SMs of rank p's GPU; sharing[p]: ranks on that GPU (rank p included).
+inline int smallest_sm_share(int world, const int* sm_count, const int* sharing) {
+  int share = 0;
+  for (int p = 0; p < world; ++p) {
+    const int s = sm_count[p] / (sharing[p] > 0 ? sharing[p] : 1);
+    if (p == 0 || s < share) share = s;
+  }
+  return share > 0 ? share : 1;
+}
+
+inline ChannelChoice choose_channels(int requested, int share) {
+  ChannelChoice c;
+  c.requested = requested > 0 ? requested : 0;
+  c.share = share > 0 ? share : 1;
+  int ch = c.requested > 0 ? c.requested : c.share;
+  if (ch > c.share) ch = c.share;
+  if (ch > kMaxChannels) ch = kMaxChannels;
+  c.channels = ch;
+  c.clamped = c.requested > 0 && ch < c.requested;
+  return c;
+}
+
 // What one ring primitive does on this rank, in protocol terms.
 struct StepPlan {
   StepKind kind = StepKind::kSend;

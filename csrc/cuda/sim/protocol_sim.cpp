@@ -358,6 +358,38 @@ bool run(const Config& cfg) {
   return true;
 }
 
+// The channel arithmetic of the IPC transport (protocol.h choose_channels): every rank's
+// blocks fit the SMs of its GPU, shared evenly by the ranks on it.
+void check_channels() {
+  struct Case {
+    std::vector<int> sms, sharing;
+    int requested;
+    int want, share;
+    bool clamped;
+  };
+  const Case cases[] = {
+      {{132, 132}, {1, 1}, 0, 64, 132, false},          // two GPUs of their own: automatic, <= 64
+      {{132, 132}, {2, 2}, 0, 64, 66, false},           // one H100 shared by 2
+      {{108, 108}, {2, 2}, 100, 54, 54, true},          // explicit 100 > 54 SMs per rank (A100)
+      {{132, 132}, {2, 2}, 8, 8, 66, false},            // explicit, fits
+      {{108, 108, 108, 132}, {3, 3, 3, 1}, 40, 36, 36, true},  // the most shared GPU decides
+      {{108, 108, 108, 132}, {3, 3, 3, 1}, 0, 36, 36, false},
+      {{2, 2, 2}, {3, 3, 3}, 4, 1, 1, true},            // fewer SMs than ranks: at least 1
+      {{132}, {1}, 200, 64, 132, true},                 // kMaxChannels
+  };
+  for (const Case& c : cases) {
+    const int world = static_cast<int>(c.sms.size());
+    const int share = smallest_sm_share(world, c.sms.data(), c.sharing.data());
+    const ChannelChoice ch = choose_channels(c.requested, share);
+    if (share != c.share || ch.channels != c.want || ch.clamped != c.clamped || ch.requested != c.requested)
+      die("channel arithmetic: world " + std::to_string(world) + " requested " + std::to_string(c.requested) +
+          ": got share " + std::to_string(share) + " channels " + std::to_string(ch.channels) + " clamped " +
+          std::to_string(ch.clamped) + ", want share " + std::to_string(c.share) + " channels " +
+          std::to_string(c.want) + " clamped " + std::to_string(c.clamped));
+  }
+  std::printf("protocol_sim: channel arithmetic ok (%zu cases)\n", sizeof(cases) / sizeof(cases[0]));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -378,6 +410,7 @@ int main(int argc, char** argv) {
     std::printf("%s\n", ok ? "ok" : "FAILED");
     return ok ? 0 : 1;
   }
+  check_channels();
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   int n_ok = 0;
   unsigned seed = 1;
