@@ -6,7 +6,7 @@
 //   auto c = create_comm(opts);            // allocate, export: no peers needed yet
 //   blob = c->local_blob();                // opaque bytes -> store.set("<prefix>/<rank>")
 //   c->connect({blob_0, ..., blob_n-1});   // collective: open peers' memory / NCCL comm
-//   c->all_reduce(ptr, count, dtype, op, stream);   // any number of times, same order on all ranks
+//   c->all_reduce(ptr, count, dtype, op, stream, algo);  // any number of times, same order on all ranks
 //   c->quiesce();                          // collective: drain, drop peers' mappings
 //   -- store barrier --                    // nobody reads my memory any more
 //   c->destroy();                          // free my own memory
@@ -47,7 +47,7 @@ struct Options {
   int world = 1;
   int device = -1;            // CUDA device ordinal; -1: the calling thread's current device
   double timeout_s = 300.0;   // IPC: bound on every device-side wait
-  size_t slot_bytes = 0;      // bytes per pipeline slot (0: 4 MiB); must agree across ranks
+  size_t slot_bytes = 0;      // bytes per pipeline slot (0: IPC 16 MiB, NCCL 4 MiB); must agree
   int slots = 0;              // IPC slots per connection (0: 4, at least 2); must agree
   int channels = 0;           // IPC blocks per step (0: SMs / ranks sharing a GPU, <= 64);
                               // an explicit count is clamped to that share (describe() says so)

@@ -67,7 +67,6 @@ std::string meta_str(const SlotMeta& m) {
              " op=", redop_name(static_cast<RedOp>(m.op)));
 }
 
-
 class IpcComm final : public Comm {
  public:
   static constexpr const char* kName = "cuda-ipc";
@@ -355,8 +354,9 @@ class IpcComm final : public Comm {
 
   std::string describe() const override {
     return cat("cuda-ipc rank ", rank_, "/", world_, " on device ", device_, " (", device_name_, ", ", sm_count_,
-               " SMs): ", channels_, " channels", channels_note(), ", ", lay_.slots, " slots x ", lay_.slot_bytes, " B, one-shot <= ",
-               oneshot_bytes(), " B, arena ", lay_.arena_bytes, " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
+               " SMs): ", channels_, " channels", channels_note(), ", ", lay_.slots, " slots x ", lay_.slot_bytes,
+               " B, one-shot <= ", oneshot_bytes(), " B, arena ", lay_.arena_bytes,
+               " B, registered tensors read in place: ", opt_.registered ? "yes" : "no");
   }
 
   // ---- ring primitives (called by StepRing) -----------------------------------------------
@@ -658,7 +658,6 @@ void IpcComm::finish_ring() {
   }
   finish_call(cur_.caller);
 }
-
 
 }  // namespace
 

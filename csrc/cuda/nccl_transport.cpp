@@ -109,7 +109,6 @@ struct Blob {
   ncclUniqueId id;
 };
 
-
 class NcclComm final : public Comm {
  public:
   static constexpr const char* kName = "nccl";
@@ -480,7 +479,6 @@ void NcclComm::finish_ring() {
   RINGDP_CUDA_CHECK(cudaEventRecord(ev_out_, stream_), "cudaEventRecord (ringdp stream)");
   RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller_, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
 }
-
 
 }  // namespace
 
