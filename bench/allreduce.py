@@ -74,7 +74,7 @@ Per chunk of S/n (T = element width, A = partial-sum width, in units of S/n):
                      w=2: ((2w+3)n - 2w - 1)/n = (7n-5)/n = 4.5 (n=2), 5.75 (n=4)
 In place applies to registered tensors on CPU only when w = 1 (shm_comm.cpp: the registered
 ring needs acc width == element width, so a registered float16/bfloat16 tensor is staged),
-on CUDA IPC for every dtype (direct export, RINGDP_CUDA_DIRECT=1, the default), and never on
+on CUDA IPC for every dtype (read in place, RINGDP_CUDA_REGISTERED=1, the default), and never on
 the NCCL transport (staged; NCCL's own copies are not counted: a lower bound).
 One-shot (shm_comm.cpp, csrc/cuda oneshot_kernel): each rank copies its input into its
 one-shot buffer (2), reads all n buffers and writes the result (n+1): n + 3, registered or
@@ -297,12 +297,11 @@ class Caller:
         self.sharing = sum(1 for x in everyone if tuple(x) == me)
         if self.device.type == "cuda":
             self.contention = float(self.sharing)
-            self.transport = ringdp.cuda_comm.transport_for(self.hosts)
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self.contention = max(1.0, self.hosts.count(me[0]) / cores)
-            self.transport = "shm"
         self.comm = ringdp.init() if "ringdp" in args.series or "ringdp-reg" in args.series else None
+        self.transport = self.comm.transport(self.device.type) if self.comm is not None else "-"
         self.baseline, self.group = self._baseline()
 
     def _baseline(self) -> tuple[str | None, object]:

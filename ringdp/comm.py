@@ -1,5 +1,20 @@
-"""The communicator: rendezvous through torch.distributed's store, the shared-memory
-transport, and an ordered background worker for async collectives."""
+"""The communicator: ringdp's state for one process group in one process.
+
+Set-up (collective, ringdp.init or the first collective of the group):
+  1. Config.from_env(): every RINGDP_* setting, read once (ringdp/config.py);
+  2. Rendezvous (ringdp/rendezvous.py) under a prefix unique to the group and generation:
+     rank 0's job id, every rank's host (the topology);
+  3. ranks of one host: the shared-memory endpoint (csrc/transport/shm): create this rank's
+     segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
+     endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
+
+Execution: validation and the algorithm (ringdp/policy.py) on the calling thread, then the
+collective runs in submission order: inline when nothing is queued and the call is
+synchronous, else on one background worker thread. CPU collectives complete on the host.
+CUDA collectives are stream-ordered like torch's NCCL ones: ringdp's stream waits for the
+caller's stream (an event), the ring runs on ringdp's stream, and the caller's stream waits
+for the result at once (async_op=False) or in Work.wait(); the host never waits for the GPU.
+"""
 from __future__ import annotations
 
 import atexit
@@ -10,80 +25,80 @@ import socket
 import threading
 import uuid
 from concurrent.futures import Future
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import _types, cuda_comm, policy
+from ._native import RingError, _C
+from .config import ALGOS, Config
+from .rendezvous import Rendezvous
 
-try:
-    from . import _C
-except ImportError as e:  # pragma: no cover - a broken install should say how to fix it
-    raise ImportError(
-        "ringdp's native extension ringdp._C is missing; build it with "
-        "`pip install --no-build-isolation -e .` in the ringdp checkout"
-    ) from e
-
-RingError = _C.RingError
-_DTYPES = tuple(_C.supported_dtypes())  # the one dtype table is in csrc/bindings.cpp
-
-
-def _check_dtype(dtype):
-    if dtype not in _DTYPES:
-        names = ", ".join(str(d).replace("torch.", "") for d in _DTYPES)
-        raise TypeError(f"ringdp.all_reduce does not support dtype {dtype}; supported: {names}")
+__all__ = ["Communicator", "RingError", "Work", "build_info", "destroy", "get_communicator", "init"]
 
 
 class Work:
-    """Handle of an async collective, like torch.distributed's Work."""
+    """Handle of an async collective, like torch.distributed's Work.
 
-    def __init__(self, future: Future, outputs: list, on_wait=None):
+    CPU: wait() blocks until the collective finished. CUDA: wait() blocks until it is
+    enqueued, raises any failure the device reported so far, and makes the current stream
+    wait for the collective's end (no host synchronisation); is_completed() asks the GPU."""
+
+    def __init__(self, future: Future, outputs: list, cuda=None):
         self._future = future
         self._outputs = outputs  # the tensors the collective writes
-        self._on_wait = on_wait
+        self._cuda = cuda  # CUDA: (endpoint, event recorded on ringdp's stream after the collective)
         self._torch_future: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
     def wait(self, timeout=None) -> bool:
-        """Block until the collective finished; re-raises its error (a RingError)."""
+        """Wait for the collective (module doc); re-raises its error (a RingError)."""
         self._future.result(timeout=timeout)
-        if self._on_wait is not None:
-            self._on_wait()
+        if self._cuda is not None:
+            endpoint, done = self._cuda
+            endpoint.native.check()
+            torch.cuda.current_stream(endpoint.device).wait_event(done)
         return True
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        if not self._future.done():
+            return False
+        return self._cuda is None or self._future.exception() is not None or self._cuda[1].query()
 
     def is_success(self) -> bool:
-        return self._future.done() and self._future.exception() is None
+        return self.is_completed() and self._future.exception() is None
 
     def exception(self):
         return self._future.exception() if self._future.done() else None
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that completes (on ringdp's worker thread) with the list of
-        output tensors when the collective finished, or with its error; as
-        torch.distributed's Work.get_future() (what DDP comm hooks return)."""
+        output tensors, or with the collective's error; as torch.distributed's
+        Work.get_future(), which DDP comm hooks return. For CUDA tensors it is a CUDA-aware
+        future: its wait() makes the waiter's stream wait for ringdp's stream."""
         with self._lock:
             if self._torch_future is None:
-                tf: torch.futures.Future = torch.futures.Future()
+                devices = [self._cuda[0].device] if self._cuda is not None else None
+                tf: torch.futures.Future = torch.futures.Future(devices=devices)
                 self._torch_future = tf
-
-                def done(f: Future):
-                    exc = f.exception()
-                    if exc is None and self._on_wait is not None:
-                        try:
-                            self._on_wait()
-                        except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-                            exc = e
-                    if exc is not None:
-                        tf.set_exception(exc)
-                    else:
-                        tf.set_result(list(self._outputs))
-
-                self._future.add_done_callback(done)
+                self._future.add_done_callback(lambda f: self._complete(tf, f))
             return self._torch_future
+
+    def _complete(self, tf: torch.futures.Future, f: Future) -> None:
+        exc = f.exception()
+        if exc is None and self._cuda is not None:
+            try:
+                self._cuda[0].native.check()
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+                exc = e
+        if exc is not None:
+            tf.set_exception(exc)
+        elif self._cuda is not None:
+            endpoint, _ = self._cuda
+            with torch.cuda.stream(endpoint.stream):  # the future's event: on ringdp's stream
+                tf.set_result(list(self._outputs))
+        else:
+            tf.set_result(list(self._outputs))
 
 
 def _group_key(group) -> str:
@@ -99,20 +114,22 @@ class Communicator:
     """ringdp's state for one process group in this process. Created by ringdp.init() or
     lazily by the first collective; every rank of the group must create it (collectively)."""
 
-    def __init__(self, group=None, timeout=None):
+    def __init__(self, group=None, timeout=None, config: Config | None = None):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "ringdp needs torch.distributed to be initialised first: call "
                 "torch.distributed.init_process_group(...) (torchrun sets the environment for it)"
             )
+        cfg = config if config is not None else Config.from_env()
+        self.config = cfg.replace(timeout_s=policy.timeout_s(timeout, cfg.timeout_s))
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
-        self.timeout = policy.timeout_s(timeout)
+        self.timeout = self.config.timeout_s
         key = _group_key(group)
         gen = _generation.get(key, 0)
         _generation[key] = gen + 1
-        self._store = dist.PrefixStore(f"ringdp/{key}/{gen}/", dist.distributed_c10d._get_default_store())
+        self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout)
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -120,64 +137,59 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self.host = socket.gethostname()
-        self.hosts: list[str] = [self.host]
-        self._shm_error: str | None = None  # set when the group spans hosts
-        self._cuda_native = None
-        self._native = self._rendezvous()
+        self.hosts = self._topology()
+        self._shm = None  # the shared-memory endpoint (ranks of one host)
+        self._shm_error: str | None = None  # why there is none
+        self._cuda: cuda_comm.CudaEndpoint | None = None
+        if len(set(self.hosts)) > 1:  # CUDA tensors still work (NCCL); CPU collectives raise this
+            where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
+            self._shm_error = (
+                f"rank {self.rank}: ringdp's shared-memory transport joins ranks of one host, but the group "
+                f"spans {len(set(self.hosts))} hosts ({where}). CPU tensors across hosts are not supported; "
+                f"CUDA tensors across hosts use the NCCL transport.")
+        else:
+            self._shm = self._connect_shm()
 
     # ---- set-up -------------------------------------------------------------------------
-    def _wait_keys(self, what: str, keys: list[str]):
-        try:
-            self._store.wait(keys, timedelta(seconds=self.timeout))
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
-            missing = [k for k in keys if not self._store.check([k])]
-            raise RingError(
-                f"rank {self.rank}: timed out after {self.timeout:g} s waiting for {what} of "
-                f"{', '.join(missing) or 'peers'} ({e.__class__.__name__}); did every rank of the "
-                f"group call ringdp with the same group?"
-            ) from None
+    def _topology(self) -> list[str]:
+        """Every rank's host, by rank."""
+        records = self.rendezvous.exchange("host", json.dumps({"host": self.host, "pid": os.getpid()}),
+                                           "the host records")
+        return [json.loads(r)["host"] for r in records]
 
-    def _rendezvous(self):
-        st = self._store
+    def _connect_shm(self):
+        """This rank's segment, connected to every peer's (module doc, step 3)."""
+        rdv, cfg = self.rendezvous, self.config
         if self.rank == 0:
-            st.set("uid", uuid.uuid4().hex[:12])
-        self._wait_keys("the job id", ["uid"])
-        uid = st.get("uid").decode()
-        cfg = _C.ShmConfig()
-        cfg.rank, cfg.world = self.rank, self.world
-        cfg.name = f"/ringdp-{uid}-r{self.rank}"
-        cfg.host = self.host
-        cfg.fifo_slots = int(os.environ.get("RINGDP_FIFO_SLOTS", policy.FIFO_SLOTS))
-        cfg.slot_bytes = int(os.environ.get("RINGDP_SLOT_BYTES", policy.SLOT_BYTES))
-        cfg.oneshot_bytes = policy.oneshot_buffer_bytes()
-        cfg.arena_bytes = int(float(os.environ.get("RINGDP_ARENA_GB", policy.ARENA_GB)) * (1 << 30))
-        cfg.spin_ns = policy.spin_ns(self.world)
-        native = _C.ShmComm(cfg)  # creates (and owns) this rank's segment
+            rdv.publish("uid", uuid.uuid4().hex[:12])
+        uid = rdv.read("uid", "the job id").decode()
         names = [f"/ringdp-{uid}-r{r}" for r in range(self.world)]
+        c = _C.ShmConfig()
+        c.rank, c.world, c.name, c.host = self.rank, self.world, names[self.rank], self.host
+        c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
+        c.arena_bytes = int(cfg.arena_gb * (1 << 30))
+        c.spin_ns = policy.spin_ns(self.world, cfg)
+        native = _C.ShmComm(c)  # creates (and owns) this rank's segment
         try:
-            st.set(f"blob/{self.rank}", native.local_blob())
-            st.set(f"seg/{self.rank}", json.dumps({"name": cfg.name, "host": self.host, "pid": os.getpid()}))
-            self._wait_keys("the shared-memory segments",
-                            [f"seg/{r}" for r in range(self.world)] + [f"blob/{r}" for r in range(self.world)])
-            infos = [json.loads(st.get(f"seg/{r}")) for r in range(self.world)]
-            self.hosts = [i["host"] for i in infos]
-            if len(set(self.hosts)) > 1:
-                # CUDA tensors still work (NCCL transport); CPU collectives raise this.
-                where = ", ".join(f"rank {r} on {i['host']}" for r, i in enumerate(infos))
-                self._shm_error = (
-                    f"rank {self.rank}: ringdp's shared-memory transport joins ranks of one host, but "
-                    f"the group spans {len(set(self.hosts))} hosts ({where}). CPU tensors across hosts are "
-                    f"not supported; CUDA tensors across hosts use the NCCL transport."
-                )
-            else:
-                native.connect([st.get(f"blob/{r}") for r in range(self.world)])
-            st.set(f"mapped/{self.rank}", "1")
-            self._wait_keys("peers to map the segments", [f"mapped/{r}" for r in range(self.world)])
+            native.connect(rdv.exchange("shm", native.local_blob(), "the shared-memory segments"))
+            rdv.barrier("shm-mapped", "peers to map the segments")
             native.unlink_own()  # every peer has mapped it: nothing left to leak in /dev/shm
         except BaseException:
             native.unlink_all(names)
             raise
         return native
+
+    @property
+    def shm(self):
+        """The shared-memory endpoint (_C.ShmComm: segment name, calls, arena use), None when
+        the group spans hosts."""
+        return self._shm
+
+    def _cuda_endpoint(self, device) -> "cuda_comm.CudaEndpoint":
+        """The CUDA endpoint, created (collectively) on first use."""
+        if self._cuda is None:
+            self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
+        return self._cuda
 
     # ---- execution ----------------------------------------------------------------------
     def _start_worker(self):
@@ -203,71 +215,100 @@ class Communicator:
             with self._pending_lock:
                 self._pending -= 1
 
-    def _submit(self, fn, async_op: bool, outputs=(), on_wait=None) -> Work | None:
-        """Run collectives in submission order: inline when nothing is queued, else behind
-        the queued ones on the worker thread."""
+    def _submit(self, fn, async_op: bool, outputs=(), cuda=None) -> Work | None:
+        """Run collectives in submission order: inline when nothing is queued and the call is
+        synchronous, else behind the queued ones on the worker thread."""
         if self._closed:
             raise RingError(f"rank {self.rank}: this ringdp communicator was destroyed")
         with self._pending_lock:
-            idle = self._pending == 0
-            if not (idle and not async_op):
+            inline = self._pending == 0 and not async_op
+            if not inline:
                 self._pending += 1
-        if idle and not async_op:
+        if inline:
+            fut: Future = Future()
             with self._lock:
                 fn()
-            return None
-        if self._worker is None:
-            self._start_worker()
-        fut: Future = Future()
-        self._queue.put((fn, fut))
-        work = Work(fut, list(outputs), on_wait)
+            fut.set_result(None)
+        else:
+            if self._worker is None:
+                self._start_worker()
+            fut = Future()
+            self._queue.put((fn, fut))
+        work = Work(fut, list(outputs), cuda)
         if async_op:
             return work
         work.wait()
         return None
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None):
-        t = policy.timeout_s(timeout) if timeout is not None else self.timeout
+        t = policy.timeout_s(timeout, self.timeout)
         try:
-            code, shm_algo = self._check(tensor, op, algo)
+            code = self._check(tensor, op)
+            forced = self._forced(algo)
         except (TypeError, ValueError) as e:
-            # Tell the peers, in order, so they fail at once instead of timing out.
-            msg = str(e)
-            if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
-                native = self._cuda(tensor.device)  # the transport of the tensor's device
-                self._submit(lambda: native.reject(msg), async_op=False)
-            elif not self._shm_error:
-                self._submit(lambda: self._native.reject(msg, t), async_op=False)
+            self._reject(tensor, str(e), t)  # tell the peers, in order, so they fail at once
             raise
+        nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
-            native = self._cuda(tensor.device)
-            stream = torch.cuda.current_stream(tensor.device).cuda_stream  # the caller's stream
-            nbytes = tensor.numel() * tensor.element_size()
-            cuda_algo = cuda_comm.algo_code(nbytes, self.world, native.oneshot_bytes, algo)
-            fn = lambda: native.all_reduce_tensor(tensor, code, stream, cuda_algo, t)  # noqa: E731
-            work = self._submit(fn, async_op, outputs=[tensor], on_wait=native.synchronize)
-        else:
-            if self._shm_error:
-                raise RingError(self._shm_error)
-            fn = lambda: self._native.all_reduce(tensor, code, shm_algo, t)  # noqa: E731
-            work = self._submit(fn, async_op, outputs=[tensor])
-        if async_op:
-            return work
-        return None
+            return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t)
+        if self._shm_error:
+            raise RingError(self._shm_error)
+        a = policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
+        return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t), async_op, outputs=[tensor])
+
+    def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
+        ep = self._cuda_endpoint(tensor.device)
+        a = policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(tensor.device))  # on the calling thread
+        done = torch.cuda.Event()
+        tensor.record_stream(ep.stream)  # the caching allocator keeps it until ringdp is done
+
+        def run():
+            ep.stream.wait_event(ready)
+            ep.native.all_reduce_tensor(tensor, code, ep.stream.cuda_stream, a, t)
+            done.record(ep.stream)
+
+        return self._submit(run, async_op, outputs=[tensor], cuda=(ep, done))
+
+    def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
+        threshold = policy.oneshot_threshold(transport, self.world, self.config, capacity)
+        return policy.choose_algo(nbytes, forced, threshold, capacity)
+
+    def _forced(self, algo) -> str:
+        if algo is None:
+            return self.config.algo
+        forced = str(algo).strip().lower()
+        if forced not in ALGOS:
+            raise ValueError(f"ringdp.all_reduce: algo={algo!r}: expected one of {', '.join(ALGOS)}")
+        return forced
+
+    def transport(self, device="cpu") -> str:
+        """The transport a tensor on `device` goes through: "shm", "ipc" or "nccl"."""
+        if torch.device(device).type == "cuda":
+            return self._cuda.kind if self._cuda is not None else policy.transport_for(self.hosts, self.config)
+        return "shm"
 
     def algo_for(self, nbytes: int, device="cpu", algo=None) -> str:
         """The algorithm ("ring" or "oneshot") this communicator runs for an all-reduce of
-        `nbytes` bytes on `device` with the given `algo` (None: RINGDP_ALGO, else auto)."""
+        `nbytes` bytes on `device` with the given `algo` (None: RINGDP_ALGO, else auto).
+        For a CUDA device this sets the CUDA endpoint up if needed (collective)."""
+        forced = self._forced(algo)
         if torch.device(device).type == "cuda":
-            cap = self._cuda_native.oneshot_bytes if self._cuda_native is not None else None
-            return cuda_comm.algo_for(nbytes, self.world, algo, cap)
-        return "oneshot" if policy.choose_algo(nbytes, self.world, algo) == policy.ALGO_ONESHOT else "ring"
+            ep = self._cuda_endpoint(device)
+            return self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)
+        if self._shm_error:
+            raise RingError(self._shm_error)
+        return self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)
 
-    def _check(self, tensor, op, algo=None):
+    def _check(self, tensor, op) -> int:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
         code = _types.op_code(op)
-        _check_dtype(tensor.dtype)
+        supported = _C.supported_dtypes()
+        if tensor.dtype not in supported:
+            names = ", ".join(str(d).replace("torch.", "") for d in supported)
+            raise TypeError(f"ringdp.all_reduce does not support dtype {tensor.dtype}; supported: {names}")
         if tensor.layout != torch.strided:
             raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
         if tensor.device.type not in ("cpu", "cuda") or (tensor.is_cuda and not _C.WITH_CUDA):
@@ -282,38 +323,42 @@ class Communicator:
             )
         if code == _types.AVG and not tensor.dtype.is_floating_point:
             raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
-        return code, policy.choose_algo(nbytes, self.world, algo)
+        return code
+
+    def _reject(self, tensor, why: str, timeout_s: float) -> None:
+        """Take part in this collective without data, on the transport of the tensor's device,
+        so that the peers fail at once naming this rank and `why`."""
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
+            ep = self._cuda_endpoint(tensor.device)
+            self._submit(lambda: ep.native.reject(why), async_op=False)
+        elif self._shm is not None:
+            self._submit(lambda: self._shm.reject(why, timeout_s), async_op=False)
 
     # ---- registered memory --------------------------------------------------------------
     def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:
-        _check_dtype(dtype)
         device = torch.device(device)
+        sizes = [int(s) for s in size]
         if device.type == "cuda":
             try:
-                return self._cuda(device).empty([int(s) for s in size], dtype)
+                return self._cuda_endpoint(device).native.empty(sizes, dtype)
             except RingError as e:  # arena exhausted: callers fall back to ordinary memory
                 raise ValueError(str(e)) from None
         if device.type != "cpu":
             raise ValueError(f"ringdp.empty: device {device} is not supported")
-        return self._native.empty([int(s) for s in size], dtype)
+        if self._shm_error:
+            raise ValueError(self._shm_error)
+        return self._shm.empty(sizes, dtype)
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:
-            return self._cuda_native is not None and bool(self._cuda_native.is_registered(tensor))
-        return tensor.device.type == "cpu" and bool(self._native.is_registered(tensor))
-
-    def _cuda(self, device):
-        """The CUDA transport, created (collectively) on first use."""
-        if self._cuda_native is None:
-            self._cuda_native = cuda_comm.create(self, torch.device(device))
-        return self._cuda_native
+            return self._cuda is not None and bool(self._cuda.native.is_registered(tensor))
+        return tensor.device.type == "cpu" and self._shm is not None and bool(self._shm.is_registered(tensor))
 
     def synchronize(self):
         """Wait for queued collectives (and, on CUDA, for ringdp's stream); raise failures."""
         self._submit(lambda: None, async_op=False)
-        if self._cuda_native is not None:
-            self._cuda_native.synchronize()
+        if self._cuda is not None:
+            self._cuda.native.synchronize()
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self):
@@ -323,11 +368,11 @@ class Communicator:
         if self._worker is not None:
             self._queue.put(None)
             self._worker.join(timeout=self.timeout)
-        if self._cuda_native is not None:
-            native, self._cuda_native = self._cuda_native, None
-            cuda_comm.close(self, native)
+        if self._cuda is not None:
+            ep, self._cuda = self._cuda, None
+            ep.close(self.rendezvous)
         # Registered tensors still alive keep the native object (and its mapping) alive.
-        self._native = None
+        self._shm = None
 
 
 _comms: dict[str, Communicator] = {}
@@ -366,7 +411,7 @@ atexit.register(destroy)
 
 def build_info() -> dict:
     transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
-    extra = {"nccl": tuple(_C.cuda_nccl_info(cuda_comm.wheel_nccl()))} if _C.WITH_CUDA else {}
+    extra = {"nccl": tuple(_C.cuda_nccl_info(cuda_comm.nccl_library(Config.from_env())))} if _C.WITH_CUDA else {}
     return {
         **extra,
         "version": __import__("ringdp").__version__,

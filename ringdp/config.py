@@ -70,12 +70,6 @@ class Config:
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)
 
-    def oneshot_threshold(self, world: int) -> int:
-        """Largest message the shared-memory transport sends one-shot under `algo` auto."""
-        default = policy.ONESHOT_MAX_BYTES_BY_WORLD.get(world, policy.ONESHOT_MAX_BYTES)
-        limit = default if self.oneshot_max_bytes is None else self.oneshot_max_bytes
-        return min(limit, self.oneshot_bytes)
-
 
 # ---------------------------------------------------------------------------------- parsers
 def _int(name: str, raw: str) -> int:

@@ -1,22 +1,31 @@
-"""Which algorithm and which sizes: decisions kept in Python where they are easy to test.
+"""Policy: which path and which size, decided in Python where it is easy to test.
 
-ONESHOT_MAX_BYTES comes from `python bench/allreduce.py --algo ring` vs `--algo oneshot`
-on the 2-core CI machine (world 2 and 4, float32); see README.md "Choosing the algorithm".
+The constants are the defaults (ringdp/config.py reads the RINGDP_* overrides once); the
+functions are the decisions, each made in one place for every transport:
+
+* choose_algo: ring or one-shot for one all-reduce (shared memory, CUDA IPC, NCCL alike);
+* oneshot_threshold: up to which size `auto` picks one-shot, per transport and world size;
+* transport_for: which CUDA transport (IPC inside a host, NCCL across hosts);
+* spin_ns, timeout_s: how long to spin before sleeping, how long to wait for peers.
+
+ONESHOT_MAX_BYTES comes from `python bench/allreduce.py --algo ring,oneshot` on the 2-core CI
+machine (world 2 and 4, float32); see README.md "Choosing the algorithm".
 """
 from __future__ import annotations
 
 import os
 
-ALGO_RING = 0
-ALGO_ONESHOT = 1
+RING = "ring"
+ONESHOT = "oneshot"
+ALGO_CODES = {RING: 0, ONESHOT: 1}  # csrc/transport/shm/shm_comm.h Algo, csrc/cuda/cuda_api.h
 
-# Messages up to this size use the one-shot path (every rank reduces all peers' copies),
-# for world sizes of 3 and more; ONESHOT_MAX_BYTES_BY_WORLD overrides per world size.
+# Shared memory: messages up to this size use the one-shot path (every rank reduces all
+# peers' copies) for world sizes of 3 and more; ONESHOT_MAX_BYTES_BY_WORLD overrides per
+# world size (world 2: the ring is as fast at every size).
 ONESHOT_MAX_BYTES = 128 << 10
 ONESHOT_MAX_BYTES_BY_WORLD = {1: 0, 2: 0}
 # The one-shot buffer each rank keeps (twice, alternating by call parity).
 ONESHOT_BYTES = 256 << 10
-ONESHOT_BUFFER_BYTES = ONESHOT_BYTES
 # Ring pipeline: bytes per FIFO slot and slots per connection.
 SLOT_BYTES = 256 << 10
 FIFO_SLOTS = 8
@@ -31,50 +40,47 @@ CUDA_ARENA_MB = 256
 # and the end of backward copying it back). Measured on the 2-core CI machine, world 2,
 # 4 x Linear(2560, 2560): ~90 ms per step with it vs ~100-110 ms through the buckets.
 IN_GRAD_MIN_BYTES = 1 << 20
+# Busy-wait before sleeping on the futex: long when every rank has a core, short when
+# ranks outnumber cores (the spinning rank would take the core its peer needs).
+SPIN_NS = 50_000
+SPIN_NS_OVERSUBSCRIBED = 2_000
 
 
-def _env_int(name: str, default: int) -> int:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return default
-    try:
-        return int(v)
-    except ValueError:
-        raise ValueError(f"{name}={v!r} is not an integer") from None
+def choose_algo(nbytes: int, forced: str, threshold: int, capacity: int) -> str:
+    """The algorithm of one all-reduce of `nbytes`: `forced` (auto, ring, oneshot) as the
+    caller asked; `threshold`: the largest message `auto` sends one-shot; `capacity`: the
+    largest message the transport can send one-shot (0: none). A forced one-shot falls back
+    to the ring above the capacity."""
+    if forced == RING or nbytes > capacity:
+        return RING
+    if forced == ONESHOT:
+        return ONESHOT
+    return ONESHOT if nbytes <= threshold else RING
 
 
-def oneshot_max_bytes(world: int = 3) -> int:
-    default = ONESHOT_MAX_BYTES_BY_WORLD.get(world, ONESHOT_MAX_BYTES)
-    return min(_env_int("RINGDP_ONESHOT_MAX_BYTES", default), oneshot_buffer_bytes())
+def oneshot_threshold(transport: str, world: int, cfg, capacity: int) -> int:
+    """Up to which size `auto` picks one-shot on `transport` ("shm", "ipc", "nccl")."""
+    if transport == "shm":
+        default = ONESHOT_MAX_BYTES_BY_WORLD.get(world, ONESHOT_MAX_BYTES)
+        limit = default if cfg.oneshot_max_bytes is None else cfg.oneshot_max_bytes
+    else:  # CUDA: the whole one-shot buffer unless RINGDP_CUDA_ONESHOT_MAX_BYTES says less
+        limit = cfg.cuda_oneshot_max_bytes or capacity
+    return min(limit, capacity)
 
 
-def oneshot_buffer_bytes() -> int:
-    return _env_int("RINGDP_ONESHOT_BUFFER_BYTES", ONESHOT_BUFFER_BYTES)
+def transport_for(hosts: list[str], cfg) -> str:
+    """The CUDA transport: RINGDP_TRANSPORT if forced, else IPC when every rank is on one
+    host, else NCCL."""
+    if cfg.transport in ("ipc", "nccl"):
+        return cfg.transport
+    return "ipc" if len(set(hosts)) == 1 else "nccl"
 
 
-def choose_algo(nbytes: int, world: int, algo: str | None = None) -> int:
-    """The algorithm for one all-reduce of `nbytes` over `world` ranks.
-
-    `algo` (else RINGDP_ALGO) = ring|oneshot|auto forces a choice (for benchmarks); a forced
-    one-shot still falls back to the ring for messages larger than the one-shot buffer.
-    """
-    forced = (algo if algo is not None else os.environ.get("RINGDP_ALGO", "auto")).strip().lower()
-    if forced not in ("auto", "ring", "oneshot"):
-        what = f"algo={forced!r}" if algo is not None else f"RINGDP_ALGO={forced!r}"
-        raise ValueError(f"{what}: expected ring, oneshot or auto")
-    if forced == "ring":
-        return ALGO_RING
-    if forced == "oneshot":
-        return ALGO_ONESHOT if nbytes <= oneshot_buffer_bytes() else ALGO_RING
-    return ALGO_ONESHOT if nbytes <= oneshot_max_bytes(world) else ALGO_RING
-
-
-def timeout_s(timeout=None) -> float:
-    """Seconds to wait for peers: argument (seconds or timedelta), else RINGDP_TIMEOUT_S."""
+def timeout_s(timeout, default: float) -> float:
+    """Seconds to wait for peers: `timeout` (seconds or a timedelta), else `default`."""
     if timeout is None:
-        v = os.environ.get("RINGDP_TIMEOUT_S")
-        timeout = float(v) if v else DEFAULT_TIMEOUT_S
-    elif hasattr(timeout, "total_seconds"):
+        return default
+    if hasattr(timeout, "total_seconds"):
         timeout = timeout.total_seconds()
     timeout = float(timeout)
     if not timeout > 0:
@@ -82,10 +88,10 @@ def timeout_s(timeout=None) -> float:
     return timeout
 
 
-def spin_ns(world: int) -> int:
-    """Busy-wait before sleeping: long when every rank has a core, short when oversubscribed."""
-    v = os.environ.get("RINGDP_SPIN_US")
-    if v:
-        return int(float(v) * 1000)
+def spin_ns(world: int, cfg) -> int:
+    """Busy-wait before sleeping: RINGDP_SPIN_US, else long when every rank has a core and
+    short when oversubscribed."""
+    if cfg.spin_us is not None:
+        return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 50_000 if world <= cores else 2_000
+    return SPIN_NS if world <= cores else SPIN_NS_OVERSUBSCRIBED

@@ -102,7 +102,7 @@ def _peer_killed(rank, world, count, when):
     import ringdp
 
     comm = ringdp.init(timeout=60)
-    names = [f"{comm._native.name}"]
+    names = [f"{comm.shm.name}"]
     t = ringdp.empty(count) if rank == 0 else torch.ones(count)
     t.fill_(1.0)
     ringdp.all_reduce(t)  # one good call first
@@ -162,20 +162,25 @@ def test_peer_that_never_arrives_times_out():
 
 
 def test_timeout_env(monkeypatch):
+    from datetime import timedelta
+
     from ringdp import policy
+    from ringdp.config import Config
 
     monkeypatch.setenv("RINGDP_TIMEOUT_S", "12")
-    assert policy.timeout_s() == 12.0
-    assert policy.timeout_s(3) == 3.0
+    default = Config.from_env().timeout_s
+    assert policy.timeout_s(None, default) == 12.0
+    assert policy.timeout_s(3, default) == 3.0
+    assert policy.timeout_s(timedelta(seconds=4), default) == 4.0
     with pytest.raises(ValueError):
-        policy.timeout_s(0)
+        policy.timeout_s(0, default)
 
 
 def _names_then(rank, world, how):
     import ringdp
 
     comm = ringdp.init()
-    name = comm._native.name.lstrip("/")
+    name = comm.shm.name.lstrip("/")
     t = ringdp.empty(1000)
     t.fill_(1)
     ringdp.all_reduce(t)

@@ -1,38 +1,71 @@
-"""The Python policy: which algorithm for which size and world, timeouts, env overrides."""
+"""The Python policy and the one configuration parser: which algorithm for which size and
+world, RINGDP_* overrides, strict errors for malformed values."""
 import pytest
 
 from ringdp import policy
+from ringdp.config import Config
 
 
-def test_threshold_depends_on_world(monkeypatch):
-    monkeypatch.delenv("RINGDP_ALGO", raising=False)
-    monkeypatch.delenv("RINGDP_ONESHOT_MAX_BYTES", raising=False)
-    assert policy.choose_algo(4096, 2) == policy.ALGO_RING  # measured: ring wins at world 2
-    assert policy.choose_algo(4096, 4) == policy.ALGO_ONESHOT
-    assert policy.choose_algo(policy.ONESHOT_MAX_BYTES, 4) == policy.ALGO_ONESHOT
-    assert policy.choose_algo(policy.ONESHOT_MAX_BYTES + 1, 4) == policy.ALGO_RING
+def shm_algo(nbytes, world, cfg):
+    """What a shared-memory communicator of `world` ranks decides (Communicator.algo_for)."""
+    cap = cfg.oneshot_bytes
+    return policy.choose_algo(nbytes, cfg.algo, policy.oneshot_threshold("shm", world, cfg, cap), cap)
 
 
-def test_env_overrides(monkeypatch):
-    monkeypatch.setenv("RINGDP_ONESHOT_MAX_BYTES", "100")
-    assert policy.choose_algo(100, 2) == policy.ALGO_ONESHOT
-    assert policy.choose_algo(101, 4) == policy.ALGO_RING
-    monkeypatch.setenv("RINGDP_ALGO", "ring")
-    assert policy.choose_algo(1, 4) == policy.ALGO_RING
-    monkeypatch.setenv("RINGDP_ALGO", "oneshot")
-    assert policy.choose_algo(policy.oneshot_buffer_bytes(), 2) == policy.ALGO_ONESHOT
-    assert policy.choose_algo(policy.oneshot_buffer_bytes() + 1, 2) == policy.ALGO_RING  # falls back
-    monkeypatch.setenv("RINGDP_ALGO", "fast")
+def test_threshold_depends_on_world():
+    cfg = Config.from_env({})
+    assert shm_algo(4096, 2, cfg) == policy.RING  # measured: ring wins at world 2
+    assert shm_algo(4096, 4, cfg) == policy.ONESHOT
+    assert shm_algo(policy.ONESHOT_MAX_BYTES, 4, cfg) == policy.ONESHOT
+    assert shm_algo(policy.ONESHOT_MAX_BYTES + 1, 4, cfg) == policy.RING
+
+
+def test_env_overrides():
+    cfg = Config.from_env({"RINGDP_ONESHOT_MAX_BYTES": "100"})
+    assert shm_algo(100, 2, cfg) == policy.ONESHOT
+    assert shm_algo(101, 4, cfg) == policy.RING
+    cfg = Config.from_env({"RINGDP_ONESHOT_MAX_BYTES": "100", "RINGDP_ALGO": "ring"})
+    assert shm_algo(1, 4, cfg) == policy.RING
+    cfg = Config.from_env({"RINGDP_ALGO": "oneshot"})
+    assert shm_algo(cfg.oneshot_bytes, 2, cfg) == policy.ONESHOT
+    assert shm_algo(cfg.oneshot_bytes + 1, 2, cfg) == policy.RING  # falls back
     with pytest.raises(ValueError, match="RINGDP_ALGO"):
-        policy.choose_algo(1, 2)
-    monkeypatch.setenv("RINGDP_ALGO", "auto")
-    monkeypatch.setenv("RINGDP_ONESHOT_MAX_BYTES", "lots")
+        Config.from_env({"RINGDP_ALGO": "fast"})
     with pytest.raises(ValueError, match="not an integer"):
-        policy.choose_algo(1, 4)
+        Config.from_env({"RINGDP_ALGO": "auto", "RINGDP_ONESHOT_MAX_BYTES": "lots"})
 
 
-def test_spin(monkeypatch):
-    monkeypatch.setenv("RINGDP_SPIN_US", "7")
-    assert policy.spin_ns(2) == 7000
-    monkeypatch.delenv("RINGDP_SPIN_US")
-    assert policy.spin_ns(10_000) == 2_000
+def test_cuda_threshold_is_the_transports_own():
+    cfg = Config.from_env({})
+    assert policy.oneshot_threshold("ipc", 4, cfg, 256 << 10) == 256 << 10  # the whole buffer
+    assert policy.oneshot_threshold("nccl", 2, cfg, 0) == 0  # no one-shot on NCCL
+    cfg = Config.from_env({"RINGDP_CUDA_ONESHOT_MAX_BYTES": "4096"})
+    assert policy.oneshot_threshold("ipc", 2, cfg, 256 << 10) == 4096
+    assert policy.choose_algo(8192, "oneshot", 4096, 0) == policy.RING  # no capacity: ring
+
+
+def test_spin():
+    assert policy.spin_ns(2, Config.from_env({"RINGDP_SPIN_US": "7"})) == 7000
+    assert policy.spin_ns(10_000, Config.from_env({})) == policy.SPIN_NS_OVERSUBSCRIBED
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"RINGDP_TIMEOUT_S": "0"}, "RINGDP_TIMEOUT_S='0' must be positive"),
+    ({"RINGDP_TIMEOUT_S": "soon"}, "is not a number"),
+    ({"RINGDP_DDP_OVERLAP": "maybe"}, "RINGDP_DDP_OVERLAP='maybe': expected 1/0"),
+    ({"RINGDP_TRANSPORT": "tcp"}, "expected one of auto, ipc, nccl"),
+    ({"RINGDP_FIFO_SLOTS": "-2"}, "must be >= 0"),
+    ({"RINGDP_DDP_IN_GRAD_MIN_BYTES": "-5"}, "-1 for never"),
+])
+def test_strict_parser(env, match):
+    with pytest.raises(ValueError, match=match):
+        Config.from_env(env)
+
+
+def test_parser_values_and_unknown_names():
+    cfg = Config.from_env({"RINGDP_TIMEOUT_S": "2.5", "RINGDP_DDP_OVERLAP": "off", "RINGDP_ALGO": "Ring",
+                           "RINGDP_CUDA_REGISTERED": "0", "RINGDP_DDP_IN_GRAD_MIN_BYTES": "-1", "RINGDP_TRACE": ""})
+    assert (cfg.timeout_s, cfg.ddp_overlap, cfg.algo, cfg.cuda_registered) == (2.5, False, "ring", False)
+    assert cfg.ddp_in_grad_min_bytes == -1 and cfg.trace is None  # empty means unset
+    with pytest.warns(UserWarning, match="RINGDP_TIMEOUTS"):
+        Config.from_env({"RINGDP_TIMEOUTS": "5"})  # a typo is reported, not silently ignored

@@ -1,0 +1,58 @@
+"""Rendezvous: what the ranks of one communicator tell each other while they set up, through
+torch.distributed's store (never a network connection of ringdp's own).
+
+Every transport has the same lifecycle: create this rank's endpoint, publish its
+``local_blob()``, ``connect()`` with everyone's blobs, and (where peers map each other's
+memory) a barrier before anything is released. ``exchange`` and ``barrier`` are those two
+steps; a rank that never arrives is a RingError naming the missing ranks, after the
+communicator's timeout.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ._native import RingError
+
+
+class Rendezvous:
+    """Keys under a prefix unique to one communicator (group and generation), so that a
+    re-created communicator of the same group never reads an old one's keys."""
+
+    def __init__(self, prefix: str, rank: int, world: int, timeout_s: float, store=None):
+        base = store if store is not None else dist.distributed_c10d._get_default_store()
+        self.store = dist.PrefixStore(prefix, base)
+        self.rank = rank
+        self.world = world
+        self.timeout_s = timeout_s
+
+    def _wait(self, what: str, keys: list[str]) -> None:
+        try:
+            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+            missing = [k for k in keys if not self.store.check([k])]
+            raise RingError(
+                f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "
+                f"{', '.join(missing) or 'peers'} ({e.__class__.__name__}); did every rank of the "
+                f"group call ringdp with the same group?"
+            ) from None
+
+    def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
+        """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""
+        self.store.set(f"{key}/{self.rank}", value)
+        keys = [f"{key}/{r}" for r in range(self.world)]
+        self._wait(what or key, keys)
+        return [self.store.get(k) for k in keys]
+
+    def publish(self, key: str, value: bytes | str) -> None:
+        """Set a key every rank reads (e.g. rank 0's job id)."""
+        self.store.set(key, value)
+
+    def read(self, key: str, what: str | None = None) -> bytes:
+        self._wait(what or key, [key])
+        return self.store.get(key)
+
+    def barrier(self, key: str, what: str | None = None) -> None:
+        """Return once every rank reached the barrier `key`."""
+        self.exchange(key, b"1", what)
