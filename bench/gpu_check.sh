@@ -230,9 +230,11 @@ smoke)
   cuda_test 45 "test_ipc_mismatch_raises[ring]"
   cuda_test 45 "test_ipc_mismatch_raises[oneshot]"
   cuda_test 45 "test_stream_ordering[ipc]"
+  cuda_test 45 "test_cuda_work_semantics[ipc]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
   cuda_test 90 "test_nccl_world2[default]"
   cuda_test 45 "test_stream_ordering[nccl]"
+  cuda_test 45 "test_cuda_work_semantics[nccl]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[nccl]"
   ;;
 # ------------------------------------------------------------------ mps

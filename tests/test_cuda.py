@@ -249,6 +249,54 @@ def test_stream_ordering(transport):
         assert got[3] == (want, want), f"rank {r} side stream: {got[3]} != {want}"
 
 
+def _work_semantics(rank, world, transport):
+    """CUDA Work as torch's NCCL work: wait() returns once the collective is enqueued and
+    makes the current stream wait (no host synchronisation), is_completed() asks the GPU,
+    get_future() is CUDA-aware."""
+    import ringdp
+
+    _nccl_env(rank)
+    _setup(rank)
+    n = 1 << 20
+    t = torch.empty(n, device="cuda")
+    ringdp.all_reduce(t)  # sets the CUDA endpoint up
+    torch.cuda.synchronize()
+    want = float(sum(q + 1 for q in range(world)))
+    out = {}
+    t.fill_(float(rank + 1))
+    torch.cuda._sleep(500_000_000)  # the GPU is busy on the current stream before the call
+    w = ringdp.all_reduce(t, async_op=True)
+    w.wait()
+    out["pending_after_wait"] = not w.is_completed()  # the host did not wait for the GPU
+    r = t.clone()  # ordered after the collective by wait()
+    torch.cuda.synchronize()
+    out["completed_later"] = w.is_completed()
+    out["wait_result"] = (r.min().item(), r.max().item())
+    t.fill_(float(rank + 1))
+    torch.cuda._sleep(100_000_000)
+    fut = ringdp.all_reduce(t, async_op=True).get_future()
+    v = fut.wait()[0].clone()  # the future orders the current stream after ringdp's
+    torch.cuda.synchronize()
+    out["future_result"] = (v.min().item(), v.max().item())
+    out["want"] = want
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+def test_cuda_work_semantics(transport):
+    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
+    if transport == "nccl":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    for r, out in enumerate(values(run_ranks(_work_semantics, 2, transport, env=env, timeout=300))):
+        want = (out["want"], out["want"])
+        assert out["pending_after_wait"], f"rank {r}: Work.wait() synchronised the host with the GPU"
+        assert out["completed_later"], f"rank {r}: is_completed() stayed False after the GPU finished"
+        assert out["wait_result"] == want, f"rank {r}: after wait(): {out['wait_result']} != {want}"
+        assert out["future_result"] == want, f"rank {r}: get_future(): {out['future_result']} != {want}"
+
+
 def _stream_order_entry(rank, world, transport):
     _nccl_env(rank)
     return _stream_order(rank, world)
