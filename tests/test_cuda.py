@@ -392,7 +392,7 @@ def _ddp_entry(rank, world, steps):
 
 # ============================================================== the torch-free C++ API
 def _native_api(rank, world):
-    """Drive the binding directly (docs/cuda_integration.md): blobs through the store."""
+    """Drive the binding directly (docs/cuda.md, csrc/cuda/cuda_api.h): blobs through the store."""
     import torch.distributed as dist
 
     from ringdp import _C
@@ -424,7 +424,7 @@ def test_native_api_ipc():
     from ringdp import _C
 
     if not hasattr(_C, "cuda_create"):
-        _skip("ringdp._C has no cuda_create binding (see docs/cuda_integration.md)")
+        _skip("ringdp._C has no cuda_create binding (see docs/cuda.md)")
     for r, ok in enumerate(values(run_ranks(_native_api, 2, timeout=300))):
         assert all(ok), f"rank {r}: {ok}"
 
