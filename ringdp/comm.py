@@ -37,6 +37,14 @@ from .rendezvous import Rendezvous
 __all__ = ["Communicator", "RingError", "Work", "build_info", "destroy", "get_communicator", "init"]
 
 
+def _join_stream(cuda) -> None:
+    """A CUDA collective, enqueued: raise what the device reported so far, and make the
+    current stream wait for the collective's end (its event on ringdp's stream)."""
+    endpoint, done = cuda
+    endpoint.native.check()
+    torch.cuda.current_stream(endpoint.device).wait_event(done)
+
+
 class Work:
     """Handle of an async collective, like torch.distributed's Work.
 
@@ -55,9 +63,7 @@ class Work:
         """Wait for the collective (module doc); re-raises its error (a RingError)."""
         self._future.result(timeout=timeout)
         if self._cuda is not None:
-            endpoint, done = self._cuda
-            endpoint.native.check()
-            torch.cuda.current_stream(endpoint.device).wait_event(done)
+            _join_stream(self._cuda)
         return True
 
     def is_completed(self) -> bool:
@@ -78,27 +84,33 @@ class Work:
         future: its wait() makes the waiter's stream wait for ringdp's stream."""
         with self._lock:
             if self._torch_future is None:
-                devices = [self._cuda[0].device] if self._cuda is not None else None
-                tf: torch.futures.Future = torch.futures.Future(devices=devices)
+                outputs, cuda = self._outputs, self._cuda
+                tf: torch.futures.Future = torch.futures.Future(devices=[cuda[0].device] if cuda else None)
                 self._torch_future = tf
-                self._future.add_done_callback(lambda f: self._complete(tf, f))
+                # the callback holds the outputs, not this Work: no reference cycle keeps the
+                # tensors (a whole step's gradients) alive after the future is dropped
+                self._future.add_done_callback(lambda f: _complete(tf, f, outputs, cuda))
             return self._torch_future
 
-    def _complete(self, tf: torch.futures.Future, f: Future) -> None:
-        exc = f.exception()
-        if exc is None and self._cuda is not None:
-            try:
-                self._cuda[0].native.check()
-            except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-                exc = e
-        if exc is not None:
-            tf.set_exception(exc)
-        elif self._cuda is not None:
-            endpoint, _ = self._cuda
-            with torch.cuda.stream(endpoint.stream):  # the future's event: on ringdp's stream
-                tf.set_result(list(self._outputs))
-        else:
-            tf.set_result(list(self._outputs))
+
+def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
+    """Complete Work.get_future()'s future from the collective's concurrent future."""
+    exc = f.exception()
+    if exc is None and cuda is not None:
+        try:
+            cuda[0].native.check()
+        except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+            exc = e
+    if exc is not None:
+        tf.set_exception(exc)
+    elif cuda is not None:
+        with torch.cuda.stream(cuda[0].stream):  # the future's event: on ringdp's stream
+            tf.set_result(list(outputs))
+    else:
+        tf.set_result(list(outputs))
+
+
+_SUPPORTED_DTYPES = frozenset(_C.supported_dtypes())
 
 
 def _group_key(group) -> str:
@@ -212,6 +224,7 @@ class Communicator:
                     fut.set_exception(e)
                 else:
                     fut.set_result(None)
+            del item, fn, fut  # hold no tensor of a finished collective while idle
             with self._pending_lock:
                 self._pending -= 1
 
@@ -225,10 +238,11 @@ class Communicator:
             if not inline:
                 self._pending += 1
         if inline:
-            fut: Future = Future()
             with self._lock:
                 fn()
-            fut.set_result(None)
+            if cuda is not None:
+                _join_stream(cuda)
+            return None
         else:
             if self._worker is None:
                 self._start_worker()
@@ -305,9 +319,8 @@ class Communicator:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
         code = _types.op_code(op)
-        supported = _C.supported_dtypes()
-        if tensor.dtype not in supported:
-            names = ", ".join(str(d).replace("torch.", "") for d in supported)
+        if tensor.dtype not in _SUPPORTED_DTYPES:
+            names = ", ".join(str(d).replace("torch.", "") for d in _C.supported_dtypes())
             raise TypeError(f"ringdp.all_reduce does not support dtype {tensor.dtype}; supported: {names}")
         if tensor.layout != torch.strided:
             raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
