@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include "common/endpoint.h"
 #include "common/error.h"
 #include "common/types.h"
 #include "kernels/cpu/reduce.h"
@@ -77,7 +78,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("arena_bytes", &ShmConfig::arena_bytes)
       .def_readwrite("spin_ns", &ShmConfig::spin_ns);
 
-  py::class_<ShmComm, std::shared_ptr<ShmComm>>(m, "ShmComm")
+  // The lifecycle every transport endpoint shares (common/endpoint.h), bound once.
+  py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
+      .def("local_blob", [](Endpoint& e) { return py::bytes(e.local_blob()); })
+      .def("connect", [](Endpoint& e, const std::vector<py::bytes>& blobs) {
+        std::vector<std::string> v(blobs.begin(), blobs.end());
+        py::gil_scoped_release nogil;
+        e.connect(v);
+      });
+
+  py::class_<ShmComm, Endpoint, std::shared_ptr<ShmComm>>(m, "ShmComm")
       .def(py::init<const ShmConfig&>())
       .def_property_readonly("name", &ShmComm::name)
       .def_property_readonly("rank", &ShmComm::rank)
@@ -86,14 +96,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("aborted", &ShmComm::is_aborted)
       .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
       .def_property_readonly("oneshot_bytes", &ShmComm::oneshot_bytes)
-      .def("local_blob", [](ShmComm& c) { return py::bytes(c.local_blob()); })
-      .def("connect",
-           [](ShmComm& c, const std::vector<py::bytes>& blobs) {
-             std::vector<std::string> v;
-             for (const auto& b : blobs) v.emplace_back(b);
-             py::gil_scoped_release nogil;
-             c.connect(v);
-           })
       .def("unlink_own", &ShmComm::unlink_own)
       .def("unlink_all", &ShmComm::unlink_all)
       .def("abort", &ShmComm::abort)
@@ -151,15 +153,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("registered", &Options::registered)
         .def_readwrite("nccl_library", &Options::nccl_library);
 
-    py::class_<Comm, std::shared_ptr<Comm>>(m, "CudaComm")
-        .def("local_blob", [](Comm& c) { return py::bytes(c.local_blob()); })
-        .def("connect",
-             [](Comm& c, const std::vector<py::bytes>& blobs) {
-               std::vector<std::string> v;
-               for (const auto& b : blobs) v.emplace_back(b);
-               py::gil_scoped_release nogil;
-               c.connect(v);
-             })
+    py::class_<Comm, Endpoint, std::shared_ptr<Comm>>(m, "CudaComm")
         // raw form (tests, benchmarks): pointer, count, dtype code, op code, cudaStream_t
         .def("all_reduce",
              [](Comm& c, uintptr_t ptr, size_t count, int dtype, int op, uintptr_t stream, int algo,

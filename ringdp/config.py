@@ -72,45 +72,26 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------- parsers
-def _int(name: str, raw: str) -> int:
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
+def _number(kind: type, minimum: float, strict: bool = False, what: str | None = None):
+    """A parser of `kind` (int or float) values >= minimum (> minimum when strict)."""
+    def parse(name: str, raw: str):
+        try:
+            v = kind(raw)
+        except ValueError:
+            noun = "an integer" if kind is int else "a number"
+            raise ValueError(f"{name}={raw!r}: not {noun}") from None
+        if v < minimum or (strict and v == minimum):
+            bound = what or ("must be positive" if strict and minimum == 0 else f"must be >= {minimum:g}")
+            raise ValueError(f"{name}={raw!r}: {bound}")
+        return v
+
+    return parse
 
 
-def _nonneg_int(name: str, raw: str) -> int:
-    v = _int(name, raw)
-    if v < 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0")
-    return v
-
-
-def _int_or_never(name: str, raw: str) -> int:
-    v = _int(name, raw)
-    if v < -1:
-        raise ValueError(f"{name}={raw!r}: expected a byte count, or -1 for never")
-    return v
-
-
-def _positive_float(name: str, raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not v > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return v
-
-
-def _nonneg_float(name: str, raw: str) -> float:
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if v < 0:
-        raise ValueError(f"{name}={raw!r} must be >= 0")
-    return v
+_nonneg_int = _number(int, 0)
+_int_or_never = _number(int, -1, what="expected a byte count, or -1 for never")
+_positive_float = _number(float, 0, strict=True)
+_nonneg_float = _number(float, 0)
 
 
 def _bool(name: str, raw: str) -> bool:

@@ -50,8 +50,8 @@ def test_spin():
 
 
 @pytest.mark.parametrize("env,match", [
-    ({"RINGDP_TIMEOUT_S": "0"}, "RINGDP_TIMEOUT_S='0' must be positive"),
-    ({"RINGDP_TIMEOUT_S": "soon"}, "is not a number"),
+    ({"RINGDP_TIMEOUT_S": "0"}, "RINGDP_TIMEOUT_S='0': must be positive"),
+    ({"RINGDP_TIMEOUT_S": "soon"}, "not a number"),
     ({"RINGDP_DDP_OVERLAP": "maybe"}, "RINGDP_DDP_OVERLAP='maybe': expected 1/0"),
     ({"RINGDP_TRANSPORT": "tcp"}, "expected one of auto, ipc, nccl"),
     ({"RINGDP_FIFO_SLOTS": "-2"}, "must be >= 0"),

@@ -47,10 +47,11 @@ struct alignas(kCacheLine) CallHeader {
 static_assert(sizeof(CallHeader) == 2 * kCacheLine + kMsgBytes, "header layout changed");
 static_assert(offsetof(CallHeader, seq) == 0, "the published word leads the header");
 
-struct Control {
-  // Identity, written once at creation.
-  uint64_t magic;
-  uint32_t version;
+// Who a segment belongs to and how it is laid out: the head of the Control block, and what
+// a rank publishes for its peers (Blob). Peers compare it field by field before use.
+struct Identity {
+  uint64_t magic;    // kMagic, written last into the Control block (with release)
+  uint32_t version;  // kLayoutVersion
   int32_t rank;
   int32_t world;
   int32_t pid;
@@ -59,6 +60,11 @@ struct Control {
   uint64_t slot_bytes;
   uint64_t oneshot_bytes;
   uint64_t arena_bytes;
+};
+static_assert(sizeof(Identity) == kCacheLine, "the identity fills the Control block's first line");
+
+struct Control {
+  Identity id;  // written once at creation
   char host[64];
   char pad0[kCacheLine - 16];
   Flag posted;     // slices I have made available to my successor (total, wraps)
@@ -78,16 +84,7 @@ constexpr size_t kControlBytes = 4096;
 // What a rank publishes for its peers (ShmComm::local_blob): its identity and shared-memory
 // configuration, followed by the `name_len` bytes of its segment's name (no terminator).
 struct Blob {
-  uint64_t magic;  // kMagic
-  uint32_t version;  // kLayoutVersion
-  int32_t rank;
-  int32_t world;
-  int32_t pid;
-  uint64_t segment_bytes;
-  uint64_t fifo_slots;
-  uint64_t slot_bytes;
-  uint64_t oneshot_bytes;
-  uint64_t arena_bytes;
+  Identity id;
   uint32_t name_len;
   uint32_t pad;
 };

@@ -64,46 +64,51 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
   pid_usable_.assign(static_cast<size_t>(cfg_.world), false);
   shm::Segment own = shm::Segment::create(cfg_.name, geo_.total_bytes(), geo_.fixed_bytes());
   Control* c = new (own.base()) Control();
-  c->version = shm::kLayoutVersion;
-  c->rank = cfg_.rank;
-  c->world = cfg_.world;
-  c->pid = static_cast<int32_t>(::getpid());
-  c->segment_bytes = geo_.total_bytes();
-  c->fifo_slots = geo_.fifo_slots;
-  c->slot_bytes = geo_.slot_bytes;
-  c->oneshot_bytes = geo_.oneshot_bytes;
-  c->arena_bytes = geo_.arena_bytes;
+  c->id = identity();
+  c->id.magic = 0;
   copy_msg(c->host, cfg_.host.substr(0, sizeof(c->host) - 1));
   std::atomic_thread_fence(std::memory_order_release);
-  c->magic = shm::kMagic;  // last: a peer that sees the magic sees the rest
+  c->id.magic = shm::kMagic;  // last: a peer that sees the magic sees the rest
   segs_[static_cast<size_t>(cfg_.rank)] = std::move(own);
   free_[0] = geo_.arena_bytes;
 }
 
 ShmComm::~ShmComm() = default;  // Segments unmap (and unlink, if still linked) themselves.
 
+shm::Identity ShmComm::identity() const {
+  shm::Identity id;
+  std::memset(&id, 0, sizeof(id));
+  id.magic = shm::kMagic;
+  id.version = shm::kLayoutVersion;
+  id.rank = cfg_.rank;
+  id.world = cfg_.world;
+  id.pid = static_cast<int32_t>(::getpid());
+  id.segment_bytes = geo_.total_bytes();
+  id.fifo_slots = geo_.fifo_slots;
+  id.slot_bytes = geo_.slot_bytes;
+  id.oneshot_bytes = geo_.oneshot_bytes;
+  id.arena_bytes = geo_.arena_bytes;
+  return id;
+}
+
 std::string ShmComm::local_blob() {
-  const Control& c = ctrl(cfg_.rank);
   shm::Blob b;
   std::memset(&b, 0, sizeof(b));
-  b.magic = shm::kMagic;
-  b.version = shm::kLayoutVersion;
-  b.rank = cfg_.rank;
-  b.world = cfg_.world;
-  b.pid = c.pid;
-  b.segment_bytes = c.segment_bytes;
-  b.fifo_slots = c.fifo_slots;
-  b.slot_bytes = c.slot_bytes;
-  b.oneshot_bytes = c.oneshot_bytes;
-  b.arena_bytes = c.arena_bytes;
+  b.id = identity();
   b.name_len = static_cast<uint32_t>(cfg_.name.size());
   return std::string(reinterpret_cast<const char*>(&b), sizeof(b)) + cfg_.name;
 }
 
-void ShmComm::check_config(int r, uint64_t fifo_slots, uint64_t slot_bytes, uint64_t oneshot_bytes,
-                           uint64_t arena_bytes, bool same_size) const {
-  if (!same_size || fifo_slots != geo_.fifo_slots || slot_bytes != geo_.slot_bytes ||
-      oneshot_bytes != geo_.oneshot_bytes || arena_bytes != geo_.arena_bytes)
+void ShmComm::check_identity(int r, const shm::Identity& id, bool readable, uint64_t actual_bytes,
+                             const std::string& what) const {
+  if (!readable || id.magic != shm::kMagic || id.version != shm::kLayoutVersion)
+    throw RingError(cat("rank ", cfg_.rank, ": ", what, " of rank ", r,
+                        " is not from a ringdp of this version (different ringdp builds?)"));
+  if (id.rank != r || id.world != cfg_.world)
+    throw RingError(cat("rank ", cfg_.rank, ": ", what, " of rank ", r, " says rank ", id.rank, " of world ",
+                        id.world, ", expected rank ", r, " of world ", cfg_.world));
+  if (id.segment_bytes != actual_bytes || id.fifo_slots != geo_.fifo_slots || id.slot_bytes != geo_.slot_bytes ||
+      id.oneshot_bytes != geo_.oneshot_bytes || id.arena_bytes != geo_.arena_bytes)
     throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
                         " uses a different shared-memory configuration (slots/slot bytes/"
                         "one-shot bytes/arena differ): set the same RINGDP_* variables on every rank"));
@@ -118,29 +123,17 @@ void ShmComm::connect(const std::vector<std::string>& blobs) {
     // The record first: identity and configuration, before anything is opened.
     const std::string& blob = blobs[static_cast<size_t>(r)];
     shm::Blob b;
+    std::memset(&b, 0, sizeof(b));
     if (blob.size() >= sizeof(b)) std::memcpy(&b, blob.data(), sizeof(b));
-    if (blob.size() < sizeof(b) || b.magic != shm::kMagic || b.version != shm::kLayoutVersion ||
-        blob.size() != sizeof(b) + b.name_len)
-      throw RingError(cat("rank ", cfg_.rank, ": the shared-memory record of rank ", r,
-                          " is not from a ringdp of this version (different ringdp builds?)"));
-    if (b.rank != r || b.world != cfg_.world)
-      throw RingError(cat("rank ", cfg_.rank, ": the record of rank ", r, " says rank ", b.rank, " of world ",
-                          b.world, ", expected rank ", r, " of world ", cfg_.world));
-    check_config(r, b.fifo_slots, b.slot_bytes, b.oneshot_bytes, b.arena_bytes,
-                 b.segment_bytes == geo_.total_bytes());
+    check_identity(r, b.id, blob.size() >= sizeof(b) && blob.size() == sizeof(b) + b.name_len,
+                   geo_.total_bytes(), "the shared-memory record");
     // Then the segment it names, which must say the same.
     shm::Segment s = shm::Segment::open(blob.substr(sizeof(b)), geo_.fixed_bytes());
     const Control* c = reinterpret_cast<const Control*>(s.base());
-    if (s.size() < shm::kControlBytes || c->magic != shm::kMagic || c->version != shm::kLayoutVersion)
-      throw RingError(cat("rank ", cfg_.rank, ": segment ", s.name(), " of rank ", r,
-                          " is not a ringdp segment of this version (different ringdp builds?)"));
-    if (c->rank != r || c->world != cfg_.world)
-      throw RingError(cat("rank ", cfg_.rank, ": segment of rank ", r, " says rank ", c->rank,
-                          " of world ", c->world, ", expected world ", cfg_.world));
-    check_config(r, c->fifo_slots, c->slot_bytes, c->oneshot_bytes, c->arena_bytes, c->segment_bytes == s.size());
+    check_identity(r, c->id, s.size() >= shm::kControlBytes, s.size(), cat("segment ", s.name()));
     // Use the peer's pid for liveness checks only if it is visible from this process
     // (same pid namespace).
-    pid_usable_[static_cast<size_t>(r)] = (::kill(c->pid, 0) == 0 || errno == EPERM);
+    pid_usable_[static_cast<size_t>(r)] = (::kill(c->id.pid, 0) == 0 || errno == EPERM);
     segs_[static_cast<size_t>(r)] = std::move(s);
   }
   shm::Neighbours nb;
@@ -174,8 +167,8 @@ void ShmComm::check_health(int waiting_on, const char* what) {
     if (c.aborted.v.load(std::memory_order_acquire) != 0)
       fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " failed because rank ", r,
                " aborted: ", read_msg(c.abort_msg)));
-    if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.pid))
-      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.pid, ") died during all_reduce #", call_));
+    if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.id.pid))
+      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during all_reduce #", call_));
   }
   if (Clock::now() >= deadline_)
     fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " timed out after ", timeout_s_,

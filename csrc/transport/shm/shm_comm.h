@@ -97,8 +97,12 @@ class ShmComm final : public Endpoint {
   void check_health(int waiting_on, const char* what);
   void require_connected() const;
   // Throws unless rank r's configuration (from its record or its segment) equals mine.
-  void check_config(int r, uint64_t fifo_slots, uint64_t slot_bytes, uint64_t oneshot_bytes,
-                    uint64_t arena_bytes, bool same_size) const;
+  // This rank's identity (what its segment's Control block and its blob say).
+  shm::Identity identity() const;
+  // Throw RingError unless `id` (of a peer's record or segment, `what`) is a ringdp of this
+  // version, rank r of this world, with this configuration and `actual_bytes` of segment.
+  void check_identity(int r, const shm::Identity& id, bool readable, uint64_t actual_bytes,
+                      const std::string& what) const;
   void exchange_headers(uint32_t s);
   void fail(const std::string& why);  // abort() and throw
   std::string describe_header(int r, int parity) const;
