@@ -12,7 +12,9 @@ __version__ = "0.1.0"
 import torch
 import torch.distributed as dist
 
+from . import comm_hooks
 from .comm import Communicator, RingError, Work, build_info, destroy, get_communicator, init
+from .ddp import RingDDP
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None):
@@ -53,9 +55,6 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
     return get_communicator(group).is_registered(tensor)
 
 
-# Last: these modules use the functions above through `import ringdp`.
-from . import comm_hooks  # noqa: E402
-from .ddp import RingDDP  # noqa: E402
 
 __all__ = [
     "RingDDP", "comm_hooks",

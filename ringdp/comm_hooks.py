@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-import ringdp
+from .comm import get_communicator
 
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "compress_hook"]
 
@@ -42,7 +42,7 @@ def _scratch(bucket, dtype: torch.dtype, group) -> torch.Tensor:
         return bucket.workspace(dtype)
     buf = bucket.buffer()
     try:
-        return ringdp.empty(buf.numel(), dtype=dtype, device=buf.device, group=group)
+        return get_communicator(group).empty((buf.numel(),), dtype, buf.device)
     except ValueError:  # a device ringdp has no registered memory for
         return torch.empty(buf.numel(), dtype=dtype, device=buf.device)
 
@@ -52,7 +52,7 @@ def allreduce_hook(state, bucket) -> torch.futures.Future:
     group = _group(state)
     buf = bucket.buffer()
     buf.div_(_world(group))
-    return ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+    return get_communicator(group).all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
 
 def compress_hook(dtype: torch.dtype):
@@ -64,11 +64,11 @@ def compress_hook(dtype: torch.dtype):
         world = _world(group)
         if buf.dtype == dtype:  # nothing to compress: reduce in place
             buf.div_(world)
-            return ringdp.all_reduce(buf, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+            return get_communicator(group).all_reduce(buf, op=dist.ReduceOp.SUM, async_op=True).get_future()
         comp = _scratch(bucket, dtype, group)
         # divide in the original precision, then round once into the compressed copy
         torch.div(buf, world, out=comp)
-        fut = ringdp.all_reduce(comp, op=dist.ReduceOp.SUM, group=group, async_op=True).get_future()
+        fut = get_communicator(group).all_reduce(comp, op=dist.ReduceOp.SUM, async_op=True).get_future()
 
         def decompress(f: torch.futures.Future) -> torch.Tensor:
             f.wait()  # re-raises the reduction's error

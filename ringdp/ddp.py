@@ -22,8 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
 
-import ringdp
-
+from .comm import RingError, get_communicator, init
 from .config import Config
 from .reducer import GradBucket, Observer, Reducer, assign_buckets, now_us
 
@@ -103,7 +102,7 @@ class RingDDP(nn.Module, Joinable):
 
         # start-up: ringdp communicator (collective), same model everywhere, rank 0's state
         if self.world_size > 1:
-            ringdp.init(process_group)
+            init(process_group)
         self._verify_same_model()
         self._broadcast_state(src=0)
 
@@ -178,7 +177,7 @@ class RingDDP(nn.Module, Joinable):
                 a = ref[i] if i < len(ref) else None
                 b = other[i] if i < len(other) else None
                 if a != b:
-                    raise ringdp.RingError(
+                    raise RingError(
                         f"RingDDP: the model on rank {r} differs from rank 0's at entry #{i}: "
                         f"rank 0 has {_describe(a)}, rank {r} has {_describe(b)}. Every rank must "
                         f"build the same model (same parameters and buffers, same shapes and dtypes, "
@@ -311,7 +310,7 @@ class _RingJoinHook(JoinHook):
             c[0] = int(torch.is_grad_enabled() and ddp.require_backward_grad_sync)
             c[1 + ddp.rank] = 1
         if world > 1:
-            ringdp.all_reduce(c, group=ddp.process_group)
+            get_communicator(ddp.process_group).all_reduce(c)
         vals = c.tolist()
         alive = [r for r in range(world) if vals[1 + r] > 0]
         divisor = world if self.divide_by_initial_world_size else max(1, len(alive))

@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-import ringdp
+from .comm import get_communicator
 
 __all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "assign_buckets", "now_us"]
 
@@ -359,7 +359,7 @@ class Reducer:
         communication or the device has no registered memory)."""
         if self.world > 1:
             try:
-                return ringdp.empty(numel, dtype=dtype, device=device, group=self.group)
+                return get_communicator(self.group).empty((numel,), dtype, device)
             except ValueError as e:
                 if not self._warned_alloc:
                     warnings.warn(f"RingDDP: no registered memory ({e}); buckets use ordinary memory", stacklevel=3)
@@ -552,7 +552,7 @@ class Reducer:
         b.future.add_done_callback(lambda _f: observer.on_done(step, b, now_us()))
 
     def _all_reduce(self, t: torch.Tensor, op) -> torch.futures.Future:
-        return ringdp.all_reduce(t, op=op, group=self.group, async_op=True).get_future()
+        return get_communicator(self.group).all_reduce(t, op=op, async_op=True).get_future()
 
     def _wait(self, b: Bucket) -> None:
         fut, b.future = b.future, None
