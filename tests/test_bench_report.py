@@ -217,6 +217,15 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
     assert {f for f in committed if f"`{f}`" not in rows} == set()
     for first, cmd in cmds.items():
         argv = shlex.split(cmd)
+        if "bench/compare.py" in argv:  # before/after globs over bench/out, the table in bench/results
+            import fnmatch
+
+            stored = json.loads((RESULTS / first).read_text())
+            assert argv[-2:] == ["--json", f"bench/results/{first}"], cmd
+            for side in ("before", "after"):
+                pattern = argv[argv.index(f"--{side}") + 1]
+                assert stored[side] and all(fnmatch.fnmatch(f, pattern) for f in stored[side]), (first, side)
+            continue
         assert argv[-2:] == ["--out-dir", "bench/results"], cmd
         script = next(a for a in argv if a.startswith("bench/"))
         rest = argv[argv.index(script) + 1:]
@@ -233,3 +242,35 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
         for k in set(stored) | set(parsed):
             if k != "out_dir":
                 assert parsed.get(k) == stored.get(k), (first, k, parsed.get(k), stored.get(k))
+
+
+def test_compare_takes_each_sides_best_run(tmp_path):
+    """bench/compare.py: per row the smallest time of each side, after/before, and the
+    speedup over the baseline of the same run; rows on one side only are left out."""
+    import json
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import compare
+
+    def write(name, rows):
+        p = tmp_path / name
+        p.write_text(json.dumps({"machine": {"cpu_cores": 2}, "rows": rows}))
+        return p
+
+    def row(size, series, t, sp):
+        return {"size": size, "series": series, "time_us": t, "speedup": sp}
+
+    before = [write("b1.json", [row(4096, "ringdp", 10.0, 100.0), row(8192, "ringdp", 30.0, 50.0)]),
+              write("b2.json", [row(4096, "ringdp", 12.0, 90.0)])]
+    after = [write("a1.json", [row(4096, "ringdp", 11.0, 95.0), row(1 << 20, "ringdp", 5.0, 9.0)]),
+             write("a2.json", [row(4096, "ringdp", 15.0, 70.0)])]
+    c = compare.compare(before, after)
+    assert c["benchmark"] == "allreduce" and len(c["rows"]) == 1
+    r = c["rows"][0]
+    assert r["key"] == [4096, "ringdp"] and r["before_us"] == 10.0 and r["after_us"] == 11.0
+    assert r["after_over_before"] == pytest.approx(1.1)
+    assert (r["speedup_before"], r["speedup_after"]) == (100.0, 95.0)
+    assert "| 4096, ringdp | 10.0 | 11.0 | 1.10 | 100.0x -> 95.0x |" in compare.format_table(c)
+    ddp = write("d.json", [{"hidden": 8, "mode": "ring", "step_ms": 3.0}])
+    with pytest.raises(SystemExit, match="same benchmark"):
+        compare.compare(before, [ddp])
