@@ -18,8 +18,6 @@ for the result at once (async_op=False) or in Work.wait(); the host never waits 
 from __future__ import annotations
 
 import atexit
-import json
-import os
 import queue
 import socket
 import threading
@@ -165,9 +163,7 @@ class Communicator:
     # ---- set-up -------------------------------------------------------------------------
     def _topology(self) -> list[str]:
         """Every rank's host, by rank."""
-        records = self.rendezvous.exchange("host", json.dumps({"host": self.host, "pid": os.getpid()}),
-                                           "the host records")
-        return [json.loads(r)["host"] for r in records]
+        return [h.decode() for h in self.rendezvous.exchange("host", self.host, "the host records")]
 
     def _connect_shm(self):
         """This rank's segment, connected to every peer's (module doc, step 3)."""
@@ -243,11 +239,10 @@ class Communicator:
             if cuda is not None:
                 _join_stream(cuda)
             return None
-        else:
-            if self._worker is None:
-                self._start_worker()
-            fut = Future()
-            self._queue.put((fn, fut))
+        if self._worker is None:
+            self._start_worker()
+        fut = Future()
+        self._queue.put((fn, fut))
         work = Work(fut, list(outputs), cuda)
         if async_op:
             return work

@@ -62,7 +62,6 @@ from .comm import get_communicator
 
 __all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "assign_buckets", "now_us"]
 
-_MiB = 1 << 20
 ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
 
 

@@ -65,7 +65,7 @@ class ShmComm final : public Endpoint {
   // Registered memory: an arena at the end of the segment that every peer has mapped.
   size_t arena_alloc(size_t bytes);  // returns an offset into the arena
   void arena_free(size_t offset);
-  char* arena_base() const { return arena_base_(cfg_.rank); }
+  char* arena_base() const { return segs_[cfg_.rank].base() + geo_.arena_offset(); }
   size_t arena_bytes() const { return geo_.arena_bytes; }
   int64_t arena_offset_of(const void* p, size_t bytes) const;
   size_t arena_in_use() const;
@@ -90,13 +90,11 @@ class ShmComm final : public Endpoint {
 
   shm::Control& ctrl(int r) const { return *reinterpret_cast<shm::Control*>(segs_[r].base()); }
   char* oneshot_buf(int r, int parity) const { return segs_[r].base() + geo_.oneshot_offset(parity); }
-  char* arena_base_(int r) const { return segs_[r].base() + geo_.arena_offset(); }
   // Block until flag (owned by rank `owner`) reaches target; `what` describes the wait.
   void wait(const shm::Flag& flag, int owner, uint32_t target, const char* what);
   void publish(shm::Flag& flag, uint32_t value) { shm::publish(flag, ctrl(cfg_.rank).sleepers, value); }
   void check_health(int waiting_on, const char* what);
   void require_connected() const;
-  // Throws unless rank r's configuration (from its record or its segment) equals mine.
   // This rank's identity (what its segment's Control block and its blob say).
   shm::Identity identity() const;
   // Throw RingError unless `id` (of a peer's record or segment, `what`) is a ringdp of this
