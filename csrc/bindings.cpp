@@ -50,6 +50,46 @@ std::vector<at::ScalarType> supported_dtypes() {
   return v;
 }
 
+// A Python callable as a C++ callback that may run on any thread (it takes the GIL; not
+// once the interpreter is finalizing). Errors it raises are reported as unraisable.
+std::function<void(const std::string&)> python_callback(py::function f, const char* what) {
+  auto fn = std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;  // leaked at exit: the GIL may be gone
+    py::gil_scoped_acquire gil;
+    delete p;
+  });
+  return [fn, what](const std::string& text) {
+    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    py::gil_scoped_acquire gil;
+    try {
+      (*fn)(text);
+    } catch (py::error_already_set& e) {
+      e.discard_as_unraisable(what);
+    }
+  };
+}
+
+// Flight records as dicts (names for kind, dtype and op; the algorithm's code).
+py::list records_to_python(const std::vector<CallRecord>& records) {
+  py::list out;
+  static const char* status[] = {"running", "ok", "failed"};
+  for (const CallRecord& r : records) {
+    py::dict d;
+    d["seq"] = r.seq;
+    d["kind"] = kind_name(static_cast<Kind>(r.kind));
+    d["count"] = r.count;
+    d["dtype"] = dtype_name(static_cast<DType>(r.dtype));
+    d["op"] = redop_name(static_cast<RedOp>(r.op));
+    d["algo"] = r.algo;
+    d["tag"] = std::string(r.tag);
+    d["status"] = (r.status >= 0 && r.status <= 2) ? status[r.status] : "unknown";
+    d["t_start_us"] = r.t_start_us;
+    d["t_end_us"] = r.t_end_us;
+    out.append(d);
+  }
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -63,6 +103,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("COMPILER") = __VERSION__;
   m.def("supported_dtypes", &supported_dtypes, "the torch dtypes ringdp reduces");
+  m.attr("TAG_BYTES") = kTagBytes;  // a collective's tag: at most TAG_BYTES - 1 bytes
   m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
                                "." + std::to_string(TORCH_VERSION_PATCH);
 
@@ -76,7 +117,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("slot_bytes", &ShmConfig::slot_bytes)
       .def_readwrite("oneshot_bytes", &ShmConfig::oneshot_bytes)
       .def_readwrite("arena_bytes", &ShmConfig::arena_bytes)
-      .def_readwrite("spin_ns", &ShmConfig::spin_ns);
+      .def_readwrite("spin_ns", &ShmConfig::spin_ns)
+      .def_readwrite("stall_warn_s", &ShmConfig::stall_warn_s)
+      .def_readwrite("flight_calls", &ShmConfig::flight_calls);
 
   // The lifecycle every transport endpoint shares (common/endpoint.h), bound once.
   py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")
@@ -101,12 +144,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("abort", &ShmComm::abort)
       .def(
           "all_reduce",
-          [](ShmComm& c, const torch::Tensor& t, int op, int algo, double timeout_s) {
+          [](ShmComm& c, const torch::Tensor& t, int op, int algo, double timeout_s, const std::string& tag) {
             c.all_reduce(t.data_ptr(), static_cast<size_t>(t.numel()), to_dtype(t.scalar_type()),
-                         static_cast<RedOp>(op), static_cast<Algo>(algo), timeout_s);
+                         static_cast<RedOp>(op), static_cast<Algo>(algo), timeout_s, tag);
           },
+          py::arg("tensor"), py::arg("op"), py::arg("algo"), py::arg("timeout_s"), py::arg("tag") = "",
           py::call_guard<py::gil_scoped_release>())
-      .def("reject", &ShmComm::reject, py::call_guard<py::gil_scoped_release>())
+      .def("reject", &ShmComm::reject, py::arg("why"), py::arg("timeout_s"), py::arg("tag") = "",
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_stall_handler",
+           [](ShmComm& c, py::function f) { c.set_stall_handler(python_callback(std::move(f), "ringdp stall handler")); })
+      .def("flight_record", [](const ShmComm& c) { return records_to_python(c.flight_record()); })
       .def("is_registered",
            [](const ShmComm& c, const torch::Tensor& t) {
              return c.arena_offset_of(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size()) >= 0;

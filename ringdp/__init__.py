@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 from . import comm_hooks
-from .comm import Communicator, RingError, Work, build_info, destroy, get_communicator, init
+from .comm import Communicator, RingError, Work, build_info, collective_tag, destroy, get_communicator, init
 from .ddp import RingDDP
 
 
-def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None):
+def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None, tag=None):
     """Reduce `tensor` across the ranks of `group` in place (SUM, AVG, MIN, MAX).
 
     `algo` forces "ring" or "oneshot" (None: RINGDP_ALGO, default "auto"); a forced one-shot
@@ -26,8 +26,13 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout
     Returns None, or a Work with wait()/is_completed() when async_op=True; the tensor must
     not be touched until wait() returns. Raises RingError (naming the rank and the problem)
     on a mismatch across ranks, a dead or stuck peer, or a timeout (`timeout` seconds, else
-    RINGDP_TIMEOUT_S, default 300)."""
-    return get_communicator(group).all_reduce(tensor, op=op, async_op=async_op, timeout=timeout, algo=algo)
+    RINGDP_TIMEOUT_S, default 300).
+
+    `tag` names the call (at most 63 bytes; None: the enclosing ``collective_tag`` block's,
+    else empty): every rank must make its calls in the same order with the same tags, or
+    they fail with a RingError that names both sides (RingDDP tags "step S bucket B")."""
+    return get_communicator(group).all_reduce(tensor, op=op, async_op=async_op, timeout=timeout, algo=algo,
+                                              tag=tag)
 
 
 def _size(size):
@@ -58,6 +63,6 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
 
 __all__ = [
     "RingDDP", "comm_hooks",
-    "Communicator", "RingError", "Work", "all_reduce", "build_info", "destroy", "empty",
+    "Communicator", "RingError", "Work", "all_reduce", "build_info", "collective_tag", "destroy", "empty",
     "get_communicator", "init", "is_registered", "synchronize", "zeros",
 ]

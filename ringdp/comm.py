@@ -8,6 +8,16 @@ Set-up (collective, ringdp.init or the first collective of the group):
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
 
+Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
+thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
+pair different calls (one rank skipped or repeated one) get a RingError naming both sides.
+
+Diagnosis: a collective that has waited RINGDP_STALL_WARN_S (default 60 s) for a peer logs
+a stall report once (logger "ringdp": which ranks have not entered it; every rank's last
+finished and current call); a timeout's RingError carries the same. Each communicator keeps
+its last calls (the flight record, ``Communicator.flight_record()``), written to
+RINGDP_TRACE's folder as ``ringdp_flight.rank<r>.json`` on a stall or a failed collective.
+
 Execution: validation and the algorithm (ringdp/policy.py) on the calling thread, then the
 collective runs in submission order: inline when nothing is queued and the call is
 synchronous, else on one background worker thread. CPU collectives complete on the host.
@@ -18,10 +28,17 @@ for the result at once (async_op=False) or in Work.wait(); the host never waits 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
+import json
+import logging
+import os
 import queue
 import socket
 import threading
+import time
 import uuid
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -32,7 +49,37 @@ from ._native import RingError, _C
 from .config import ALGOS, Config
 from .rendezvous import Rendezvous
 
-__all__ = ["Communicator", "RingError", "Work", "build_info", "destroy", "get_communicator", "init"]
+__all__ = ["Communicator", "RingError", "Work", "build_info", "collective_tag", "destroy", "get_communicator",
+           "init"]
+
+log = logging.getLogger("ringdp")
+TAG_BYTES = _C.TAG_BYTES  # a tag has at most TAG_BYTES - 1 bytes (csrc/common/types.h)
+_tags = threading.local()
+
+
+def _check_tag(tag) -> str:
+    if not isinstance(tag, str):
+        raise TypeError(f"a ringdp collective's tag must be a str, got {type(tag).__name__}")
+    if len(tag.encode()) >= TAG_BYTES:
+        raise ValueError(f"a ringdp collective's tag has at most {TAG_BYTES - 1} bytes, got {tag!r}")
+    return tag
+
+
+@contextlib.contextmanager
+def collective_tag(tag: str):
+    """Tag the ringdp collectives this thread issues inside the block (those without tag=),
+    e.g. the ones a DDP comm hook makes: every rank must issue them with the same tags, in
+    the same order, or they fail with a RingError naming both sides."""
+    old = getattr(_tags, "tag", "")
+    _tags.tag = _check_tag(tag)
+    try:
+        yield
+    finally:
+        _tags.tag = old
+
+
+def _current_tag(tag) -> str:
+    return getattr(_tags, "tag", "") if tag is None else _check_tag(tag)
 
 
 def _join_stream(cuda) -> None:
@@ -177,7 +224,10 @@ class Communicator:
         c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
         c.arena_bytes = int(cfg.arena_gb * (1 << 30))
         c.spin_ns = policy.spin_ns(self.world, cfg)
+        c.stall_warn_s = cfg.stall_warn_s
+        c.flight_calls = policy.FLIGHT_RECORD_CALLS
         native = _C.ShmComm(c)  # creates (and owns) this rank's segment
+        native.set_stall_handler(functools.partial(_on_stall, weakref.ref(self)))
         try:
             native.connect(rdv.exchange("shm", native.local_blob(), "the shared-memory segments"))
             rdv.barrier("shm-mapped", "peers to map the segments")
@@ -214,8 +264,7 @@ class Communicator:
             fn, fut = item
             if fut.set_running_or_notify_cancel():
                 try:
-                    with self._lock:
-                        fn()
+                    self._call(fn)
                 except BaseException as e:
                     fut.set_exception(e)
                 else:
@@ -223,6 +272,15 @@ class Communicator:
             del item, fn, fut  # hold no tensor of a finished collective while idle
             with self._pending_lock:
                 self._pending -= 1
+
+    def _call(self, fn):
+        """Run one collective (on whichever thread runs it); a failure leaves the flight record."""
+        try:
+            with self._lock:
+                fn()
+        except RingError as e:
+            self.dump_flight_record("failed collective", str(e))
+            raise
 
     def _submit(self, fn, async_op: bool, outputs=(), cuda=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
@@ -234,8 +292,7 @@ class Communicator:
             if not inline:
                 self._pending += 1
         if inline:
-            with self._lock:
-                fn()
+            self._call(fn)
             if cuda is not None:
                 _join_stream(cuda)
             return None
@@ -249,11 +306,12 @@ class Communicator:
         work.wait()
         return None
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None):
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None, tag=None):
         t = policy.timeout_s(timeout, self.timeout)
         try:
             code = self._check(tensor, op)
             forced = self._forced(algo)
+            tag = _current_tag(tag)
         except (TypeError, ValueError) as e:
             self._reject(tensor, str(e), t)  # tell the peers, in order, so they fail at once
             raise
@@ -263,7 +321,7 @@ class Communicator:
         if self._shm_error:
             raise RingError(self._shm_error)
         a = policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
-        return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t), async_op, outputs=[tensor])
+        return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
 
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
         ep = self._cuda_endpoint(tensor.device)
@@ -340,7 +398,8 @@ class Communicator:
             ep = self._cuda_endpoint(tensor.device)
             self._submit(lambda: ep.native.reject(why), async_op=False)
         elif self._shm is not None:
-            self._submit(lambda: self._shm.reject(why, timeout_s), async_op=False)
+            tag = getattr(_tags, "tag", "")
+            self._submit(lambda: self._shm.reject(why, timeout_s, tag), async_op=False)
 
     # ---- registered memory --------------------------------------------------------------
     def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -368,6 +427,41 @@ class Communicator:
         if self._cuda is not None:
             self._cuda.native.synchronize()
 
+    # ---- diagnosis ----------------------------------------------------------------------
+    def flight_record(self) -> list[dict]:
+        """This rank's last collectives on the shared-memory transport, oldest first: seq,
+        kind, count, dtype, op, algo, tag, status (running, ok, failed), start and end
+        (microseconds since the epoch; end 0 while running)."""
+        if self._shm is None:
+            return []
+        names = {code: name for name, code in policy.ALGO_CODES.items()}
+        recs = self._shm.flight_record()
+        for r in recs:
+            r["algo"] = names.get(r["algo"], r["algo"])
+            r["transport"] = "shm"
+        return recs
+
+    def dump_flight_record(self, reason: str, report: str = "") -> str | None:
+        """Write the flight record, with `reason` and `report`, to RINGDP_TRACE's folder as
+        ringdp_flight.rank<r>.json; returns the path (None when RINGDP_TRACE is not set).
+        Never raises: a diagnosis must not hide the failure it describes."""
+        if not self.config.trace:
+            return None
+        try:
+            from .trace import trace_path
+
+            path = trace_path(self.config.trace, self.rank).parent / f"ringdp_flight.rank{self.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            doc = {"rank": self.rank, "world": self.world, "host": self.host, "pid": os.getpid(),
+                   "time": time.time(), "reason": reason, "report": report, "calls": self.flight_record()}
+            tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(doc, indent=1))
+            os.replace(tmp, path)
+            return str(path)
+        except Exception as e:  # noqa: BLE001
+            log.warning("ringdp rank %d: could not write the flight record: %s", self.rank, e)
+            return None
+
     # ---- teardown -----------------------------------------------------------------------
     def close(self):
         if self._closed:
@@ -381,6 +475,16 @@ class Communicator:
             ep.close(self.rendezvous)
         # Registered tensors still alive keep the native object (and its mapping) alive.
         self._shm = None
+
+
+def _on_stall(ref, report: str) -> None:
+    """The shared-memory endpoint's stall handler (on the waiting thread, once per call)."""
+    log.warning("%s", report)
+    c = ref()
+    if c is not None:
+        path = c.dump_flight_record("stall", report)
+        if path:
+            log.warning("ringdp rank %d: flight record written to %s", c.rank, path)
 
 
 _comms: dict[str, Communicator] = {}

@@ -29,6 +29,7 @@ _FALSE = ("0", "false", "no", "off")
 class Config:
     # -- every transport -----------------------------------------------------------------
     timeout_s: float = policy.DEFAULT_TIMEOUT_S  # RINGDP_TIMEOUT_S: seconds to wait for peers
+    stall_warn_s: float = policy.DEFAULT_STALL_WARN_S  # RINGDP_STALL_WARN_S: stall report after (0: never)
     algo: str = "auto"  # RINGDP_ALGO: auto | ring | oneshot (a forced one-shot falls back above its buffer)
     # -- shared memory (CPU tensors) -----------------------------------------------------
     oneshot_max_bytes: int | None = None  # RINGDP_ONESHOT_MAX_BYTES (None: policy's per-world default)
@@ -51,7 +52,8 @@ class Config:
     # -- RingDDP ---------------------------------------------------------------------------
     ddp_in_grad_min_bytes: int = policy.IN_GRAD_MIN_BYTES  # RINGDP_DDP_IN_GRAD_MIN_BYTES (-1: never)
     ddp_overlap: bool = True  # RINGDP_DDP_OVERLAP
-    trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes
+    trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes; its
+    # folder also receives each rank's flight record on a stall or a failed collective
     trace_steps: int = 1000  # RINGDP_TRACE_STEPS: steps with events (later ones: summary only)
 
     @classmethod
@@ -119,6 +121,7 @@ def _text(name: str, raw: str) -> str:
 
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_TIMEOUT_S": ("timeout_s", _positive_float),
+    "RINGDP_STALL_WARN_S": ("stall_warn_s", _nonneg_float),
     "RINGDP_ALGO": ("algo", _choice(ALGOS)),
     "RINGDP_ONESHOT_MAX_BYTES": ("oneshot_max_bytes", _nonneg_int),
     "RINGDP_ONESHOT_BYTES": ("oneshot_bytes", _nonneg_int),

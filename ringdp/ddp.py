@@ -310,7 +310,7 @@ class _RingJoinHook(JoinHook):
             c[0] = int(torch.is_grad_enabled() and ddp.require_backward_grad_sync)
             c[1 + ddp.rank] = 1
         if world > 1:
-            get_communicator(ddp.process_group).all_reduce(c)
+            get_communicator(ddp.process_group).all_reduce(c, tag="RingDDP join control")
         vals = c.tolist()
         alive = [r for r in range(world) if vals[1 + r] > 0]
         divisor = world if self.divide_by_initial_world_size else max(1, len(alive))

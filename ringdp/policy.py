@@ -32,6 +32,11 @@ FIFO_SLOTS = 8
 # Virtual size of each rank's registered-memory arena (pages are reserved on allocation).
 ARENA_GB = 16
 DEFAULT_TIMEOUT_S = 300.0
+# A collective that has waited this long for a peer logs a stall report, once (as Horovod's
+# stall inspector; 0: never). The timeout's RingError carries the same report.
+DEFAULT_STALL_WARN_S = 60.0
+# Collectives kept per communicator in the flight record (dumped beside RINGDP_TRACE).
+FLIGHT_RECORD_CALLS = 256
 # Registered CUDA memory per rank (IPC arena), MiB.
 CUDA_ARENA_MB = 256
 # RingDDP: a gradient of at least this many bytes is reduced in its own .grad, in a bucket

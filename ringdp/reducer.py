@@ -4,7 +4,8 @@ RingDDP (ringdp/ddp.py) is the Module: arguments, model checks, forward, no_sync
 join. The Reducer owns everything between a parameter's gradient and its averaged value,
 as torch's c10d Reducer does, through named lifecycle methods:
 
-    prepare_for_forward()                before forward: abandon a backward that died
+    prepare_for_forward()                before forward: raise if the previous backward
+                                         started reductions and died before its end
     prepare_for_backward(outputs, sync)  after forward: will the next backward synchronise,
                                          and which parameters did this forward not use
     mark_ready(i, param)                 per parameter, from its post-accumulate-grad hook:
@@ -39,7 +40,10 @@ Reductions. Each bucket's reduction is one future (a ``torch.futures.Future`` wh
 holds the reduced tensor): a comm hook returns one (a Work's ``get_future()`` is accepted),
 and without a hook the Reducer makes one from ``ringdp.all_reduce(..., async_op=True)``
 with ReduceOp.AVG (the division fused into the reduction). Buckets start strictly in index
-order on every rank.
+order on every rank. Every reduction is tagged "RingDDP step S bucket B" (S counts
+synchronised backwards, join shadows included; a comm hook's collectives get the tag too,
+through ``collective_tag``), so ranks whose steps got out of line fail at once with a
+RingError that names both sides instead of averaging gradients of different steps.
 
 Observers. An :class:`Observer` is told what happens (ready, launch, done, wait, finalize);
 it records and never changes what the Reducer does (ringdp.trace.DDPTrace writes the Chrome
@@ -58,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from .comm import get_communicator
+from .comm import collective_tag, get_communicator
 
 __all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "assign_buckets", "now_us"]
 
@@ -296,6 +300,7 @@ class Reducer:
         self._ready = [False] * len(params)
         self._next_launch = 0
         self._in_backward = False
+        self._broken: str | None = None  # why this rank can no longer take part (unfinished step)
         self._sync = False
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
@@ -431,9 +436,28 @@ class Reducer:
 
     # ------------------------------------------------------------------ one backward
     def prepare_for_forward(self) -> None:
-        """Before forward: a backward that died before its end (an exception) is abandoned."""
+        """Before forward. A backward that died before its end (an exception) is forgiven
+        when it had started no reduction. One that had cannot be: the other ranks wait for
+        its remaining reductions, and this rank's next ones would be paired with theirs of
+        the older step. Then this and every later forward raise, as torch DDP's "Expected to
+        have finished reduction in the prior iteration"."""
         if self._in_backward:
-            self.abandon()
+            started = self._next_launch + (self._usage_future is not None)
+            if started == 0:
+                self.abandon()
+            else:
+                self.abandon()
+                self._broken = (
+                    f"RingDDP on rank {self.rank}: expected to have finished reduction in the prior iteration "
+                    f"before starting a new one. The backward of step {self.step} stopped before its end (an "
+                    f"exception on this rank) after starting {self._next_launch} of {len(self.buckets)} bucket "
+                    f"reductions{' and the unused-parameter map' if self._usage_future is not None else ''}; "
+                    f"the other ranks wait for the rest, and this rank's next reductions would be paired with "
+                    f"theirs of the older step. A rank cannot skip a step alone: decide on every rank together "
+                    f"(e.g. all_reduce a 'skip this batch' flag before backward and skip on all ranks), or stop "
+                    f"and restart from a checkpoint (torchrun --max-restarts).")
+        if self._broken is not None:
+            raise RuntimeError(self._broken)
 
     def prepare_for_backward(self, outputs, sync: bool) -> None:
         """After forward: whether the coming backward synchronises gradients, and (when
@@ -482,7 +506,7 @@ class Reducer:
             if self._unused:
                 self._usage[torch.tensor(self._unused, dtype=torch.long, device=self._usage.device)] = 0
             if self.world > 1:
-                self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM)
+                self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
             for i in self._unused:
                 self.mark_ready(i, None)
         elif self._static_unused_local:
@@ -536,22 +560,28 @@ class Reducer:
             self._next_launch += 1
             self._launch(b)
 
+    def _tag(self, what: str) -> str:
+        """The fingerprint of this step's reduction `what` (module doc)."""
+        return f"RingDDP step {self.step} {what}"
+
     def _launch(self, b: Bucket) -> None:
         step = self.step
+        tag = self._tag(f"bucket {b.index}")
         self.observer.on_launch(step, b, now_us())
         if self._hook is not None:
             b.target = b.buffer
-            result = self._hook(self._hook_state, GradBucket(self, b, b.index == len(self.buckets) - 1))
+            with collective_tag(tag):
+                result = self._hook(self._hook_state, GradBucket(self, b, b.index == len(self.buckets) - 1))
             b.future = as_future(result, b.target)
         else:
             b.target = b.grad if b.grad is not None else b.buffer
             op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
-            b.future = self._all_reduce(b.target, op) if self.world > 1 else as_future(None, b.target)
+            b.future = self._all_reduce(b.target, op, tag) if self.world > 1 else as_future(None, b.target)
         observer = self.observer
         b.future.add_done_callback(lambda _f: observer.on_done(step, b, now_us()))
 
-    def _all_reduce(self, t: torch.Tensor, op) -> torch.futures.Future:
-        return get_communicator(self.group).all_reduce(t, op=op, async_op=True).get_future()
+    def _all_reduce(self, t: torch.Tensor, op, tag: str) -> torch.futures.Future:
+        return get_communicator(self.group).all_reduce(t, op=op, async_op=True, tag=tag).get_future()
 
     def _wait(self, b: Bucket) -> None:
         fut, b.future = b.future, None
@@ -651,24 +681,28 @@ class Reducer:
     @torch.no_grad()
     def shadow_backward(self) -> None:
         """On a rank without data (join): the collectives of one synchronised backward, with
-        zero gradients, so that the ranks that still train can finish theirs."""
-        tracks = self.tracks_unused
-        if tracks:
-            if self._usage is None:
-                self._usage = self.alloc(len(self.params), torch.int32, self.device)
-            self._usage.zero_()
-            if self.world > 1:
-                self._all_reduce(self._usage, dist.ReduceOp.SUM).wait()
-        for b in self.buckets:
-            b.reset()
-            b.buffer.zero_()
-            self._launch(b)
-        for b in self.buckets:
-            self._wait(b)
-        if tracks and self.static_graph and self._static_unused is None:
-            self._static_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
-        if not self.rebuilt:
-            self.rebuild(self.auth_rank)
+        zero gradients, so that the ranks that still train can finish theirs. Counts as a
+        step (the reductions' tags match those of the ranks that train)."""
+        try:
+            tracks = self.tracks_unused
+            if tracks:
+                if self._usage is None:
+                    self._usage = self.alloc(len(self.params), torch.int32, self.device)
+                self._usage.zero_()
+                if self.world > 1:
+                    self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map")).wait()
+            for b in self.buckets:
+                b.reset()
+                b.buffer.zero_()
+                self._launch(b)
+            for b in self.buckets:
+                self._wait(b)
+            if tracks and self.static_graph and self._static_unused is None:
+                self._static_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
+            if not self.rebuilt:
+                self.rebuild(self.auth_rank)
+        finally:
+            self.step += 1
 
     # ------------------------------------------------------------------ teardown
     def remove_hooks(self) -> None:

@@ -26,6 +26,16 @@ enum class RedOp : int32_t {
   kMax = 3,
 };
 
+// What a collective is. In every call header beside the caller's tag, so ranks that pair
+// different collectives fail instead of mixing them; never renumber.
+enum class Kind : int32_t {
+  kAllReduce = 0,
+};
+
+// The caller's tag of one call (e.g. RingDDP's "RingDDP step 12 bucket 3"): at most
+// kTagBytes - 1 bytes, NUL-terminated in headers and records.
+constexpr size_t kTagBytes = 64;
+
 inline size_t dtype_size(DType t) {
   switch (t) {
     case DType::kFloat32: return 4;
@@ -51,5 +61,6 @@ inline bool dtype_is_floating(DType t) {
 
 const char* dtype_name(DType t);
 const char* redop_name(RedOp op);
+const char* kind_name(Kind k);
 
 }  // namespace ringdp

@@ -26,6 +26,13 @@ const char* redop_name(RedOp op) {
   return "unknown";
 }
 
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::kAllReduce: return "all_reduce";
+  }
+  return "unknown";
+}
+
 namespace cpu {
 namespace {
 

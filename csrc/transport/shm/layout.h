@@ -12,12 +12,14 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../../common/types.h"
+
 namespace ringdp {
 namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: call fingerprint (kind, tag), Control::done
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.
@@ -29,23 +31,28 @@ static_assert(sizeof(Flag) == kCacheLine, "a flag owns exactly one cache line");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free across processes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock-free across processes");
 
-// What a rank announces at the start of each collective. Two of these alternate by the
-// parity of the call number, so a fast rank writes call s+1's header while a slow one may
-// still read call s's.
+// What a rank announces at the start of each collective: its fingerprint (call number,
+// kind, caller's tag) and shape (count, dtype, op, algorithm). Every rank compares every
+// header before data moves. Two of these alternate by the parity of the call number, so a
+// fast rank writes call s+1's header while a slow one may still read call s's.
 struct alignas(kCacheLine) CallHeader {
   Flag seq;               // call number (1-based), published last, with release
   int32_t status;         // 0 ok, 1 this rank rejected its input (message in `msg`)
+  int32_t kind;           // Kind
   int32_t dtype;          // DType
   int32_t op;             // RedOp
   int32_t algo;           // Algo
+  int32_t pad0;
   uint64_t count;         // elements
   int64_t reg_offset;     // arena offset of the tensor, -1 when not registered
   uint64_t slice_bytes;   // configuration that must agree across ranks
-  char pad[kCacheLine - 40];
+  char pad1[kCacheLine - 48];
+  char tag[kTagBytes];    // the caller's tag, NUL-terminated
   char msg[kMsgBytes];
 };
-static_assert(sizeof(CallHeader) == 2 * kCacheLine + kMsgBytes, "header layout changed");
+static_assert(sizeof(CallHeader) == 2 * kCacheLine + kTagBytes + kMsgBytes, "header layout changed");
 static_assert(offsetof(CallHeader, seq) == 0, "the published word leads the header");
+static_assert(offsetof(CallHeader, tag) % kCacheLine == 0, "the tag starts on its own line");
 
 // Who a segment belongs to and how it is laid out: the head of the Control block, and what
 // a rank publishes for its peers (Blob). Peers compare it field by field before use.
@@ -71,6 +78,7 @@ struct Control {
   Flag consumed;   // slices I have taken from my predecessor (total, wraps)
   Flag sleepers;   // peers sleeping on one of my flags: wake them after a store
   Flag aborted;    // nonzero once this rank gave up; reason in abort_msg
+  Flag done;       // the last call number this rank finished (for the stall report)
   CallHeader hdr[2];
   char abort_msg[kMsgBytes];
 };

@@ -47,9 +47,39 @@ bool pid_dead(int pid) {
 
 const char* algo_name(int32_t a) { return a == static_cast<int32_t>(Algo::kOneShot) ? "oneshot" : "ring"; }
 
+// What a rank's header says of its call, copied while the rank may be rewriting it
+// (diagnostics only).
+struct HeaderView {
+  uint32_t seq;
+  int32_t kind, dtype, op, algo;
+  uint64_t count;
+  char tag[kTagBytes];
+};
+
+HeaderView view(const shm::CallHeader& h) {
+  HeaderView v;
+  v.seq = h.seq.v.load(std::memory_order_acquire);
+  v.kind = h.kind;
+  v.dtype = h.dtype;
+  v.op = h.op;
+  v.algo = h.algo;
+  v.count = h.count;
+  std::memcpy(v.tag, h.tag, kTagBytes);
+  v.tag[kTagBytes - 1] = '\0';
+  return v;
+}
+
+std::string describe(const HeaderView& h) {
+  return cat(kind_name(static_cast<Kind>(h.kind)), " #", h.seq, " (", h.count, " x ",
+             dtype_name(static_cast<DType>(h.dtype)), " ", redop_name(static_cast<RedOp>(h.op)), " ",
+             algo_name(h.algo), ", tag '", h.tag, "')");
+}
+
+double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
 }  // namespace
 
-ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg) {
+ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
   if (cfg_.world < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.world)
     throw RingError(cat("invalid rank ", cfg_.rank, " for world size ", cfg_.world));
   if (cfg_.fifo_slots < 2) throw RingError("fifo_slots must be at least 2");
@@ -166,15 +196,49 @@ void ShmComm::check_health(int waiting_on, const char* what) {
     const Control& c = ctrl(r);
     if (c.aborted.v.load(std::memory_order_acquire) != 0)
       fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " failed because rank ", r,
-               " aborted: ", read_msg(c.abort_msg)));
+               " aborted: ", read_msg(c.abort_msg), "\n", stall_report(waiting_on, what)));
     if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.id.pid))
-      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during all_reduce #", call_));
+      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during all_reduce #", call_, "\n",
+               stall_report(waiting_on, what)));
   }
-  if (Clock::now() >= deadline_)
+  const auto now = Clock::now();
+  if (now >= deadline_)
     fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " timed out after ", timeout_s_,
              " s waiting for rank ", waiting_on, " (", what,
              "); that rank is alive but did not make progress: is it running the same collectives "
-             "in the same order? (set the timeout with RINGDP_TIMEOUT_S or timeout=)"));
+             "in the same order? (set the timeout with RINGDP_TIMEOUT_S or timeout=)\n",
+             stall_report(waiting_on, what)));
+  if (!stall_reported_ && cfg_.stall_warn_s > 0 && seconds(now - call_start_) >= cfg_.stall_warn_s) {
+    stall_reported_ = true;  // once per call
+    if (on_stall_) on_stall_(stall_report(waiting_on, what));
+  }
+}
+
+std::string ShmComm::stall_report(int waiting_on, const char* what) const {
+  const uint32_t s = call_;
+  std::string absent, lines;
+  for (int r = 0; r < cfg_.world; ++r) {
+    if (!segs_[static_cast<size_t>(r)].base()) continue;
+    const Control& c = ctrl(r);
+    const HeaderView h[2] = {view(c.hdr[0]), view(c.hdr[1])};
+    const uint32_t q[2] = {h[0].seq, h[1].seq};
+    const uint32_t latest = shm::reached(q[0], q[1]) ? q[0] : q[1];  // wrap-safe max
+    const uint32_t done = c.done.v.load(std::memory_order_acquire);
+    if (!shm::reached(latest, s)) absent += cat(absent.empty() ? "" : ", ", r);
+    auto call = [&](uint32_t n) -> std::string {
+      if (n == 0) return "none";
+      for (int k = 0; k < 2; ++k)
+        if (q[k] == n) return describe(h[k]);
+      return cat("#", n);
+    };
+    lines += cat("\n  rank ", r, r == cfg_.rank ? " (this rank)" : "", ": last finished ", call(done),
+                 done == latest ? std::string("; in no collective") : cat("; in ", call(latest)));
+  }
+  return cat("ringdp stall report from rank ", cfg_.rank, ": ", kind_name(Kind::kAllReduce), " #", s,
+             " has waited ", seconds(Clock::now() - call_start_), " s, now for rank ", waiting_on, " (", what,
+             "). ", absent.empty() ? std::string("Every rank has entered it.")
+                                   : cat("Not entered by rank(s) ", absent, "."),
+             lines);
 }
 
 void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char* what) {
@@ -185,7 +249,7 @@ void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char
 void ShmComm::abort(const std::string& why) {
   if (poison_.empty()) poison_ = why.empty() ? "aborted" : why;
   Control& me = ctrl(cfg_.rank);
-  copy_msg(me.abort_msg, poison_);
+  copy_msg(me.abort_msg, poison_.substr(0, poison_.find('\n')));  // peers add their own report
   me.aborted.v.store(1, std::memory_order_seq_cst);
   // Wake whoever sleeps on any of my flags so they notice promptly.
   shm::wake_all(me.posted);
@@ -200,9 +264,39 @@ void ShmComm::fail(const std::string& why) {
 }
 
 std::string ShmComm::describe_header(int r, int parity) const {
-  const shm::CallHeader& h = ctrl(r).hdr[parity];
-  return cat("rank ", r, ": ", h.count, " x ", dtype_name(static_cast<DType>(h.dtype)), " ",
-             redop_name(static_cast<RedOp>(h.op)), " ", algo_name(h.algo));
+  return cat("rank ", r, ": ", describe(view(ctrl(r).hdr[parity])));
+}
+
+size_t ShmComm::begin_call(uint32_t s, double timeout_s, DType dtype, RedOp op, Algo algo, size_t count,
+                           const std::string& tag) {
+  call_ = s;
+  timeout_s_ = timeout_s;
+  call_start_ = Clock::now();
+  stall_reported_ = false;
+  deadline_ = call_start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  return flight_.begin(s, Kind::kAllReduce, dtype, op, static_cast<int32_t>(algo), count, tag);
+}
+
+shm::CallHeader& ShmComm::write_header(uint32_t s, DType dtype, RedOp op, Algo algo, size_t count,
+                                       const std::string& tag) {
+  shm::CallHeader& h = ctrl(cfg_.rank).hdr[s & 1u];
+  h.status = 0;
+  h.kind = static_cast<int32_t>(Kind::kAllReduce);
+  h.dtype = static_cast<int32_t>(dtype);
+  h.op = static_cast<int32_t>(op);
+  h.algo = static_cast<int32_t>(algo);
+  h.count = count;
+  h.reg_offset = -1;
+  h.slice_bytes = geo_.slot_bytes;
+  std::memset(h.tag, 0, sizeof(h.tag));
+  std::memcpy(h.tag, tag.data(), tag.size());
+  h.msg[0] = '\0';
+  return h;
+}
+
+void ShmComm::end_call(uint32_t s, size_t slot, bool ok) {
+  ctrl(cfg_.rank).done.v.store(s, std::memory_order_release);
+  flight_.end(slot, s, ok ? CallRecord::kOk : CallRecord::kFailed);
 }
 
 void ShmComm::exchange_headers(uint32_t s) {
@@ -214,41 +308,55 @@ void ShmComm::exchange_headers(uint32_t s) {
   }
 }
 
-void ShmComm::reject(const std::string& why, double timeout_s) {
+void ShmComm::reject(const std::string& why, double timeout_s, const std::string& tag) {
   require_connected();
   if (!poison_.empty()) return;  // peers already know this communicator is dead
   const uint32_t s = ++seq_;
-  call_ = s;
-  timeout_s_ = timeout_s;
-  deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  shm::CallHeader& h = ctrl(cfg_.rank).hdr[s & 1u];
+  const std::string t = tag.substr(0, kTagBytes - 1);
+  const size_t slot = begin_call(s, timeout_s, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
+  shm::CallHeader& h = write_header(s, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
   h.status = 1;
   copy_msg(h.msg, why);
-  exchange_headers(s);
+  try {
+    exchange_headers(s);
+  } catch (...) {
+    end_call(s, slot, false);
+    throw;
+  }
+  end_call(s, slot, false);  // a rejected call failed, by definition
 }
 
-void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s) {
+void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s,
+                         const std::string& tag) {
   require_connected();
   if (!poison_.empty())
-    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", poison_,
+    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", poison_.substr(0, poison_.find('\n')),
                         "); call ringdp.destroy() and initialise again"));
+  if (tag.size() >= kTagBytes)
+    throw RingError(cat("rank ", cfg_.rank, ": a collective's tag has at most ", kTagBytes - 1, " bytes, got ",
+                        tag.size(), " ('", tag, "')"));
   const uint32_t s = ++seq_;
-  call_ = s;
-  timeout_s_ = timeout_s;
-  deadline_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  const size_t slot = begin_call(s, timeout_s, dtype, op, algo, count, tag);
+  bool ok = false;
+  try {
+    run_all_reduce(s, data, count, dtype, op, algo, tag);
+    ok = true;
+  } catch (...) {
+    end_call(s, slot, false);
+    throw;
+  }
+  end_call(s, slot, ok);
+}
+
+void ShmComm::run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, RedOp op, Algo algo,
+                             const std::string& tag) {
   const int par = static_cast<int>(s & 1u);
   const size_t esz = dtype_size(dtype);
   const size_t bytes = count * esz;
 
   // 1. Announce what this rank is about to reduce (and, for one-shot, the data itself).
-  shm::CallHeader& h = ctrl(cfg_.rank).hdr[par];
-  h.status = 0;
-  h.dtype = static_cast<int32_t>(dtype);
-  h.op = static_cast<int32_t>(op);
-  h.algo = static_cast<int32_t>(algo);
-  h.count = count;
+  shm::CallHeader& h = write_header(s, dtype, op, algo, count, tag);
   h.reg_offset = arena_offset_of(data, bytes);
-  h.slice_bytes = geo_.slot_bytes;
   if (algo == Algo::kOneShot) {
     if (bytes > geo_.oneshot_bytes) {
       const std::string why = cat("one-shot all_reduce of ", bytes, " bytes exceeds its buffer of ",
@@ -263,23 +371,29 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
   exchange_headers(s);
 
   // 2. Every rank checks every header, so a mismatch fails on all ranks alike, before any
-  //    data moves (the communicator stays usable).
+  //    data moves (the communicator stays usable): rejections first, then the fingerprint
+  //    (call number, kind, tag), then the shape.
   std::string problems;
   for (int r = 0; r < cfg_.world; ++r) {
     const shm::CallHeader& p = ctrl(r).hdr[par];
     if (p.status != 0) problems += cat("; rank ", r, " rejected its input: ", read_msg(p.msg));
   }
   if (problems.empty()) {
-    bool same = true;
+    bool same_call = true, same_shape = true;
     for (int r = 0; r < cfg_.world; ++r) {
       const shm::CallHeader& p = ctrl(r).hdr[par];
-      same = same && p.count == h.count && p.dtype == h.dtype && p.op == h.op && p.algo == h.algo &&
-             p.slice_bytes == h.slice_bytes;
+      same_call = same_call && p.seq.v.load(std::memory_order_acquire) == s && p.kind == h.kind &&
+                  std::strncmp(p.tag, h.tag, kTagBytes) == 0;
+      same_shape = same_shape && p.count == h.count && p.dtype == h.dtype && p.op == h.op && p.algo == h.algo &&
+                   p.slice_bytes == h.slice_bytes;
     }
-    if (!same) {
+    if (!same_call)
+      problems = "; ranks are at different collectives (a rank skipped or repeated a call, e.g. a step "
+                 "whose backward raised on one rank only):";
+    else if (!same_shape)
       problems = "; ranks disagree on the call:";
+    if (!problems.empty())
       for (int r = 0; r < cfg_.world; ++r) problems += cat(" [", describe_header(r, par), "]");
-    }
   }
   if (!problems.empty())
     throw RingError(cat("rank ", cfg_.rank, ": all_reduce #", s, " cannot run", problems));

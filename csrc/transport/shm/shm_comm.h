@@ -3,6 +3,7 @@
 // one-shot path, and drives the ring engine over the shm transports.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -10,6 +11,7 @@
 #include <vector>
 
 #include "../../common/endpoint.h"
+#include "../../common/flight.h"
 #include "../../common/types.h"
 #include "layout.h"
 #include "link.h"
@@ -30,6 +32,8 @@ struct ShmConfig {
   size_t oneshot_bytes = 256 << 10;     // one-shot buffer: the largest one-shot message
   size_t arena_bytes = size_t(16) << 30;  // virtual size of the registered-memory arena
   int64_t spin_ns = 50000;
+  double stall_warn_s = 60;  // a call that waited this long reports the stall once (0: never)
+  size_t flight_calls = 256;  // calls kept in the flight record
 };
 
 // Lifecycle (endpoint.h): the constructor creates (and owns) this rank's segment;
@@ -55,12 +59,25 @@ class ShmComm final : public Endpoint {
   void unlink_all(const std::vector<std::string>& names);
 
   // In-place all-reduce of `count` elements at `data`. Collective: every rank of the group
-  // calls it in the same order. Throws RingError on mismatch, timeout, dead or failed peer.
-  void all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s);
+  // calls it in the same order, with the same `tag` (the caller's name for the call, at
+  // most kTagBytes - 1 bytes). Throws RingError on a mismatch (shape or fingerprint),
+  // timeout, dead or failed peer.
+  void all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s,
+                  const std::string& tag = "");
   // Take part in the next collective without data because this rank rejected its input:
   // peers raise an error naming this rank and `why`. Does not throw for the local rank
   // unless the exchange itself fails.
-  void reject(const std::string& why, double timeout_s);
+  void reject(const std::string& why, double timeout_s, const std::string& tag = "");
+
+  // Called once per call that has waited stall_warn_s for a peer, on the waiting thread,
+  // with the stall report (stall_report()). Default: none (the report still goes into a
+  // timeout's RingError).
+  void set_stall_handler(std::function<void(const std::string&)> f) { on_stall_ = std::move(f); }
+  // Every rank's position: which ranks have not entered the current call, and per rank its
+  // last finished and current call (number, kind, size, tag). Reads the peers' headers.
+  std::string stall_report(int waiting_on, const char* what) const;
+  // This rank's last calls, oldest first.
+  std::vector<CallRecord> flight_record() const { return flight_.snapshot(); }
 
   // Registered memory: an arena at the end of the segment that every peer has mapped.
   size_t arena_alloc(size_t bytes);  // returns an offset into the arena
@@ -101,8 +118,20 @@ class ShmComm final : public Endpoint {
   // version, rank r of this world, with this configuration and `actual_bytes` of segment.
   void check_identity(int r, const shm::Identity& id, bool readable, uint64_t actual_bytes,
                       const std::string& what) const;
+  // Start call s: number, deadline, stall clock, flight record (returns its slot).
+  size_t begin_call(uint32_t s, double timeout_s, DType dtype, RedOp op, Algo algo, size_t count,
+                    const std::string& tag);
+  // Fill this rank's header for call s (parity s & 1): fingerprint and shape.
+  shm::CallHeader& write_header(uint32_t s, DType dtype, RedOp op, Algo algo, size_t count,
+                                const std::string& tag);
+  // Call s is over (successfully or not): Control::done and the flight record.
+  void end_call(uint32_t s, size_t slot, bool ok);
   void exchange_headers(uint32_t s);
+  // all_reduce's body for call s: headers, checks, then one-shot or ring.
+  void run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, RedOp op, Algo algo,
+                      const std::string& tag);
   void fail(const std::string& why);  // abort() and throw
+  // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
 
   ShmConfig cfg_;
@@ -115,6 +144,10 @@ class ShmComm final : public Endpoint {
   shm::Clock::time_point deadline_;
   double timeout_s_ = 0;
   uint32_t call_ = 0;  // call number being run, for messages
+  shm::Clock::time_point call_start_;
+  bool stall_reported_ = false;
+  std::function<void(const std::string&)> on_stall_;
+  FlightRecorder flight_;
   std::string poison_;
   Health health_{*this};
   std::unique_ptr<shm::Link> link_;  // made by connect(); its counters live as long as this
