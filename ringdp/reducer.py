@@ -520,8 +520,9 @@ class Reducer:
             raise RuntimeError(
                 f"RingDDP: parameter {self.names[i]!r} received its gradient twice in one backward "
                 f"pass (reentrant backward, e.g. activation checkpointing with use_reentrant=True, or a "
-                f"parameter shared between several RingDDP models); RingDDP supports one gradient per "
-                f"parameter per backward")
+                f"parameter shared between several RingDDP models, or a backward run again after one "
+                f"died on this rank without a new forward); RingDDP supports one gradient per parameter "
+                f"per backward")
         self._ready[i] = True
         if not self.rebuilt:
             self.ready_order.append(i)
