@@ -9,7 +9,8 @@ all-reduce runs on ringdp, bucketed and overlapped with the backward pass.
 This module is the Module side, as torch's distributed.py: arguments, the check that every
 rank holds the same model, rank 0's state broadcast, forward, no_sync, comm hooks and join
 (its JoinHook). The buckets and their reductions are the Reducer's (ringdp/reducer.py); the
-Chrome trace is an observer of the Reducer (ringdp/trace.py, RINGDP_TRACE).
+Chrome trace is an observer of the Reducer (ringdp/trace.py, RINGDP_TRACE). Which parameters
+have sparse gradients is decided here, as torch DDP does it.
 """
 from __future__ import annotations
 
@@ -37,6 +38,12 @@ BROADCAST_CHUNK_BYTES = 256 * _MiB  # start-up broadcast: one flat tensor per dt
 class RingDDP(nn.Module, Joinable):
     """DistributedDataParallel on ringdp. Arguments mean what they mean for
     :class:`torch.nn.parallel.DistributedDataParallel`.
+
+    Sparse gradients: the weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built
+    with ``sparse=True`` keep sparse gradients (``torch.optim.SparseAdam`` works), reduced
+    as torch DDP reduces them (divided, then the process group's sparse all-reduce), outside
+    the buckets (see :mod:`ringdp.reducer`); a sparse gradient for any other parameter
+    raises a RuntimeError naming it.
 
     Args:
         module: the model (already on its device); the same model on every rank.
@@ -87,6 +94,7 @@ class RingDDP(nn.Module, Joinable):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if not named:
             raise RuntimeError("RingDDP: the module has no parameter that requires a gradient")
+        self._sparse_ids = _sparse_grad_params(module)
         devices = {p.device for _, p in named}
         if len(devices) > 1 and device_ids:
             raise ValueError(f"RingDDP: device_ids is for single-device modules; the module spans {sorted(map(str, devices))}")
@@ -121,7 +129,8 @@ class RingDDP(nn.Module, Joinable):
                                first_cap_bytes=first, in_grad_min_bytes=cfg.ddp_in_grad_min_bytes,
                                gradient_as_bucket_view=gradient_as_bucket_view,
                                find_unused=find_unused_parameters, static_graph=static_graph,
-                               overlap=self.overlap, observer=self._trace)
+                               overlap=self.overlap, observer=self._trace,
+                               sparse=[id(p) in self._sparse_ids for _, p in named])
         self._observer: Observer = self.reducer.observer
         self._comm_hook: Callable | None = None
         self._join_hook: _RingJoinHook | None = None
@@ -137,7 +146,9 @@ class RingDDP(nn.Module, Joinable):
 
     @property
     def bucket_layout(self) -> list[list[str]]:
-        """Parameter names per bucket, in bucket (= reduction) order."""
+        """Parameter names per bucket, in bucket (= reduction) order. Parameters with sparse
+        gradients are in no bucket (they are reduced one by one at the end of backward):
+        ``reducer.sparse_names`` lists them."""
         return self.reducer.bucket_layout
 
     @property
@@ -152,14 +163,15 @@ class RingDDP(nn.Module, Joinable):
         return dist.get_global_rank(self.process_group, group_rank)
 
     def _signature(self) -> list[tuple]:
-        sig = [("parameter", n, tuple(p.shape), str(p.dtype), bool(p.requires_grad))
+        sig = [("parameter", n, tuple(p.shape), str(p.dtype), bool(p.requires_grad), id(p) in self._sparse_ids)
                for n, p in self.module.named_parameters()]
-        sig += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in self.module.named_buffers()]
+        sig += [("buffer", n, tuple(b.shape), str(b.dtype), False, False) for n, b in self.module.named_buffers()]
         return sig
 
     def _verify_same_model(self) -> None:
-        """Every rank must hold the same parameters and buffers (names, shapes, dtypes, in
-        order): compare a digest first, and the full lists only when digests differ."""
+        """Every rank must hold the same parameters and buffers (names, shapes, dtypes,
+        whether the gradient is sparse, in order): compare a digest first, and the full
+        lists only when digests differ."""
         if self.world_size == 1:
             return
         sig = self._signature()
@@ -181,7 +193,7 @@ class RingDDP(nn.Module, Joinable):
                         f"RingDDP: the model on rank {r} differs from rank 0's at entry #{i}: "
                         f"rank 0 has {_describe(a)}, rank {r} has {_describe(b)}. Every rank must "
                         f"build the same model (same parameters and buffers, same shapes and dtypes, "
-                        f"same order) before wrapping it in RingDDP. (seen from rank {self.rank})")
+                        f"same sparse flags, same order) before wrapping it in RingDDP. (seen from rank {self.rank})")
 
     @torch.no_grad()
     def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
@@ -249,7 +261,9 @@ class RingDDP(nn.Module, Joinable):
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """hook(state, bucket: GradBucket) -> torch.futures.Future of the reduced bucket (a
         Work with get_future() also does); see ringdp.comm_hooks. Call before the first
-        backward, at most once."""
+        backward, at most once. Parameters with sparse gradients are not given to the hook
+        (torch DDP gives it each one as a bucket of its own): they are reduced as without a
+        hook, divided by the world size (or join's divisor) and summed."""
         if self._comm_hook is not None:
             raise RuntimeError("RingDDP: register_comm_hook can only be called once")
         if not callable(hook):
@@ -351,9 +365,26 @@ class _RingJoinHook(JoinHook):
 def _describe(entry) -> str:
     if entry is None:
         return "nothing (fewer parameters/buffers)"
-    kind, name, shape, dtype, req = entry
+    kind, name, shape, dtype, req, sparse = entry
     extra = "" if kind == "buffer" else ("" if req else ", requires_grad=False")
+    extra += ", sparse gradient" if sparse else ""
     return f"{kind} {name!r} of shape {tuple(shape)} and dtype {dtype}{extra}"
+
+
+def _sparse_grad_params(module: nn.Module) -> set[int]:
+    """ids of the parameters whose gradients are sparse, by torch DDP's rule: the weight of
+    an nn.Embedding / nn.EmbeddingBag with sparse=True (a parameter shared by several
+    modules counts for the first one that holds it, in named_modules() order)."""
+    seen: set[int] = set()
+    sparse: set[int] = set()
+    for m in module.modules():
+        for p in m.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                sparse.add(id(p))
+    return sparse
 
 
 def _to_device(obj, device):

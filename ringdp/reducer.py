@@ -45,6 +45,16 @@ synchronised backwards, join shadows included; a comm hook's collectives get the
 through ``collective_tag``), so ranks whose steps got out of line fail at once with a
 RingError that names both sides instead of averaging gradients of different steps.
 
+Sparse gradients. The weights of ``nn.Embedding`` / ``nn.EmbeddingBag`` modules built with
+``sparse=True`` (the caller says which, as torch DDP decides it) are in no bucket: their
+gradients are reduced by :class:`SparseGrads` as torch DDP's reducer does it, divided by the
+divisor and then summed by the process group's sparse all-reduce (gloo's), started at the end
+of backward in parameter-index order on every rank (a rank without such a gradient takes
+part with an empty one) and finished after the buckets. They are given to no comm hook and
+no observer (the trace shows the buckets only; the sparse reductions fall inside its finalize
+span and count in ``last_exposed_comm_ms``). A sparse gradient for any other parameter is an
+error, as in torch DDP.
+
 Observers. An :class:`Observer` is told what happens (ready, launch, done, wait, finalize);
 it records and never changes what the Reducer does (ringdp.trace.DDPTrace writes the Chrome
 trace).
@@ -64,7 +74,7 @@ from torch.utils._pytree import tree_leaves
 
 from .comm import collective_tag, get_communicator
 
-__all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "assign_buckets", "now_us"]
+__all__ = ["Reducer", "Bucket", "GradBucket", "Observer", "SparseGrads", "assign_buckets", "now_us"]
 
 ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
 
@@ -258,6 +268,89 @@ def future_tensor(fut: torch.futures.Future, target: torch.Tensor) -> torch.Tens
     return res if isinstance(res, torch.Tensor) else target
 
 
+class SparseGrads:
+    """The parameters whose gradients are sparse (module doc, "Sparse gradients"): kept out
+    of the buckets and reduced at the end of backward through the process group, one
+    all-reduce each, in index order on every rank.
+
+    A rank where such a parameter has no gradient takes part with an empty one, and gets
+    ``.grad`` only if the sum has entries (a parameter no rank used keeps ``.grad`` None).
+    A dense gradient (the weight is also used densely, e.g. tied to an output projection)
+    is reduced as a sparse one too, so that the collective is the same on every rank
+    whatever layout autograd gave each, and stays dense in ``.grad``."""
+
+    def __init__(self, params: list[nn.Parameter], names: list[str], indices: list[int], group):
+        self.params = params
+        self.names = names
+        self.indices = sorted(indices)
+        self._set = set(self.indices)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        # (index, local gradient or None, tensor reduced, its future) per started reduction
+        self._pending: list[tuple[int, torch.Tensor | None, torch.Tensor, torch.futures.Future]] = []
+        self._shadow = False
+
+    def __contains__(self, i: int) -> bool:
+        return i in self._set
+
+    def check(self, i: int, grad: torch.Tensor | None) -> None:
+        """Parameter i's gradient arrived (during backward): a layout this class reduces."""
+        if grad is not None and grad.layout not in (torch.strided, torch.sparse_coo):
+            raise RuntimeError(f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of "
+                               f"layout {grad.layout}; a sparse gradient must be a sparse COO tensor")
+
+    @torch.no_grad()
+    def launch(self, divisor: int, shadow: bool = False) -> None:
+        """Start every reduction, in index order: gradient / divisor, then summed (shadow: a
+        joined rank, contributing nothing and keeping nothing)."""
+        if self.world == 1 or not self.indices:
+            return
+        self.abandon()  # left over from a backward whose end raised
+        self._shadow = shadow
+        for i in self.indices:
+            g = None if shadow else self.params[i].grad
+            if g is None:
+                t = _empty_sparse(self.params[i])
+            elif g.layout == torch.sparse_coo:
+                t = g.div_(divisor)  # as torch DDP: divided in .grad, then summed into it
+            else:
+                t = g.div(divisor).to_sparse(1)
+            work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+            self._pending.append((i, g, t, work.get_future()))
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for the reductions in order; write each result back into ``.grad``."""
+        pending, self._pending = self._pending, []
+        for i, g, t, fut in pending:
+            res = future_tensor(fut, t)
+            if res is not t:  # gloo writes the sum into t; another backend may return it
+                t.copy_(res)
+            if self._shadow:
+                continue
+            if g is None:
+                if t._nnz() > 0:
+                    self.params[i].grad = t
+            elif g is not t:  # a dense gradient stays dense
+                g.copy_(t.to_dense())
+            # else the sparse .grad itself was reduced
+
+    def abandon(self) -> None:
+        """A backward died: let the started reductions finish."""
+        pending, self._pending = self._pending, []
+        for _i, _g, _t, fut in pending:
+            with contextlib.suppress(Exception):
+                fut.wait()
+
+
+def _empty_sparse(p: torch.Tensor) -> torch.Tensor:
+    """A sparse gradient of `p` without entries (the layout nn.Embedding's gradients have)."""
+    return torch.sparse_coo_tensor(torch.empty((1, 0), dtype=torch.long, device=p.device),
+                                   torch.empty((0, *p.shape[1:]), dtype=p.dtype, device=p.device),
+                                   p.shape, is_coalesced=True, check_invariants=False)
+
+
 class Reducer:
     """Buckets of one RingDDP's gradients and their reductions (module doc).
 
@@ -265,11 +358,13 @@ class Reducer:
     rank. group: the process group (None: default). cap_bytes/first_cap_bytes: bucket caps.
     in_grad_min_bytes: see the module doc (-1: never). find_unused/static_graph: as torch
     DDP's find_unused_parameters/static_graph. overlap: start reductions during backward
-    (else all at its end)."""
+    (else all at its end). sparse: per parameter, whether its gradient is sparse (in no
+    bucket; module doc)."""
 
     def __init__(self, params: list[nn.Parameter], names: list[str], group, *, cap_bytes: int,
                  first_cap_bytes: int, in_grad_min_bytes: int, gradient_as_bucket_view: bool,
-                 find_unused: bool, static_graph: bool, overlap: bool, observer: Observer | None = None):
+                 find_unused: bool, static_graph: bool, overlap: bool, observer: Observer | None = None,
+                 sparse: list[bool] | None = None):
         self.params = params
         self.names = names
         self.group = group
@@ -288,11 +383,12 @@ class Reducer:
         self._nbytes = [p.numel() * p.element_size() for p in params]
         self._keys = [(p.dtype, p.device) for p in params]
         self._warned_alloc = False
+        self._sparse = SparseGrads(params, names, [i for i, s in enumerate(sparse or []) if s], group)
 
         self.buckets: list[Bucket] = []
-        self._loc: list[tuple[Bucket, int]] = []  # parameter index -> (bucket, slot)
+        self._loc: list[tuple[Bucket, int] | None] = []  # parameter index -> (bucket, slot); None: sparse
         self._arenas: list[torch.Tensor] = []
-        self._build(list(reversed(range(len(params)))))
+        self._build([i for i in reversed(range(len(params))) if i not in self._sparse])
         self.rebuilt = False
         self.ready_order: list[int] = []  # first synchronised backward's ready order
 
@@ -328,11 +424,17 @@ class Reducer:
     # ------------------------------------------------------------------ settings
     @property
     def bucket_layout(self) -> list[list[str]]:
-        """Parameter names per bucket, in bucket (= reduction) order."""
+        """Parameter names per bucket, in bucket (= reduction) order; parameters with sparse
+        gradients are in no bucket (sparse_names)."""
         return [[self.names[i] for i in b.params] for b in self.buckets]
 
-    def bucket_of(self, i: int) -> tuple[Bucket, int]:
-        """(bucket, slot) of parameter i."""
+    @property
+    def sparse_names(self) -> list[str]:
+        """Names of the parameters whose gradients are sparse, in reduction order."""
+        return [self.names[i] for i in self._sparse.indices]
+
+    def bucket_of(self, i: int) -> tuple[Bucket, int] | None:
+        """(bucket, slot) of parameter i (None for a parameter with sparse gradients)."""
         return self._loc[i]
 
     def set_comm_hook(self, state, hook: Callable) -> None:
@@ -406,13 +508,14 @@ class Reducer:
         for b in buckets:
             for slot, i in enumerate(b.params):
                 loc[i] = (b, slot)
-        if self.gradient_as_bucket_view and self._loc:  # move this step's .grad into the new buckets
-            for i, p in enumerate(self.params):
-                ob, oslot = self._loc[i]
-                if p.grad is not None and _same_view(p.grad, ob.views[oslot]):
-                    nb, nslot = loc[i]
-                    nb.views[nslot].copy_(p.grad)
-                    p.grad = nb.views[nslot]
+        if self.gradient_as_bucket_view:  # move this step's .grad into the new buckets
+            for ob in self.buckets:
+                for oslot, i in enumerate(ob.params):
+                    p = self.params[i]
+                    if p.grad is not None and _same_view(p.grad, ob.views[oslot]):
+                        nb, nslot = loc[i]
+                        nb.views[nslot].copy_(p.grad)
+                        p.grad = nb.views[nslot]
         self.buckets = buckets
         self._loc = loc
         self._arenas = list(arenas.values())
@@ -425,7 +528,7 @@ class Reducer:
         if self.world > 1:
             gsrc = src if self.group is None or self.group is dist.group.WORLD else dist.get_global_rank(self.group, src)
             dist.broadcast_object_list(obj, src=gsrc, group=self.group)
-        seen: set[int] = set()
+        seen: set[int] = set(self._sparse.indices)  # in no bucket
         order = [i for i in (int(x) for x in (obj[0] or []))
                  if 0 <= i < len(self.params) and not (i in seen or seen.add(i))]
         order += [i for i in reversed(range(len(self.params))) if i not in seen]
@@ -524,10 +627,19 @@ class Reducer:
                 f"died on this rank without a new forward); RingDDP supports one gradient per parameter "
                 f"per backward")
         self._ready[i] = True
+        if i in self._sparse:  # in no bucket: reduced at the end of backward
+            self._sparse.check(i, None if param is None else param.grad)
+            return
         if not self.rebuilt:
             self.ready_order.append(i)
         b, slot = self._loc[i]
         grad = None if param is None else param.grad
+        if grad is not None and grad.layout != torch.strided:
+            raise RuntimeError(
+                f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of layout "
+                f"{grad.layout}, but it is reduced in a dense bucket. Only the weights of nn.Embedding / "
+                f"nn.EmbeddingBag modules built with sparse=True are expected to have sparse gradients (as in "
+                f"torch's DistributedDataParallel): do the lookup through such a module, or make it dense")
         scale = self._scale
         if (b.in_grad and grad is not None and self._hook is None and grad.layout == torch.strided
                 and grad.is_contiguous() and grad.dtype == b.dtype and grad.device == b.device):
@@ -598,9 +710,10 @@ class Reducer:
         try:
             self._launch_ready()  # without overlap nothing was launched yet
             if self._next_launch < len(self.buckets):
-                missing = [i for i in range(len(self.params)) if not self._ready[i]]
+                missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
                 self.abandon()
                 raise RuntimeError(self._unused_message(missing))
+            self._sparse.launch(self.divisor)  # beside the buckets' reductions, finished after them
             wait_us = wb_us = 0.0
             globally_unused: set[int] = set()
             if self.tracks_unused:
@@ -621,10 +734,13 @@ class Reducer:
                 wait_us += t1 - t0
                 wb_us += t2 - t1
                 self.observer.on_wait(self.step, b, t0, t1, t2)
+            t0 = now_us()
+            self._sparse.finish()
+            sparse_us = now_us() - t0
             if self.static_graph and self._static_unused is None:
                 self._static_unused = globally_unused
                 self._static_unused_local = list(self._unused)
-            self.last_exposed_comm_ms = wait_us / 1e3
+            self.last_exposed_comm_ms = (wait_us + sparse_us) / 1e3
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:
                 self.rebuild(self.auth_rank)
@@ -642,6 +758,7 @@ class Reducer:
             with contextlib.suppress(Exception):
                 self._usage_future.wait()
         self._usage_future = None
+        self._sparse.abandon()
         self._in_backward = False
 
     @torch.no_grad()
@@ -696,8 +813,10 @@ class Reducer:
                 b.reset()
                 b.buffer.zero_()
                 self._launch(b)
+            self._sparse.launch(self.divisor, shadow=True)
             for b in self.buckets:
                 self._wait(b)
+            self._sparse.finish()
             if tracks and self.static_graph and self._static_unused is None:
                 self._static_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
             if not self.rebuilt:
