@@ -10,6 +10,7 @@
 #include "ring/ring.h"
 #include "ring/schedule.h"
 #include "ring/trace.h"
+#include "transport/shm/names.h"
 #include "transport/shm/shm_comm.h"
 #ifdef RINGDP_WITH_CUDA
 #include "cuda/cuda_api.h"
@@ -104,6 +105,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("COMPILER") = __VERSION__;
   m.def("supported_dtypes", &supported_dtypes, "the torch dtypes ringdp reduces");
   m.attr("TAG_BYTES") = kTagBytes;  // a collective's tag: at most TAG_BYTES - 1 bytes
+  m.def("shm_segment_name", &shm::segment_name, py::arg("job"), py::arg("rank"),
+        "the /dev/shm name of rank's segment in job, created by this process");
+  m.def("reap_stale_segments", &shm::reap_stale,
+        "unlink segment names in /dev/shm whose creator is dead; returns the names removed");
   m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +
                                "." + std::to_string(TORCH_VERSION_PATCH);
 
@@ -140,7 +145,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
       .def_property_readonly("oneshot_bytes", &ShmComm::oneshot_bytes)
       .def("unlink_own", &ShmComm::unlink_own)
-      .def("unlink_all", &ShmComm::unlink_all)
       .def("abort", &ShmComm::abort)
       .def(
           "all_reduce",

@@ -213,14 +213,20 @@ class Communicator:
         return [h.decode() for h in self.rendezvous.exchange("host", self.host, "the host records")]
 
     def _connect_shm(self):
-        """This rank's segment, connected to every peer's (module doc, step 3)."""
+        """This rank's segment, connected to every peer's (module doc, step 3).
+
+        Nothing is left in /dev/shm when a rank dies during set-up: every rank is here (the
+        host exchange) before any segment exists; an exception unlinks this rank's name, a
+        SIGTERM too (a handler, while the name exists: csrc/transport/shm/names.h); a name
+        left by SIGKILL carries its creator's pid, and the next set-up on the machine removes
+        names whose creator is dead (_C.reap_stale_segments)."""
         rdv, cfg = self.rendezvous, self.config
+        self._reap_stale_segments()
         if self.rank == 0:
             rdv.publish("uid", uuid.uuid4().hex[:12])
         uid = rdv.read("uid", "the job id").decode()
-        names = [f"/ringdp-{uid}-r{r}" for r in range(self.world)]
         c = _C.ShmConfig()
-        c.rank, c.world, c.name, c.host = self.rank, self.world, names[self.rank], self.host
+        c.rank, c.world, c.name, c.host = self.rank, self.world, _C.shm_segment_name(uid, self.rank), self.host
         c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
         c.arena_bytes = int(cfg.arena_gb * (1 << 30))
         c.spin_ns = policy.spin_ns(self.world, cfg)
@@ -233,9 +239,17 @@ class Communicator:
             rdv.barrier("shm-mapped", "peers to map the segments")
             native.unlink_own()  # every peer has mapped it: nothing left to leak in /dev/shm
         except BaseException:
-            native.unlink_all(names)
+            native.unlink_own()
+            self._reap_stale_segments()  # a peer that died during set-up left its name
             raise
         return native
+
+    def _reap_stale_segments(self) -> None:
+        removed = _C.reap_stale_segments()
+        if removed:
+            log.info(
+                "ringdp rank %d: removed %d segment(s) of dead processes from /dev/shm: %s",
+                self.rank, len(removed), ", ".join(removed))
 
     @property
     def shm(self):

@@ -30,7 +30,8 @@ class Rendezvous:
     def _wait(self, what: str, keys: list[str]) -> None:
         try:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
-        except Exception as e:  # torch raises DistStoreError / RuntimeError on timeout
+        except dist.DistError as e:  # DistStoreError on timeout; anything else (e.g. what a
+            # signal handler raised in the wait: a SIGTERM during set-up) propagates as it is
             missing = [k for k in keys if not self.store.check([k])]
             raise RingError(
                 f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "

@@ -6,7 +6,6 @@ import logging
 import os
 import time
 
-import pytest
 import torch
 from torch import nn
 

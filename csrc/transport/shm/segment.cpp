@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "../../common/error.h"
+#include "names.h"
 
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
@@ -58,7 +59,7 @@ Segment& Segment::operator=(Segment&& o) noexcept {
 }
 
 Segment::~Segment() {
-  if (owner_ && linked_) ::shm_unlink(name_.c_str());
+  unlink();
   if (base_) ::munmap(base_, size_);
   if (fd_ >= 0) ::close(fd_);
   base_ = nullptr;
@@ -69,8 +70,13 @@ Segment::~Segment() {
 Segment Segment::create(const std::string& name, size_t bytes, size_t prefault) {
   Segment s;
   s.name_ = name;
+  guard_name(name);  // before it exists: a SIGTERM from now on removes it (names.h)
   s.fd_ = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
-  if (s.fd_ < 0) throw RingError(cat("shm_open(", name, ") failed: ", errstr(errno)));
+  if (s.fd_ < 0) {
+    const int e = errno;
+    unguard_name(name);
+    throw RingError(cat("shm_open(", name, ") failed: ", errstr(e)));
+  }
   s.owner_ = true;
   s.linked_ = true;  // from here on the destructor unlinks on every failure path
   if (::ftruncate(s.fd_, static_cast<off_t>(bytes)) != 0)
@@ -103,7 +109,10 @@ Segment Segment::open(const std::string& name, size_t prefault) {
 }
 
 void Segment::unlink() {
-  if (owner_ && linked_) ::shm_unlink(name_.c_str());
+  if (owner_ && linked_) {
+    ::shm_unlink(name_.c_str());
+    unguard_name(name_);
+  }
   linked_ = false;
 }
 

@@ -1,5 +1,6 @@
 // A POSIX shared-memory segment: created owner-only (0600) with O_EXCL, pre-faulted, and
 // unlinked as soon as every peer has mapped it. Unmapped (and closed) by the destructor.
+// While an owned segment is linked, a SIGTERM unlinks its name (names.h, the SIGTERM guard).
 #pragma once
 #include <cstddef>
 #include <string>

@@ -158,7 +158,12 @@ void ShmComm::connect(const std::vector<std::string>& blobs) {
     check_identity(r, b.id, blob.size() >= sizeof(b) && blob.size() == sizeof(b) + b.name_len,
                    geo_.total_bytes(), "the shared-memory record");
     // Then the segment it names, which must say the same.
-    shm::Segment s = shm::Segment::open(blob.substr(sizeof(b)), geo_.fixed_bytes());
+    shm::Segment s;
+    try {
+      s = shm::Segment::open(blob.substr(sizeof(b)), geo_.fixed_bytes());
+    } catch (const RingError& e) {
+      throw RingError(cat("rank ", cfg_.rank, ": cannot map the segment of rank ", r, ": ", e.what()));
+    }
     const Control* c = reinterpret_cast<const Control*>(s.base());
     check_identity(r, c->id, s.size() >= shm::kControlBytes, s.size(), cat("segment ", s.name()));
     // Use the peer's pid for liveness checks only if it is visible from this process
@@ -184,11 +189,6 @@ void ShmComm::require_connected() const {
 }
 
 void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
-
-void ShmComm::unlink_all(const std::vector<std::string>& names) {
-  unlink_own();
-  for (const auto& n : names) shm::unlink_name(n);
-}
 
 void ShmComm::check_health(int waiting_on, const char* what) {
   for (int r = 0; r < cfg_.world; ++r) {

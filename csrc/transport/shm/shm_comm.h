@@ -55,8 +55,6 @@ class ShmComm final : public Endpoint {
   void connect(const std::vector<std::string>& blobs) override;
   // Remove this rank's name from /dev/shm once every peer has mapped it.
   void unlink_own();
-  // Best-effort removal of every rank's name (failure paths during set-up).
-  void unlink_all(const std::vector<std::string>& names);
 
   // In-place all-reduce of `count` elements at `data`. Collective: every rank of the group
   // calls it in the same order, with the same `tag` (the caller's name for the call, at

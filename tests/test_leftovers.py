@@ -1,0 +1,219 @@
+"""No /dev/shm entries are left behind by a job whose ranks die during set-up (issue 10,
+point 4), under torchrun: torchrun SIGTERMs the other ranks as soon as one fails.
+
+- a rank failing before ringdp.init(): the others wait in the rendezvous, before any segment
+  exists (the host exchange comes first), and nothing is left (this held before the fix);
+- a rank failing while the others hold their segments and wait in the exchange: their
+  SIGTERM guard (csrc/transport/shm/names.h) unlinks the names as they die; with a Python
+  SIGTERM handler installed, the guard unlinks, then that handler still runs;
+- a rank SIGKILLed after creating its segment leaves its name; the next set-up on this
+  machine removes it (its creator is dead), and never a name whose creator is alive, of
+  another pid namespace or of another user.
+
+Segment names are "ringdp-<job>-r<rank>-p<pid>-n<pid namespace inode>" (names.h). The
+failing rank's failure is simulated by the test scripts (a wrapper around ringdp.comm._C),
+never by the library."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from _dist import free_port, run_ranks, values
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+JOB = os.path.join(HERE, "_leftovers_job.py")
+NAME = re.compile(r"^ringdp-(?P<job>[0-9A-Za-z]+)-r(?P<rank>\d+)-p(?P<pid>\d+)-n(?P<ns>\d+)$")
+
+
+def _shm():
+    return set(os.listdir("/dev/shm"))
+
+
+def _torchrun(mode, out, world=3):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.1",
+           JOB, mode, str(out)]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+    return p.returncode, p.stdout
+
+
+def _read(out, name):
+    path = out / name
+    return path.read_text() if path.exists() else None
+
+
+def _job_names(out):
+    """The names of the job's segments now in /dev/shm (the job's prefix, written by its
+    last rank, "ringdp-<uid>")."""
+    job = _read(out, "job")
+    assert job, "the last rank never reached its segment"
+    return sorted(n for n in _shm() if n == job or n.startswith(job + "-"))
+
+
+def _check_run(rc, log, out, world=3):
+    assert rc != 0 and "SIGTERM" in log, log  # torchrun terminated the others
+    for r in range(world - 1):  # the others were inside ringdp.init when the last rank failed
+        assert _read(out, f"entered-{r}") is not None and _read(out, f"done-{r}") is None, log
+
+
+def test_rank_failing_before_init_leaves_nothing(tmp_path):
+    before = _shm()
+    rc, log = _torchrun("fail-before-init", tmp_path)
+    _check_run(rc, log, tmp_path)
+    pids = {_read(tmp_path, f"pid-{r}") for r in range(3)}
+    time.sleep(0.5)  # names of other programs' set-ups come and go within milliseconds
+    new = {n for n in _shm() - before if n.startswith("ringdp-")}
+    mine = [n for n in new if not NAME.match(n) or NAME.match(n)["pid"] in pids]
+    assert mine == [], log
+
+
+def test_sigterm_during_setup_unlinks(tmp_path):
+    rc, log = _torchrun("fail-at-create", tmp_path)
+    _check_run(rc, log, tmp_path)
+    assert _job_names(tmp_path) == [], log  # the SIGTERMed ranks' names went with them
+
+
+def _init_only(rank, world):
+    import ringdp
+
+    name = ringdp.init(timeout=60).shm.name.lstrip("/")
+    return name, _sigterm_disposition()  # set-up is over: SIGTERM's default is back
+
+
+def _dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_next_setup_removes_names_of_dead_creators(tmp_path):
+    # A real leftover: a torchrun rank SIGKILLed right after creating its segment; the
+    # others, SIGTERMed by torchrun, took their names with them.
+    rc, log = _torchrun("killed-after-create", tmp_path)
+    _check_run(rc, log, tmp_path)
+    killed = _job_names(tmp_path)
+    assert len(killed) == 1 and NAME.match(killed[0]), (killed, log)
+    assert NAME.match(killed[0])["rank"] == "2" and NAME.match(killed[0])["pid"] == _read(tmp_path, "pid-2")
+    from ringdp._native import _C
+
+    own = _C.shm_segment_name("leftovertest", 0).lstrip("/")
+    m = NAME.match(own)
+    assert m and m["pid"] == str(os.getpid()), own
+    ns = m["ns"]
+    assert ns != "0" and int(ns) == os.stat("/proc/self/ns/pid").st_ino
+    dead = _dead_pid()
+    planted = {
+        "dead": f"ringdp-leftovertest-r1-p{dead}-n{ns}",
+        "alive": f"ringdp-leftovertest-r2-p{os.getpid()}-n{ns}",  # this process: alive
+        "other-ns": f"ringdp-leftovertest-r3-p{dead}-n{int(ns) + 1}",  # pid means nothing here
+        "unparsed": f"ringdp-leftovertest-r4-p{dead}",  # not a name of this version's
+        "huge-ns": f"ringdp-leftovertest-r6-p{dead}-n{'9' * 25}",  # nor this
+    }
+    if os.geteuid() == 0:
+        planted["other-user"] = f"ringdp-leftovertest-r5-p{dead}-n{ns}"
+    try:
+        for key, n in planted.items():
+            with open(f"/dev/shm/{n}", "w") as f:
+                f.write("x")
+            if key == "other-user":
+                os.chown(f"/dev/shm/{n}", 4242, -1)
+        res = values(run_ranks(_init_only, 2))  # the next job on this machine
+        assert all(NAME.match(n) and handler == 0 for n, handler in res), res
+        present = _shm()
+        assert killed[0] not in present
+        assert planted["dead"] not in present
+        kept = {k for k, n in planted.items() if n in present}
+        assert kept == set(planted) - {"dead"}
+    finally:
+        for n in [*planted.values(), *killed]:
+            try:
+                os.unlink(f"/dev/shm/{n}")
+            except FileNotFoundError:
+                pass
+
+
+def _sigterm_disposition():
+    """SIGTERM's handler as the kernel has it (signal.getsignal only knows Python's view):
+    0 is SIG_DFL. sa_handler is the first field of glibc's struct sigaction."""
+    import ctypes
+    import signal
+
+    buf = ctypes.create_string_buffer(256)
+    assert ctypes.CDLL(None, use_errno=True).sigaction(signal.SIGTERM, None, buf) == 0
+    return int.from_bytes(buf.raw[:ctypes.sizeof(ctypes.c_void_p)], "little")
+
+
+class _SlowCreate:
+    """ringdp's _C, except that creating the segment takes `delay` s (a slow rank)."""
+
+    def __init__(self, native, delay):
+        self._native, self._delay = native, delay
+
+    def __getattr__(self, name):
+        return getattr(self._native, name)
+
+    def ShmComm(self, cfg):  # noqa: N802
+        time.sleep(self._delay)
+        return self._native.ShmComm(cfg)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _sigterm_with_python_handler(rank, world):
+    import signal
+    import threading
+
+    import ringdp
+    import ringdp.comm
+
+    if rank == 1:  # slow: rank 0 holds its segment and waits in the exchange meanwhile
+        ringdp.comm._C = _SlowCreate(ringdp.comm._C, 2.0)
+        try:
+            ringdp.init(timeout=30)
+        except ringdp.RingError as e:
+            return str(e)
+        return None
+
+    def graceful(signum, frame):  # as a training script's handler: stop, by an exception
+        raise _Terminated(signum)
+
+    signal.signal(signal.SIGTERM, graceful)
+    seen = {}
+
+    def kill_once_created():
+        mine = f"-p{os.getpid()}-"
+        t0 = time.monotonic()
+        while not seen.get("name") and time.monotonic() - t0 < 20:
+            seen["name"] = next((n for n in os.listdir("/dev/shm") if n.startswith("ringdp-") and mine in n), None)
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)  # rank 0's main thread still waits in the exchange
+        seen["after"] = os.path.exists(f"/dev/shm/{seen['name']}")
+
+    before = _sigterm_disposition()  # Python's handler
+    killer = threading.Thread(target=kill_once_created)
+    killer.start()
+    try:
+        ringdp.init(timeout=30)
+        err = None
+    except _Terminated as e:
+        err = f"terminated by {e.args[0]}"
+    killer.join()
+    return err, seen, _sigterm_disposition() == before
+
+
+def test_sigterm_during_setup_chains_to_python_handler():
+    res = values(run_ranks(_sigterm_with_python_handler, 2))
+    err, seen, restored = res[0]
+    assert err == f"terminated by {int(signal.SIGTERM)}"  # the script's handler ran, as it would have
+    assert seen["name"] and NAME.match(seen["name"]), seen
+    assert seen["after"] is False  # unlinked at the signal, while the rank still waited
+    assert restored  # Python's handler is SIGTERM's disposition again
+    assert res[1] and seen["name"] in res[1] and "No such file" in res[1], res[1]  # the peer could not map it
+    assert seen["name"] not in _shm()
