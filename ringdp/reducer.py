@@ -411,7 +411,9 @@ class Reducer:
         self._set_scale()
 
         # unused parameters
-        self._unused: list[int] = []  # locally unused in the latest forward
+        self._unused: list[int] = []  # locally unused since the last synchronised backward
+        self._unused_now: list[int] = []  # not reached by the latest forward's graph (no hook fires)
+        self._used_since_sync: set[int] = set()  # used by forwards under no_sync since then
         self._static_unused: set[int] | None = None  # globally unused, for static_graph
         self._static_unused_local: list[int] = []  # locally unused, for static_graph
         self._usage: torch.Tensor | None = None
@@ -566,8 +568,15 @@ class Reducer:
         """After forward: whether the coming backward synchronises gradients, and (when
         unused parameters are tracked) which parameters `outputs` do not depend on."""
         self._sync = sync
-        if sync and self.tracks_unused:
-            self._unused = self._find_unused(outputs)
+        if self.tracks_unused and torch.is_grad_enabled():
+            now = self._find_unused(outputs)
+            if sync:  # a parameter used under no_sync since the last sync counts as used (as torch)
+                self._unused_now = now
+                self._unused = [i for i in now if i not in self._used_since_sync]
+                self._used_since_sync = set()
+            else:
+                unused = set(now)
+                self._used_since_sync.update(i for i in range(len(self.params)) if i not in unused)
 
     def _find_unused(self, outputs) -> list[int]:
         """Indices of parameters not reachable from the outputs' autograd graph."""
@@ -610,11 +619,16 @@ class Reducer:
                 self._usage[torch.tensor(self._unused, dtype=torch.long, device=self._usage.device)] = 0
             if self.world > 1:
                 self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
-            for i in self._unused:
-                self.mark_ready(i, None)
+            self._mark_unreached(self._unused_now)
         elif self._static_unused_local:
-            for i in self._static_unused_local:
-                self.mark_ready(i, None)
+            self._mark_unreached(self._static_unused_local)
+
+    def _mark_unreached(self, indices: list[int]) -> None:
+        """Parameters whose hooks will not fire in this backward are ready at once, with the
+        gradient they hold (accumulated under no_sync, say) or zeros, as in torch DDP."""
+        for i in indices:
+            p = self.params[i]
+            self.mark_ready(i, p if p.grad is not None else None)
 
     @torch.no_grad()
     def mark_ready(self, i: int, param: nn.Parameter | None) -> None:
@@ -739,7 +753,7 @@ class Reducer:
             sparse_us = now_us() - t0
             if self.static_graph and self._static_unused is None:
                 self._static_unused = globally_unused
-                self._static_unused_local = list(self._unused)
+                self._static_unused_local = list(self._unused_now)
             self.last_exposed_comm_ms = (wait_us + sparse_us) / 1e3
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:

@@ -259,6 +259,38 @@ def case_no_sync(rank, world, micro=3, per_rank=2, gradient_as_bucket_view=False
     return {"diffs": diffs, "nosync_local": nosync_grad_local, "params": params_of(ddp.module)}
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 2)
+        self.b = nn.Linear(3, 2)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def case_used_only_under_no_sync(rank, world):
+    """find_unused_parameters: a parameter used only in no_sync micro-steps and unused in
+    the synchronised one still has its accumulated gradient averaged (as torch DDP)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp import RingDDP
+
+    out = {}
+    for name, cls in (("ringdp", RingDDP), ("torch", DDP)):
+        torch.manual_seed(0)
+        m = cls(_TwoHeads(), find_unused_parameters=True)
+        for step in range(2):  # each twice: the bookkeeping resets after a sync
+            for p in m.parameters():
+                p.grad = None
+            x = torch.arange(6, dtype=torch.float32).view(2, 3) * (rank + 1) + step
+            with m.no_sync():
+                m(x, True).square().sum().backward()  # b used only here
+            m(x + 1, False).square().sum().backward()  # b unused in the synchronised step
+            out[(name, step)] = [p.grad.clone() for p in m.module.parameters()]
+    return out
+
+
 def ref_local_grad(ref, x, y, micro, per_rank):
     """Gradient of rank-local micro-batches (pre-step reference weights are the same as
     the RingDDP model's at this point of the step)."""
@@ -644,6 +676,16 @@ def test_no_sync_accumulation_equals_large_batch(pool, view, env):
         assert max(out["nosync_local"]) < 1e-6, "no_sync should leave the local gradients alone"
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
+
+
+def test_parameter_used_only_under_no_sync_is_averaged_like_torch(pool):
+    res = pool.run(case_used_only_under_no_sync)
+    for out in res:
+        for step in range(2):
+            for g, t in zip(out[("ringdp", step)], out[("torch", step)]):
+                torch.testing.assert_close(g, t, rtol=1e-6, atol=0)
+    for step in range(2):  # the same averaged b on every rank (it differed before)
+        assert torch.equal(res[0][("ringdp", step)][2], res[1][("ringdp", step)][2])
 
 
 @pytest.mark.parametrize("static_graph,env,d", [(False, None, 4), (True, None, 4), (False, IN_GRAD, 4),
