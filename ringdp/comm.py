@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from . import _types, cuda_comm, policy
 from ._native import RingError, _C
-from .config import ALGOS, Config
+from .config import ALGOS, Config, trace_path
 from .rendezvous import Rendezvous
 
 __all__ = ["Communicator", "RingError", "Work", "build_info", "collective_tag", "destroy", "get_communicator",
@@ -468,8 +468,6 @@ class Communicator:
         if not self.config.trace:
             return None
         try:
-            from .trace import trace_path
-
             path = trace_path(self.config.trace, self.rank).parent / f"ringdp_flight.rank{self.rank}.json"
             path.parent.mkdir(parents=True, exist_ok=True)
             doc = {"rank": self.rank, "world": self.world, "host": self.host, "pid": os.getpid(),

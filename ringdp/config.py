@@ -15,6 +15,7 @@ import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping
 
 from . import policy
@@ -157,6 +158,19 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
             known = ", ".join(sorted(_VARIABLES))
             warnings.warn(f"ringdp: unknown environment variable {name} is ignored (known: {known})",
                           stacklevel=3)
+
+
+def trace_path(path: str | os.PathLike, rank: int) -> Path:
+    """Where rank `rank` writes its trace for RINGDP_TRACE=`path` (ringdp/trace.py): a path
+    with ``{rank}`` is formatted, a ``.json`` path gets ``.rank<r>`` before the suffix, any
+    other path is a folder. Its folder also receives the rank's flight record (comm.py)."""
+    s = os.fspath(path)
+    if "{rank}" in s:
+        return Path(s.format(rank=rank))
+    p = Path(s)
+    if p.suffix == ".json":
+        return p.with_name(f"{p.stem}.rank{rank}.json")
+    return p / f"ringdp_trace.rank{rank}.json"
 
 
 def variables() -> dict[str, str]:

@@ -34,21 +34,11 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_leaves
 
+from .config import trace_path
 from .reducer import Bucket, Observer, now_us
 
 TID_AUTOGRAD = 0
 TID_COMM = 1
-
-
-def trace_path(path: str | os.PathLike, rank: int) -> Path:
-    """Where rank `rank` writes its trace for the user-given `path`."""
-    s = os.fspath(path)
-    if "{rank}" in s:
-        return Path(s.format(rank=rank))
-    p = Path(s)
-    if p.suffix == ".json":
-        return p.with_name(f"{p.stem}.rank{rank}.json")
-    return p / f"ringdp_trace.rank{rank}.json"
 
 
 def step_summary(step: dict) -> dict:
