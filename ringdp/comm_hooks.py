@@ -1,7 +1,7 @@
 """Communication hooks for RingDDP, in the style of torch's ddp_comm_hooks.
 
 A hook is ``hook(state, bucket) -> torch.futures.Future``: ``bucket`` is a
-:class:`ringdp.reducer.GradBucket` holding the bucket's *raw summed* local gradients in
+:class:`ringdp.buckets.GradBucket` holding the bucket's *raw summed* local gradients in
 ``bucket.buffer()`` (not yet divided by the world size); the hook starts the reduction and
 returns a future whose value is the tensor holding the averaged gradients (or a list with
 it first), as torch's hooks do. ``ringdp.all_reduce(..., async_op=True).get_future()`` is

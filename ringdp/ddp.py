@@ -25,7 +25,8 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinCon
 
 from .comm import RingError, get_communicator, init
 from .config import Config
-from .reducer import GradBucket, Observer, Reducer, assign_buckets, now_us
+from .buckets import GradBucket, Observer, assign_buckets, now_us
+from .reducer import Reducer
 
 __all__ = ["RingDDP", "GradBucket", "assign_buckets"]
 

@@ -35,7 +35,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from .config import trace_path
-from .reducer import Bucket, Observer, now_us
+from .buckets import Bucket, Observer, now_us
 
 TID_AUTOGRAD = 0
 TID_COMM = 1

@@ -1,7 +1,7 @@
 """Bucket assignment (single process): which gradients share a bucket, in which order."""
 import torch
 
-from ringdp.reducer import assign_buckets
+from ringdp.buckets import assign_buckets
 
 
 def test_assign_buckets_rules():
