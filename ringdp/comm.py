@@ -165,34 +165,65 @@ _SUPPORTED_DTYPES = frozenset(_C.supported_dtypes())
 
 
 def _group_key(group) -> str:
+    """The name of `group` in rendezvous keys, the same on every rank of the group."""
     if group is None or group is dist.group.WORLD:
         return "world"
     return "g" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
 
 
+# Communicators created per group key, so that a re-created one (after the group was
+# destroyed and made again) rendezvous under a prefix of its own: the store may be the same
+# (torchrun's agent store outlives process groups) and hold the old keys.
 _generation: dict[str, int] = {}
 
 
-class Communicator:
-    """ringdp's state for one process group in this process. Created by ringdp.init() or
-    lazily by the first collective; every rank of the group must create it (collectively)."""
+def _is_world(group) -> bool:
+    return group is None or group is dist.group.WORLD
 
-    def __init__(self, group=None, timeout=None, config: Config | None = None):
+
+def _live_group(group):
+    """The ProcessGroup `group` stands for (None: the default group), which must be alive:
+    a RingError when it was destroyed, a RuntimeError when torch.distributed is not set up."""
+    if _is_world(group):
         if not dist.is_available() or not dist.is_initialized():
+            old = _comms.get("world")
+            if old is not None:
+                raise RingError(old._gone())
             raise RuntimeError(
                 "ringdp needs torch.distributed to be initialised first: call "
                 "torch.distributed.init_process_group(...) (torchrun sets the environment for it)"
             )
+        return dist.distributed_c10d._get_default_group()
+    if group not in dist.distributed_c10d._world.pg_map:
+        old = next((c for c in _comms.values() if c._pg() is group), None)
+        raise RingError(old._gone() if old is not None else (
+            f"ringdp: process group {getattr(group, 'group_name', group)!r} is not (or no longer) a process "
+            f"group of torch.distributed: it was destroyed (torch.distributed.destroy_process_group)"))
+    return group
+
+
+class Communicator:
+    """ringdp's state for one process group in this process. Created by ringdp.init() or
+    lazily by the first collective; every rank of the group must create it (collectively).
+
+    It lives as long as its process group: it holds the group weakly and the store not at
+    all (looked up at each use), so torch.distributed.destroy_process_group() frees both as
+    if ringdp had never been used. Calls on a communicator whose group was destroyed raise
+    a RingError; ringdp's module functions then create a new one for a new group."""
+
+    def __init__(self, group=None, timeout=None, config: Config | None = None):
+        pg = _live_group(group)
         cfg = config if config is not None else Config.from_env()
         self.config = cfg.replace(timeout_s=policy.timeout_s(timeout, cfg.timeout_s))
-        self.group = group
+        self._world_group = _is_world(group)
+        self._pg = weakref.ref(pg)  # never a strong reference: see the class doc
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.timeout = self.config.timeout_s
         key = _group_key(group)
         gen = _generation.get(key, 0)
         _generation[key] = gen + 1
-        self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout)
+        self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout, store=self._store)
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -212,6 +243,38 @@ class Communicator:
                 f"CUDA tensors across hosts use the NCCL transport.")
         else:
             self._shm = self._connect_shm()
+
+    # ---- lifetime -----------------------------------------------------------------------
+    @property
+    def group(self):
+        """The process group (None for the default group's communicator)."""
+        return None if self._world_group else self._pg()
+
+    @property
+    def group_alive(self) -> bool:
+        """Whether the process group this communicator was made for still exists."""
+        pg = self._pg()
+        return pg is not None and pg in dist.distributed_c10d._world.pg_map
+
+    def _gone(self) -> str:
+        what = "the default process group" if self._world_group else "its process group"
+        return (f"rank {self.rank}: ringdp's communicator cannot be used: {what} was destroyed "
+                f"(torch.distributed.destroy_process_group()), and ringdp's communicators live as long as their "
+                f"group. Create the group again (init_process_group / new_group) and call ringdp with it.")
+
+    def _unusable(self) -> str | None:
+        """Why this communicator cannot run collectives any more (None: it can)."""
+        if not self.group_alive:
+            return self._gone()
+        if self._closed:
+            return f"rank {self.rank}: this ringdp communicator was destroyed (ringdp.destroy())"
+        return None
+
+    def _store(self):
+        """The store the rendezvous uses, looked up at each use (class doc)."""
+        if not self.group_alive:
+            raise RingError(self._gone())
+        return dist.distributed_c10d._get_default_store()
 
     # ---- set-up -------------------------------------------------------------------------
     def _topology(self) -> list[str]:
@@ -305,8 +368,8 @@ class Communicator:
     def _submit(self, fn, async_op: bool, outputs=(), cuda=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
         synchronous, else behind the queued ones on the worker thread."""
-        if self._closed:
-            raise RingError(f"rank {self.rank}: this ringdp communicator was destroyed")
+        if self._closed or not self.group_alive:
+            raise RingError(self._unusable())
         with self._pending_lock:
             inline = self._pending == 0 and not async_op
             if not inline:
@@ -482,6 +545,8 @@ class Communicator:
 
     # ---- teardown -----------------------------------------------------------------------
     def close(self):
+        """Stop the worker and release the endpoints. Collective while the group is alive
+        (the CUDA endpoint's teardown barrier); local once the group was destroyed."""
         if self._closed:
             return
         self._closed = True
@@ -490,9 +555,10 @@ class Communicator:
             self._worker.join(timeout=self.timeout)
         if self._cuda is not None:
             ep, self._cuda = self._cuda, None
-            ep.close(self.rendezvous)
+            ep.close(self.rendezvous if self.group_alive else None)
         # Registered tensors still alive keep the native object (and its mapping) alive.
         self._shm = None
+        self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
 
 def _on_stall(ref, report: str) -> None:
@@ -511,10 +577,15 @@ _comms_lock = threading.Lock()
 
 def init(group=None, timeout=None) -> Communicator:
     """Set ringdp up for `group` (default: the default process group). Collective. Optional:
-    every ringdp call initialises lazily."""
+    every ringdp call initialises lazily. A communicator left from a destroyed group of the
+    same ranks is closed (locally) and replaced."""
+    _live_group(group)
     key = _group_key(group)
     with _comms_lock:
         c = _comms.get(key)
+        if c is not None and not c.group_alive:
+            c.close()
+            c = None
         if c is None:
             c = Communicator(group, timeout)
             _comms[key] = c
@@ -522,14 +593,27 @@ def init(group=None, timeout=None) -> Communicator:
 
 
 def get_communicator(group=None) -> Communicator:
-    c = _comms.get(_group_key(group)) if dist.is_initialized() else None
-    return c if c is not None else init(group)
+    """The communicator of `group` (None: the default group), created on first use
+    (collective). RingError when the group was destroyed."""
+    if _is_world(group):
+        c = _comms.get("world")
+    elif group in dist.distributed_c10d._world.pg_map:
+        c = _comms.get(_group_key(group))
+    else:
+        c = None
+    return c if c is not None and c.group_alive else init(group)  # init: set up, or say why not
 
 
 def destroy(group=None):
-    """Release ringdp's resources for `group` (all groups when None)."""
+    """Release ringdp's resources for `group` (all groups when None): collective for a group
+    that is alive, local for one that was destroyed."""
     with _comms_lock:
-        keys = list(_comms) if group is None else [_group_key(group)]
+        if group is None:
+            keys = list(_comms)
+        elif _is_world(group) or group in dist.distributed_c10d._world.pg_map:
+            keys = [_group_key(group)]
+        else:  # a destroyed group: the communicator made for it, if any
+            keys = [k for k, c in _comms.items() if c._pg() is group]
         for k in keys:
             c = _comms.pop(k, None)
             if c is not None:

@@ -68,9 +68,11 @@ class CudaEndpoint:
         return cls(kind, native, torch.device("cuda", o.device))
 
     def close(self, rendezvous) -> None:
-        """Collective teardown: drain, drop peers' mappings, barrier, free own memory."""
+        """Collective teardown: drain, drop peers' mappings, barrier, free own memory.
+        `rendezvous` None (the process group was destroyed): no barrier, local teardown."""
         try:
             self.native.quiesce()
-            rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
+            if rendezvous is not None:
+                rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
         finally:
             self.native.destroy()

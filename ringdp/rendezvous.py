@@ -18,21 +18,41 @@ from ._native import RingError
 
 class Rendezvous:
     """Keys under a prefix unique to one communicator (group and generation), so that a
-    re-created communicator of the same group never reads an old one's keys."""
+    re-created communicator of the same group never reads an old one's keys.
+
+    `store`: a torch.distributed Store, or a function that returns one at each use, or None
+    for the default group's store looked up at each use. A communicator passes a function:
+    a rendezvous that held the store would keep it alive after
+    torch.distributed.destroy_process_group(), and with it rank 0's TCPStore server, which
+    the next init_process_group on the same port then reuses, old keys and all."""
 
     def __init__(self, prefix: str, rank: int, world: int, timeout_s: float, store=None):
-        base = store if store is not None else dist.distributed_c10d._get_default_store()
-        self.store = dist.PrefixStore(prefix, base)
+        self._prefix = prefix
+        self._base = store if store is not None else dist.distributed_c10d._get_default_store
         self.rank = rank
         self.world = world
         self.timeout_s = timeout_s
+        self._rounds: dict[str, int] = {}
+
+    @property
+    def store(self) -> dist.Store:
+        base = self._base() if callable(self._base) else self._base
+        return dist.PrefixStore(self._prefix, base)
+
+    def next_round(self, name: str) -> str:
+        """`name` numbered by how often this rank asked for it: a fresh key for each round of
+        a step that the ranks repeat in the same order (e.g. one per RingDDP built)."""
+        n = self._rounds.get(name, 0)
+        self._rounds[name] = n + 1
+        return f"{name}/{n}"
 
     def _wait(self, what: str, keys: list[str]) -> None:
+        store = self.store
         try:
-            self.store.wait(keys, timedelta(seconds=self.timeout_s))
+            store.wait(keys, timedelta(seconds=self.timeout_s))
         except dist.DistError as e:  # DistStoreError on timeout; anything else (e.g. what a
             # signal handler raised in the wait: a SIGTERM during set-up) propagates as it is
-            missing = [k for k in keys if not self.store.check([k])]
+            missing = [k for k in keys if not store.check([k])]
             raise RingError(
                 f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "
                 f"{', '.join(missing) or 'peers'} ({e.__class__.__name__}); did every rank of the "
@@ -41,10 +61,11 @@ class Rendezvous:
 
     def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
         """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""
-        self.store.set(f"{key}/{self.rank}", value)
+        store = self.store
+        store.set(f"{key}/{self.rank}", value)
         keys = [f"{key}/{r}" for r in range(self.world)]
         self._wait(what or key, keys)
-        return [self.store.get(k) for k in keys]
+        return [store.get(k) for k in keys]
 
     def publish(self, key: str, value: bytes | str) -> None:
         """Set a key every rank reads (e.g. rank 0's job id)."""

@@ -1,0 +1,131 @@
+"""ringdp follows the process group's lifetime: torch.distributed.destroy_process_group()
+then init_process_group() again works (on the same store port, as torchrun's env:// does)
+and ringdp then runs on the new group; a call on a destroyed group is a clear RingError,
+never a run on the old communicator."""
+import socket
+from datetime import timedelta
+
+import torch
+
+from _dist import run_ranks, values
+
+ROUNDS = 4  # destroy / re-init cycles per rank in one run
+
+
+def _port_listened(port: int) -> bool:
+    """Whether a socket listens on `port` (SO_REUSEADDR: closed connections of the port in
+    TIME_WAIT do not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def _use_ringdp(rank, world, round_):
+    """An all_reduce with values depending on rank, index and round, and a RingDDP step;
+    returns what failed to match (empty: all good)."""
+    import ringdp
+
+    bad = []
+    t = torch.arange(1000, dtype=torch.float64) * (rank + 1) + round_
+    ringdp.all_reduce(t)
+    want = torch.arange(1000, dtype=torch.float64) * (world * (world + 1) / 2) + world * round_
+    if not torch.equal(t, want):
+        bad.append(f"round {round_}: all_reduce gave {t[:3].tolist()}..., want {want[:3].tolist()}...")
+    torch.manual_seed(rank)  # rank 0's parameters are broadcast
+    net = torch.nn.Linear(4, 3)
+    model = ringdp.RingDDP(net)
+    x = torch.full((2, 4), float(rank + 1))
+    model(x).sum().backward()
+    # d(sum(W x + b))/dW[i, j] = sum over the batch of x[:, j] = 2 (rank + 1); averaged
+    want_grad = 2.0 * sum(r + 1 for r in range(world)) / world
+    if not torch.allclose(net.weight.grad, torch.full((3, 4), want_grad)):
+        bad.append(f"round {round_}: RingDDP gradient {net.weight.grad[0].tolist()}, want {want_grad}")
+    return bad
+
+
+def _reinit(rank, world, barrier):
+    """ROUNDS times: use ringdp, destroy the default group, check that nothing of it is left
+    (rank 0's store port is free) and that ringdp refuses the destroyed group, re-initialise
+    on the same port, check that ringdp runs on a new communicator and the old one refuses."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    store = dist.distributed_c10d._get_default_store()
+    while not hasattr(store, "port"):  # PrefixStores over run_ranks' TCPStore
+        store = store.underlying_store
+    port = store.port
+    del store
+    problems = []
+    for round_ in range(ROUNDS):
+        problems += _use_ringdp(rank, world, round_)
+        old = ringdp.get_communicator()
+        dist.destroy_process_group()
+        if rank == 0 and _port_listened(port):
+            problems.append(f"round {round_}: the store server still listens on {port} after destroy_process_group")
+        try:
+            ringdp.all_reduce(torch.ones(4))
+            problems.append(f"round {round_}: ringdp.all_reduce ran after destroy_process_group")
+        except Exception as e:  # noqa: BLE001 -- checked here
+            if not isinstance(e, ringdp.RingError) or "destroyed" not in str(e) or f"rank {rank}" not in str(e):
+                problems.append(f"round {round_}: unclear error after destroy: {type(e).__name__}: {e}")
+        # torch's own race, not ringdp's: a rank that re-connects before rank 0 closed its
+        # store server reaches the old server. Everyone destroyed before anyone re-connects.
+        barrier.wait(timeout=60)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30))  # the old code hung here, in gloo's connect
+        if ringdp.get_communicator() is old:
+            problems.append(f"round {round_}: the new group got the old communicator")
+        try:
+            old.all_reduce(torch.ones(4))
+            problems.append(f"round {round_}: the old communicator ran after its group was destroyed")
+        except Exception as e:  # noqa: BLE001 -- checked here
+            if not isinstance(e, ringdp.RingError) or "destroyed" not in str(e):
+                problems.append(f"round {round_}: unclear error from the old communicator: {type(e).__name__}: {e}")
+    problems += _use_ringdp(rank, world, ROUNDS)
+    return problems
+
+
+def test_reinit_on_the_same_port():
+    import multiprocessing as mp
+
+    barrier = mp.get_context("spawn").Barrier(2)
+    for rank, problems in enumerate(values(run_ranks(_reinit, 2, barrier, timeout=120))):
+        assert problems == [], f"rank {rank}: {problems}"
+
+
+def _subgroup(rank, world):
+    import torch.distributed as dist
+
+    import ringdp
+
+    g = dist.new_group([0, 1])
+    t = torch.full((8,), float(rank + 1))
+    ringdp.all_reduce(t, group=g)
+    first = t.tolist()
+    dist.destroy_process_group(g)
+    try:
+        ringdp.all_reduce(torch.ones(8), group=g)
+        after = None
+    except Exception as e:  # noqa: BLE001 -- the test checks its type and text
+        after = (type(e).__name__, str(e))
+    # the default group and a new group of the same ranks still work
+    g2 = dist.new_group([0, 1])
+    u = torch.full((8,), float(10 * (rank + 1)))
+    ringdp.all_reduce(u, group=g2)
+    v = torch.full((8,), float(rank))
+    ringdp.all_reduce(v)
+    return first, after, u.tolist(), v.tolist()
+
+
+def test_destroyed_subgroup_is_a_clear_error():
+    for rank, (first, after, u, v) in enumerate(values(run_ranks(_subgroup, 2))):
+        assert first == [3.0] * 8
+        assert after is not None, f"rank {rank}: ringdp ran on a destroyed group"
+        name, msg = after
+        assert name == "RingError" and "destroyed" in msg and f"rank {rank}" in msg, after
+        assert u == [30.0] * 8 and v == [1.0] * 8
