@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import pickle
 from typing import Callable
 
 import torch
@@ -171,18 +172,25 @@ class RingDDP(nn.Module, Joinable):
 
     def _verify_same_model(self) -> None:
         """Every rank must hold the same parameters and buffers (names, shapes, dtypes,
-        whether the gradient is sparse, in order): compare a digest first, and the full
-        lists only when digests differ."""
+        whether the gradient is sparse, in order): compare a digest first, and the full lists only when digests differ.
+
+        The records go through the communicator's rendezvous (the store, on this thread), not
+        through torch.distributed collectives: every rank reads the same records, so every
+        rank raises the same RingError or none does, and a failed check leaves no work in
+        torch's gloo threads. (A gloo work that still holds tensors made in Python when the
+        interpreter exits aborts the process: "terminate called without an active exception"
+        after a script caught the RingError and ended.)"""
         if self.world_size == 1:
             return
+        rdv = get_communicator(self.process_group).rendezvous
+        key = rdv.next_round("ddp-model")
         sig = self._signature()
-        digest = (len(sig), hashlib.sha256(repr(sig).encode()).hexdigest())
-        digests: list = [None] * self.world_size
-        dist.all_gather_object(digests, digest, group=self.process_group)
+        digest = f"{len(sig)}:{hashlib.sha256(repr(sig).encode()).hexdigest()}"
+        digests = rdv.exchange(f"{key}/digest", digest, "the RingDDP model digests")
         if all(d == digests[0] for d in digests):
             return
-        sigs: list = [None] * self.world_size
-        dist.all_gather_object(sigs, sig, group=self.process_group)
+        sigs = [pickle.loads(b) for b in rdv.exchange(f"{key}/signature", pickle.dumps(sig),
+                                                      "the RingDDP model signatures")]
         ref = sigs[0]
         for r in range(1, self.world_size):
             other = sigs[r]

@@ -1,13 +1,18 @@
 """ringdp follows the process group's lifetime: torch.distributed.destroy_process_group()
 then init_process_group() again works (on the same store port, as torchrun's env:// does)
 and ringdp then runs on the new group; a call on a destroyed group is a clear RingError,
-never a run on the old communicator."""
+never a run on the old communicator. A failed RingDDP model check ends in the same
+RingError on every rank, and the processes exit cleanly."""
+import os
 import socket
+import subprocess
+import sys
+import time
 from datetime import timedelta
 
 import torch
 
-from _dist import run_ranks, values
+from _dist import free_port, run_ranks, values
 
 ROUNDS = 4  # destroy / re-init cycles per rank in one run
 
@@ -129,3 +134,96 @@ def test_destroyed_subgroup_is_a_clear_error():
         name, msg = after
         assert name == "RingError" and "destroyed" in msg and f"rank {rank}" in msg, after
         assert u == [30.0] * 8 and v == [1.0] * 8
+
+
+# ---------------------------------------------------------------------- shutdown
+_RANK_PROGRAM = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import test_lifecycle
+test_lifecycle._mismatch_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
+"""
+
+
+def _starve_gloo_threads(rank):
+    """Make a lost race at exit likely: torch's gloo threads get the lowest priority, on the
+    CPU of the main thread. (A gloo work still holding tensors made in Python when the
+    interpreter finalises aborts the process; without this, 3-10% of runs lose that race.)"""
+    cpus = sorted(os.sched_getaffinity(0))
+    cpu = cpus[rank % len(cpus)]
+    os.sched_setaffinity(0, {cpu})
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            if "gloo" not in f.read():
+                continue
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+            os.setpriority(os.PRIO_PROCESS, int(tid), 19)
+        except OSError:
+            pass
+
+
+def _mismatch_main(rank, world, port):
+    """A user's script: rank 1 built a wider model; RingDDP's check fails; the script
+    prints the error and ends (no destroy_process_group)."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    _starve_gloo_threads(rank)
+    width = 12 if rank == 1 else 16
+    net = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 2))
+    pg = dist.distributed_c10d._get_default_group()
+    seq = pg._get_sequence_number_for_group()
+    try:
+        ringdp.RingDDP(net)
+        print("NO ERROR")
+    except ringdp.RingError as e:
+        print(f"ERROR {e}")
+    # No flush: stdout (a pipe) is written at exit. Writing now would release the GIL and
+    # let the gloo threads finish in time, hiding the race this test is about.
+    print(f"GLOO COLLECTIVES {pg._get_sequence_number_for_group() - seq}")
+
+
+def _run_script(world, timeout=120):
+    port = free_port()
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        p for p in [os.path.dirname(tests), os.environ.get("PYTHONPATH")] if p))
+    code = _RANK_PROGRAM.format(tests=tests)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), str(world), str(port)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(world)]
+    out = []
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            text, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            text, _ = p.communicate()
+        out.append((p.returncode, text.decode(errors="replace")))
+    return out
+
+
+RUNS = 2  # runs of 3 fresh ranks; the old check aborted in most of them (see _starve_gloo_threads)
+
+
+def test_model_mismatch_same_error_everywhere_and_clean_exit():
+    for run in range(RUNS):
+        out = _run_script(3)
+        exits = [rc for rc, _ in out]
+        assert exits == [0, 0, 0], f"run {run}: exit codes {exits} (-6: SIGABRT):\n" + "\n".join(t for _, t in out)
+        errors = []
+        for rank, (_, text) in enumerate(out):
+            lines = text.splitlines()
+            err = [ln for ln in lines if ln.startswith("ERROR ")]
+            assert err, f"run {run}: rank {rank} did not raise:\n{text}"
+            assert f"(seen from rank {rank})" in err[0]
+            errors.append(err[0].replace(f"(seen from rank {rank})", ""))
+            # the check issues no gloo collective: nothing of it is left in gloo's threads
+            assert "GLOO COLLECTIVES 0" in lines, f"run {run}: rank {rank}:\n{text}"
+        assert len(set(errors)) == 1, errors
+        assert "rank 1 differs from rank 0's at entry #0" in errors[0]
+        assert "(16, 8)" in errors[0] and "(12, 8)" in errors[0]
