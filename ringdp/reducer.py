@@ -343,16 +343,14 @@ class Reducer:
         the older step. Then this and every later forward raise, as torch DDP's "Expected to
         have finished reduction in the prior iteration"."""
         if self._in_backward:
-            started = self._next_launch + (self._usage_future is not None)
-            if started == 0:
-                self.abandon()
-            else:
-                self.abandon()
+            launched, usage = self._next_launch, self._usage_future is not None
+            self.abandon()  # the started reductions complete: the peers made them too
+            if launched or usage:
                 self._broken = (
                     f"RingDDP on rank {self.rank}: expected to have finished reduction in the prior iteration "
                     f"before starting a new one. The backward of step {self.step} stopped before its end (an "
-                    f"exception on this rank) after starting {self._next_launch} of {len(self.buckets)} bucket "
-                    f"reductions{' and the unused-parameter map' if self._usage_future is not None else ''}; "
+                    f"exception on this rank) after starting {launched} of {len(self.buckets)} bucket "
+                    f"reductions{' and the unused-parameter map' if usage else ''}; "
                     f"the other ranks wait for the rest, and this rank's next reductions would be paired with "
                     f"theirs of the older step. A rank cannot skip a step alone: decide on every rank together "
                     f"(e.g. all_reduce a 'skip this batch' flag before backward and skip on all ranks), or stop "

@@ -77,6 +77,9 @@ std::string describe(const HeaderView& h) {
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
+// A failure's first line: its own message, without the stall report that may follow.
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 }  // namespace
 
 ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
@@ -249,7 +252,7 @@ void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char
 void ShmComm::abort(const std::string& why) {
   if (poison_.empty()) poison_ = why.empty() ? "aborted" : why;
   Control& me = ctrl(cfg_.rank);
-  copy_msg(me.abort_msg, poison_.substr(0, poison_.find('\n')));  // peers add their own report
+  copy_msg(me.abort_msg, first_line(poison_));  // peers add their own report
   me.aborted.v.store(1, std::memory_order_seq_cst);
   // Wake whoever sleeps on any of my flags so they notice promptly.
   shm::wake_all(me.posted);
@@ -330,22 +333,20 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
                          const std::string& tag) {
   require_connected();
   if (!poison_.empty())
-    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", poison_.substr(0, poison_.find('\n')),
+    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", first_line(poison_),
                         "); call ringdp.destroy() and initialise again"));
   if (tag.size() >= kTagBytes)
     throw RingError(cat("rank ", cfg_.rank, ": a collective's tag has at most ", kTagBytes - 1, " bytes, got ",
                         tag.size(), " ('", tag, "')"));
   const uint32_t s = ++seq_;
   const size_t slot = begin_call(s, timeout_s, dtype, op, algo, count, tag);
-  bool ok = false;
   try {
     run_all_reduce(s, data, count, dtype, op, algo, tag);
-    ok = true;
   } catch (...) {
     end_call(s, slot, false);
     throw;
   }
-  end_call(s, slot, ok);
+  end_call(s, slot, true);
 }
 
 void ShmComm::run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, RedOp op, Algo algo,
