@@ -2,7 +2,10 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "../common/error.h"
 
@@ -35,6 +38,55 @@ class DeviceGuard {
 };
 
 inline size_t round_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// ringdp's streams outlive the communicators that use them. Tensors are recorded on a
+// communicator's stream (record_stream: the caching allocator must not hand them out before
+// the collective is done); one freed after ringdp.destroy() makes the allocator record an
+// event on that stream, and on a destroyed stream that fails and terminates the process
+// (seen on an H100: "invalid device context" from CUDACachingAllocator insert_events at
+// exit). So a released communicator hands its (idle) stream back here, and the next
+// communicator on that device takes it: at most as many streams as communicators alive at
+// once, never destroyed. Non-blocking, highest priority (the ring overlaps backward).
+class StreamPool {
+ public:
+  static cudaError_t acquire(int device, cudaStream_t* out) {
+    {
+      std::lock_guard<std::mutex> lk(mu());
+      auto& v = pool();
+      for (size_t i = 0; i < v.size(); ++i) {
+        if (v[i].first != device) continue;
+        *out = v[i].second;
+        v.erase(v.begin() + static_cast<long>(i));
+        return cudaSuccess;
+      }
+    }
+    int least = 0, greatest = 0;
+    cudaError_t e = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (e != cudaSuccess) return e;
+    return cudaStreamCreateWithPriority(out, cudaStreamNonBlocking, greatest);
+  }
+  // Back to the pool when idle; a stream with work still pending (a wait that timed out at
+  // shutdown) is left alone, neither reused nor destroyed.
+  static void release(int device, cudaStream_t s) {
+    if (!s) return;
+    if (cudaStreamQuery(s) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return;
+    }
+    std::lock_guard<std::mutex> lk(mu());
+    pool().emplace_back(device, s);
+  }
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex* m = new std::mutex;  // never destroyed: used from exit-time teardown
+    return *m;
+  }
+  static std::vector<std::pair<int, cudaStream_t>>& pool() {
+    static auto* v = new std::vector<std::pair<int, cudaStream_t>>;
+    return *v;
+  }
+};
 
 }  // namespace cuda
 }  // namespace ringdp

@@ -397,11 +397,8 @@ class IpcComm final : public Comm {
     void* hd = nullptr;
     RINGDP_CUDA_CHECK(cudaHostGetDevicePointer(&hd, h, 0), "cudaHostGetDevicePointer");
     host_dev_ = static_cast<HostShared*>(hd);
-    int least = 0, greatest = 0;
-    RINGDP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
     // High priority: in RingDDP the ring overlaps backward compute and should not queue behind it.
-    RINGDP_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest),
-                      "cudaStreamCreateWithPriority");
+    RINGDP_CUDA_CHECK(StreamPool::acquire(device_, &stream_), "creating ringdp's CUDA stream");
     RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming), "cudaEventCreate");
     RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming), "cudaEventCreate");
     if (lay_.arena_bytes > 0) free_[0] = lay_.arena_bytes;
@@ -417,7 +414,7 @@ class IpcComm final : public Comm {
     if (ev_in_) (void)cudaEventDestroy(ev_in_);
     if (ev_out_) (void)cudaEventDestroy(ev_out_);
     ev_in_ = ev_out_ = nullptr;
-    if (stream_) (void)cudaStreamDestroy(stream_);
+    StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
     if (host_) (void)cudaFreeHost(host_);
     host_ = nullptr;

@@ -134,10 +134,7 @@ class NcclComm final : public Comm {
       RINGDP_CUDA_CHECK(cudaMalloc(&p, 2 * slot_bytes_), "cudaMalloc of the NCCL staging buffers");
       sbuf_ = static_cast<char*>(p);
       rbuf_ = sbuf_ + slot_bytes_;
-      int least = 0, greatest = 0;
-      RINGDP_CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest), "cudaDeviceGetStreamPriorityRange");
-      RINGDP_CUDA_CHECK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest),
-                        "cudaStreamCreateWithPriority");
+      RINGDP_CUDA_CHECK(StreamPool::acquire(device_, &stream_), "creating ringdp's CUDA stream");
       RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming), "cudaEventCreate");
       RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming), "cudaEventCreate");
       if (rank_ == 0 && world_ > 1) nccl_check(api_.GetUniqueId(&id_), "ncclGetUniqueId");
@@ -392,7 +389,7 @@ class NcclComm final : public Comm {
     if (ev_in_) (void)cudaEventDestroy(ev_in_);
     if (ev_out_) (void)cudaEventDestroy(ev_out_);
     ev_in_ = ev_out_ = nullptr;
-    if (stream_) (void)cudaStreamDestroy(stream_);
+    StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
     if (sbuf_) (void)cudaFree(sbuf_);
     sbuf_ = rbuf_ = nullptr;
