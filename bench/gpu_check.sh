@@ -232,6 +232,9 @@ smoke)
   cuda_test 45 "test_stream_ordering[ipc]"
   cuda_test 45 "test_cuda_work_semantics[ipc]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
+  cuda_test 60 test_ipc_memory_released
+  cuda_test 60 "test_ipc_peer_killed[before]"
+  cuda_test 60 "test_ipc_peer_killed[during]"
   cuda_test 90 "test_nccl_world2[default]"
   cuda_test 45 "test_stream_ordering[nccl]"
   cuda_test 45 "test_cuda_work_semantics[nccl]"
@@ -249,6 +252,8 @@ mps)
   cuda_test 45 "test_ipc_matrix[2-tiny-ring]"
   cuda_test 45 "test_ipc_registered[default-3]"
   cuda_test 45 "test_nccl_world2[tiny]"
+  cuda_test 90 "test_ipc_large[2]"
+  cuda_test 90 "test_ipc_large[4]"
   copy_mps_logs
   ;;
 # ------------------------------------------------------------------ bench

@@ -390,6 +390,131 @@ def _ddp_entry(rank, world, steps):
     return _ddp_case(rank, world, steps)
 
 
+# ============================================================== large tensors, dead peers, memory
+def _large(rank, world, count):
+    """Each dtype/op twice on a tensor of `count` elements (256 MiB of float32 at 1 << 26)."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    _setup(rank)
+    bad, digests = [], []
+    for dtype in (torch.float32, torch.bfloat16):
+        for op in ("SUM", "MAX"):
+            exp = expected(op, world, count, dtype)
+            for rep in range(2):
+                t = (torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype)
+                ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                got = t.cpu()
+                digests.append(_digest(got))
+                if not torch.equal(got, exp):
+                    bad.append((str(dtype), op, rep, (got != exp).nonzero()[:5].flatten().tolist()))
+                del t, got
+    return len(digests), bad, digests
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 4])
+def test_ipc_large(world):
+    """256 MiB of float32 (and 128 MiB of bf16), not divisible by the world size."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120"}
+    _assert_matrix(run_ranks(_large, world, (1 << 26) + 5, env=env, timeout=900))
+
+
+def _cuda_peer_killed(rank, world, when):
+    import signal
+    import threading
+    import time
+
+    import ringdp
+
+    _setup(rank)
+    t = torch.ones(1 << 22, device="cuda")
+    ringdp.all_reduce(t)  # one good call first
+    ringdp.synchronize()
+    if rank == world - 1:
+        if when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        while True:
+            ringdp.all_reduce(t)
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 120:
+            ringdp.all_reduce(t)
+            ringdp.synchronize()
+        return None
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@needs_cuda
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_ipc_peer_killed(when):
+    """A SIGKILLed peer: the survivor's kernels stop waiting and it gets a RingError naming
+    its rank within the timeout (RINGDP_TIMEOUT_S=10)."""
+    world = 2
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "10"}
+    res = run_ranks(_cuda_peer_killed, world, when, env=env, allow_missing=(world - 1,), timeout=240)
+    status, value = res[0]
+    assert status == "ok", value
+    assert value is not None, "the survivor never noticed its peer died"
+    msg, took = value
+    assert "rank 0" in msg, msg
+    assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
+
+
+def _memory_cycles(rank, world):
+    """Free device memory before ringdp, then after each of two init/use/destroy cycles,
+    measured by every rank at the same moment (barriers around each reading)."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    _setup(rank)
+    torch.ones(1, device="cuda")
+    torch.cuda.synchronize()
+
+    def free():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        dist.barrier()
+        f = torch.cuda.mem_get_info()[0]
+        dist.barrier()
+        return f
+
+    readings, ok = [free()], []
+    for _ in range(2):
+        # recorded on ringdp's stream and freed only after destroy(): the caching allocator
+        # then records an event on that stream, which must still exist
+        keep = torch.full((1 << 16,), float(rank + 1), device="cuda")
+        ringdp.all_reduce(keep)
+        for registered in (False, True):
+            t = ringdp.empty(1 << 20, device="cuda") if registered else torch.empty(1 << 20, device="cuda")
+            t.fill_(float(rank + 1))
+            ringdp.all_reduce(t)
+            ok.append(bool((t == float(sum(range(1, world + 1)))).all().item()))
+            del t
+        ringdp.destroy()
+        ok.append(bool((keep == float(sum(range(1, world + 1)))).all().item()))
+        del keep
+        readings.append(free())
+    return readings, ok
+
+
+@needs_cuda
+def test_ipc_memory_released():
+    """ringdp.destroy() gives the IPC region (FIFO slots and arena: 64 MiB + 64 MiB per
+    rank here) back, and a tensor freed after it does not crash the process: free device memory after a second init/use/destroy cycle equals that
+    after the first, and the first keeps at most what loading ringdp's kernels costs."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "60", "RINGDP_CUDA_ARENA_MB": "64"}
+    for r, (readings, ok) in enumerate(values(run_ranks(_memory_cycles, 2, env=env, timeout=300))):
+        assert all(ok), f"rank {r}: wrong all-reduce results {ok}"
+        before, first, second = (x / 2**20 for x in readings)
+        assert abs(first - second) < 4, f"rank {r}: a cycle kept {first - second:.1f} MiB of device memory"
+        assert before - first < 48, f"rank {r}: {before - first:.1f} MiB not given back after destroy()"
+
+
 # ============================================================== the torch-free C++ API
 def _native_api(rank, world):
     """Drive the binding directly (docs/cuda.md, csrc/cuda/cuda_api.h): blobs through the store."""

@@ -1,0 +1,213 @@
+"""Where the time of a small CUDA all-reduce goes, and how much of RingDDP's communication a
+CUDA training step exposes. One GPU, `--world` ranks on cuda:0 (run under MPS).
+
+    python3 bench/cuda_probe.py --world 2 --out DIR
+
+Latency (8 KiB float32 by default, --bytes), each figure per call, median of 5 blocks:
+    native_pipelined_us   the binding alone (csrc/cuda, one-shot), --calls calls back to back,
+                          timed by CUDA events: what the device and the launch path cost
+    native_host_us        the host time of one such call (enqueue only)
+    native_roundtrip_us   the binding, host-synchronised after every call
+    ringdp_pipelined_us   ringdp.all_reduce back to back (wall time / calls, then one sync)
+    ringdp_host_us        host time of one ringdp.all_reduce (enqueue only)
+    ringdp_roundtrip_us   ringdp.all_reduce + ringdp.synchronize() each call
+RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SGD):
+    none_ms               the plain module on this rank (no communication)
+    ring_ms               RingDDP
+    exposed_ms            ring_ms - none_ms
+    last_exposed_comm_ms  RingDDP's own figure: backward's wait for reductions after autograd
+    allreduce_alone_ms    ringdp.all_reduce of all gradients in one tensor (the same bytes)
+Writes DIR/cuda_probe_w<world>.json (rank 0) and prints it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _median_block(fn, blocks=5):
+    return statistics.median(fn() for _ in range(blocks))
+
+
+def rank_main(rank, world, port, a):
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import ringdp
+    from ringdp import _C
+
+    torch.cuda.set_device(0)
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    res = {"world": world, "bytes": a.bytes, "calls": a.calls, "gpu": torch.cuda.get_device_name(0),
+           "mps": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY"))}
+    n = a.bytes // 4
+    stream = torch.cuda.current_stream()
+
+    # ---- the binding alone
+    o = _C.CudaOptions()
+    o.kind, o.rank, o.world, o.device = "ipc", rank, world, 0
+    o.timeout_s = 60.0
+    c = _C.cuda_create(o)
+    store.set(f"probe/{rank}", c.local_blob())
+    store.wait([f"probe/{r}" for r in range(world)])
+    c.connect([store.get(f"probe/{r}") for r in range(world)])
+    x = torch.ones(n, device="cuda")
+    algo = 1 if a.bytes <= c.oneshot_bytes else 0
+
+    def native_block(sync_each):
+        dist.barrier()
+        torch.cuda.synchronize()
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        host = 0.0
+        e0.record()
+        t0 = time.perf_counter()
+        for _ in range(a.calls):
+            h = time.perf_counter()
+            c.all_reduce(x.data_ptr(), n, 0, 0, stream.cuda_stream, algo, 0.0)
+            host += time.perf_counter() - h
+            if sync_each:
+                c.synchronize()
+        e1.record()
+        c.synchronize()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        return e0.elapsed_time(e1) * 1e3 / a.calls, host * 1e6 / a.calls, wall * 1e6 / a.calls
+
+    native_block(False)  # warm-up
+    pipe = [native_block(False) for _ in range(5)]
+    res["native_pipelined_us"] = statistics.median(p[0] for p in pipe)
+    res["native_host_us"] = statistics.median(p[1] for p in pipe)
+    res["native_roundtrip_us"] = _median_block(lambda: native_block(True)[2])
+    c.quiesce()
+    dist.barrier()
+    c.destroy()
+
+    # ---- through ringdp.all_reduce
+    y = torch.ones(n, device="cuda")
+
+    def ringdp_block(sync_each):
+        dist.barrier()
+        ringdp.synchronize()
+        host = 0.0
+        t0 = time.perf_counter()
+        for _ in range(a.calls):
+            h = time.perf_counter()
+            ringdp.all_reduce(y)
+            host += time.perf_counter() - h
+            if sync_each:
+                ringdp.synchronize()
+        ringdp.synchronize()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e6 / a.calls, host * 1e6 / a.calls
+
+    ringdp_block(False)
+    pipe = [ringdp_block(False) for _ in range(5)]
+    res["ringdp_pipelined_us"] = statistics.median(p[0] for p in pipe)
+    res["ringdp_host_us"] = statistics.median(p[1] for p in pipe)
+    res["ringdp_roundtrip_us"] = _median_block(lambda: ringdp_block(True)[0])
+
+    # ---- RingDDP step on CUDA
+    H = a.hidden
+    torch.manual_seed(0)
+
+    def mlp():
+        return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(H, H), nn.ReLU())]).cuda()
+
+    plain, net = mlp(), mlp()
+    model = ringdp.RingDDP(net, device_ids=[0])
+    xb, yb = torch.randn(32, H, device="cuda"), torch.randn(32, H, device="cuda")
+
+    def step_ms(m, opt, iters=10):
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(xb), yb).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            opt.zero_grad()
+            nn.functional.mse_loss(m(xb), yb).backward()
+            opt.step()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+    o1, o2 = torch.optim.SGD(plain.parameters(), lr=1e-3), torch.optim.SGD(model.parameters(), lr=1e-3)
+    none, ring, exposed = [], [], []
+    for _ in range(5):
+        none.append(step_ms(plain, o1))
+        ring.append(step_ms(model, o2))
+        exposed.append(getattr(model, "last_exposed_comm_ms", float("nan")))
+    res["ddp_hidden"] = H
+    res["ddp_grad_MB"] = sum(p.numel() for p in net.parameters()) * 4 / 1e6
+    res["none_ms"] = statistics.median(none)
+    res["ring_ms"] = statistics.median(ring)
+    res["exposed_ms"] = res["ring_ms"] - res["none_ms"]
+    res["last_exposed_comm_ms"] = statistics.median(exposed)
+    g = torch.ones(sum(p.numel() for p in net.parameters()), device="cuda")
+
+    def alone():
+        ringdp.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(10):
+            ringdp.all_reduce(g)
+        ringdp.synchronize()
+        return (time.perf_counter() - t0) * 1e3 / 10
+
+    alone()
+    res["allreduce_alone_ms"] = _median_block(alone)
+    if rank == 0:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, f"cuda_probe_w{world}.json"), "w") as f:
+            json.dump(res, f, indent=1)
+        print(json.dumps(res, indent=1))
+    dist.barrier()
+    ringdp.destroy()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--bytes", type=int, default=8192)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--hidden", type=int, default=2560)
+    ap.add_argument("--rank", type=int, default=-1)
+    ap.add_argument("--port", type=int, default=0)
+    a = ap.parse_args()
+    if a.rank >= 0:
+        rank_main(a.rank, a.world, a.port, a)
+        return
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    args = ["--world", str(a.world), "--port", str(port), "--out", a.out, "--bytes", str(a.bytes), "--calls",
+            str(a.calls), "--hidden", str(a.hidden)]
+    procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r)] + args, env=env) for r in range(a.world)]
+    rc = 0
+    for p in procs:
+        try:
+            rc = rc or p.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            rc = 124
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()
