@@ -1,7 +1,8 @@
-"""All-reduce bandwidth/latency sweep: ringdp against torch.distributed, nccl-tests style.
+"""Collective bandwidth/latency sweep: ringdp against torch.distributed, nccl-tests style.
 
 Run it
     python bench/allreduce.py                      # starts --world (2) local ranks itself
+    python bench/allreduce.py --coll all_reduce,reduce_scatter,all_gather,broadcast
     python bench/allreduce.py --world 4 --plot
     python bench/allreduce.py --algo ring,oneshot  # both forced algorithms, side by side
     torchrun --nproc-per-node 2 bench/allreduce.py # uses the ranks torchrun gives it
@@ -80,8 +81,23 @@ One-shot (shm_comm.cpp, csrc/cuda oneshot_kernel): each rank copies its input in
 one-shot buffer (2), reads all n buffers and writes the result (n+1): n + 3, registered or
 not. Baseline rows show the staged-ring figure, the least any staged ring must move.
 
+Other collectives (--coll, a comma list; one sweep and one JSON file each). As nccl-tests:
+size S = the larger buffer (reduce_scatter: the input, n x the output; all_gather: the
+output, n x the input; broadcast: the tensor), algbw = S / time, busbw = algbw x (n-1)/n
+for reduce_scatter and all_gather, x 1 for broadcast (from rank 0). Values and exact
+results (small integers, exact in every dtype at n <= 4):
+    reduce_scatter   input v(r, j) = (j mod 7) - 3 + 2((j + r) mod n) - (n - 1), j < nk;
+                     rank r's output i = the op over ranks at j = rk + i
+                     (SUM n((j mod 7) - 3), AVG (j mod 7) - 3, MAX/MIN that +- (n - 1))
+    all_gather       input g(r, i) = ((i + 5r) mod 11) - 5; output at qk + i = g(q, i)
+    broadcast        rank 0 holds g(0, i), the others 99; afterwards g(0, i) everywhere
+ringdp series call ringdp.reduce_scatter_tensor / all_gather_into_tensor / broadcast (the
+registered series allocates input and output with ringdp.empty), the baseline
+torch.distributed's; no roofline for these (roof "-"). --algo applies to all_reduce only.
+
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
-on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json (machine
+on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json
+(<coll>_<device>_... for the other collectives, e.g. reduce_scatter_cpu_w2_float32.json; machine
 info with the world size of the process group that ran, args, memcpy bandwidth, roofline
 factors, every row; rewritten after every size with "complete": false until the end) and,
 with --plot, the PNG next to it. Default --out-dir: bench/out/
@@ -153,8 +169,8 @@ def sizes_to_sweep(min_bytes: int, max_bytes: int, factor: float, elem: int) -> 
     return out
 
 
-def result_name(args, world: int) -> str:
-    name = f"allreduce_{args.device}_w{world}_{args.dtype}"
+def result_name(args, world: int, coll: str = "all_reduce") -> str:
+    name = f"{'allreduce' if coll == 'all_reduce' else coll}_{args.device}_w{world}_{args.dtype}"
     extra = args.name
     if extra is None:
         algo = args.algo.replace(",", "+")
@@ -201,6 +217,96 @@ class Pattern:
         if tail.numel():
             bad += int((tail != self.expect[: tail.numel()]).sum())
         return bad
+
+
+# --------------------------------------------------------------------------- other collectives
+COLLS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
+                "all_gather": lambda n: (n - 1) / n, "broadcast": lambda n: 1.0}
+CHUNK = 1 << 22  # elements per step when filling and checking (bounded int64 temporaries)
+
+
+def _chunked(total: int, start: int = 0):
+    for a in range(0, total, CHUNK):
+        yield a, min(total, a + CHUNK), torch.arange(start + a, start + min(total, a + CHUNK), dtype=torch.int64)
+
+
+class Collective:
+    """One of reduce_scatter, all_gather, broadcast (module doc): its buffers for a size of
+    `count` elements, their values, one call, and the count of wrong elements."""
+
+    def __init__(self, name: str, op: str, n: int, rank: int, device, dtype):
+        self.name, self.op, self.n, self.rank, self.device, self.dtype = name, op, n, rank, device, dtype
+
+    def buffers(self, count: int, alloc) -> tuple:
+        k = count // self.n
+        if self.name == "reduce_scatter":
+            return alloc(k * self.n), alloc(k)
+        if self.name == "all_gather":
+            return alloc(k), alloc(k * self.n)
+        return (alloc(count),)
+
+    def _g(self, r: int, idx):
+        return ((idx + 5 * r) % 11) - 5
+
+    def _rs_input(self, r: int, j):
+        n = self.n
+        return (j % 7) - 3 + 2 * ((j + r) % n) - (n - 1)
+
+    def _rs_expect(self, j):
+        n, base = self.n, (j % 7) - 3
+        return {"sum": n * base, "avg": base, "max": base + (n - 1), "min": base - (n - 1)}[self.op]
+
+    def fill(self, bufs) -> None:
+        t = bufs[0]
+        for a, b, idx in _chunked(t.numel()):
+            if self.name == "reduce_scatter":
+                v = self._rs_input(self.rank, idx)
+            elif self.name == "all_gather" or self.rank == 0:
+                v = self._g(self.rank, idx)
+            else:
+                v = torch.full_like(idx, 99)
+            t[a:b].copy_(v.to(self.dtype))
+
+    def wrong(self, bufs) -> int:
+        bad = 0
+        if self.name == "reduce_scatter":
+            out = bufs[1]
+            k = out.numel()
+            for a, b, j in _chunked(k, self.rank * k):
+                bad += int((out[a:b].cpu() != self._rs_expect(j).to(self.dtype)).sum())
+        elif self.name == "all_gather":
+            out = bufs[1]
+            k = out.numel() // self.n
+            for q in range(self.n):
+                for a, b, i in _chunked(k):
+                    bad += int((out[q * k + a: q * k + b].cpu() != self._g(q, i).to(self.dtype)).sum())
+        else:
+            t = bufs[0]
+            for a, b, i in _chunked(t.numel()):
+                bad += int((t[a:b].cpu() != self._g(0, i).to(self.dtype)).sum())
+        return bad
+
+    def call(self, bufs, op, baseline: bool, group=None) -> None:
+        if baseline:
+            # torch 2.13 names them *_single (the *_tensor names warn as deprecated)
+            if self.name == "reduce_scatter":
+                getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(bufs[1], bufs[0], op=op, group=group)
+            elif self.name == "all_gather":
+                getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(bufs[1], bufs[0], group=group)
+            else:
+                dist.broadcast(bufs[0], src=0, group=group)
+            return
+        fn = getattr(ringdp, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor",
+                              "broadcast": "broadcast"}[self.name], None)
+        if fn is None:
+            raise RuntimeError(f"this ringdp ({ringdp.__file__}) has no {self.name}")
+        if self.name == "reduce_scatter":
+            fn(bufs[1], bufs[0], op=op)
+        elif self.name == "all_gather":
+            fn(bufs[1], bufs[0])
+        else:
+            fn(bufs[0], 0)
 
 
 # --------------------------------------------------------------------------- roofline
@@ -367,31 +473,54 @@ class Caller:
 
 
 # --------------------------------------------------------------------------- measure
-def timed_batch(c: Caller, s: Series, t, iters: int) -> tuple[float, list[float]]:
-    """One batch right after a barrier: (batch seconds, per-iteration seconds), this rank."""
+def timed_batch(c: Caller, run, iters: int) -> tuple[float, list[float]]:
+    """One batch of run() right after a barrier: (batch seconds, per-iteration seconds), this rank."""
     sync(c.device)
     dist.barrier()
     if c.device.type == "cuda":
         evs = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
         evs[0].record()
         for k in range(iters):
-            c.call(s, t)
+            run()
             evs[k + 1].record()
         torch.cuda.synchronize()
         return evs[0].elapsed_time(evs[-1]) / 1e3, [evs[k].elapsed_time(evs[k + 1]) / 1e3 for k in range(iters)]
     stamps = [time.perf_counter()]
     for _ in range(iters):
-        c.call(s, t)
+        run()
         stamps.append(time.perf_counter())
     return stamps[-1] - stamps[0], [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def measure(c: Caller, pattern: Pattern, s: Series, nbytes: int, memcpy_Bps: float) -> dict:
-    """One (size, series) point, collective over all ranks; returns the row (rank 0's view)."""
+def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> dict:
+    """One (size, series) point, collective over all ranks; returns the row (rank 0's view).
+    `pattern`: the all-reduce Pattern, or a Collective for the others."""
     args, n = c.args, c.world
     count = nbytes // c.elem
-    t = c.alloc(s, count)
-    pattern.fill(t)
+    coll = pattern if isinstance(pattern, Collective) else None
+    if coll is None:
+        t = c.alloc(s, count)
+
+        def fill():
+            pattern.fill(t)
+
+        def run():
+            c.call(s, t)
+
+        def check() -> int:
+            return pattern.wrong(t)
+    else:
+        t = coll.buffers(count, lambda m: c.alloc(s, m))
+
+        def fill():
+            coll.fill(t)
+
+        def run():
+            coll.call(t, c.op, s.kind == "baseline", c.group)
+
+        def check() -> int:
+            return coll.wrong(t)
+    fill()
     sync(c.device)
 
     warmup = args.warmup if args.warmup is not None else (5 if nbytes < (16 << 20) else 2)
@@ -399,7 +528,7 @@ def measure(c: Caller, pattern: Pattern, s: Series, nbytes: int, memcpy_Bps: flo
     dist.barrier()
     for _ in range(warmup):
         t0 = time.perf_counter()
-        c.call(s, t)
+        run()
         sync(c.device)
         stamps.append(time.perf_counter() - t0)
     if args.iters is not None:
@@ -409,27 +538,33 @@ def measure(c: Caller, pattern: Pattern, s: Series, nbytes: int, memcpy_Bps: flo
         (est,) = max_over_ranks(statistics.fmean(steady))
         iters = int(min(args.max_iters, max(args.min_iters, math.ceil(args.target_time / max(est, 1e-7)))))
 
-    batch, per = timed_batch(c, s, t, iters)
+    batch, per = timed_batch(c, run, iters)
     batch, fastest, median = max_over_ranks(batch, min(per), statistics.median(per))
 
-    pattern.fill(t)  # correctness: refill, one more call, compare with the closed form
-    c.call(s, t)
+    fill()  # correctness: refill, one more call, compare with the closed form
+    run()
     sync(c.device)
-    wrong = torch.tensor([pattern.wrong(t)], dtype=torch.int64)
+    wrong = torch.tensor([check()], dtype=torch.int64)
     dist.all_reduce(wrong)
-    del t
+    t = None  # noqa: F841 -- frees the buffers before the next point
 
     mean = batch / iters
     algbw = nbytes / mean / 1e9
-    algo = c.algo(s, nbytes)
-    factor = c.factor(s, algo)
-    roof = factor * nbytes * c.contention / memcpy_Bps
+    if coll is None:
+        algo = c.algo(s, nbytes)
+        factor = c.factor(s, algo)
+        roof = factor * nbytes * c.contention / memcpy_Bps
+    else:
+        algo, factor, roof = "-", None, None
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
+        "collective": coll.name if coll else "all_reduce",
         "series": s.name, "kind": s.kind, "algo": algo, "iters": iters, "warmup": warmup,
         "time_us": mean * 1e6, "min_us": fastest * 1e6, "median_us": median * 1e6,
-        "algbw_GBps": algbw, "busbw_GBps": algbw * 2 * (n - 1) / n, "wrong": int(wrong[0]),
-        "bytes_per_rank": factor * nbytes, "roof_us": roof * 1e6,
+        "algbw_GBps": algbw, "busbw_GBps": algbw * BUSBW_FACTOR[coll.name if coll else "all_reduce"](n),
+        "wrong": int(wrong[0]),
+        "bytes_per_rank": factor * nbytes if factor is not None else None,
+        "roof_us": roof * 1e6 if roof is not None else None,
         "pct_roof": (100.0 * roof / mean) if roof else None, "speedup": None,
     }
 
@@ -443,9 +578,10 @@ HEADER = (f"{'size':>12} {'count':>11} {'type':>8} {'redop':>5} {'series':>18} {
 def format_row(r: dict) -> str:
     pct = f"{r['pct_roof']:5.1f}%" if r["pct_roof"] is not None else "     -"
     sp = f"{r['speedup']:6.2f}x" if r["speedup"] is not None else "      -"
+    roof = f"{r['roof_us']:10.2f}" if r["roof_us"] is not None else f"{'-':>10}"
     return (f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>18} "
             f"{r['algo']:>7} {r['iters']:>6} {r['time_us']:11.2f} {r['min_us']:10.2f} "
-            f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} {r['roof_us']:10.2f} {pct} {sp}")
+            f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} {roof} {pct} {sp}")
 
 
 class Console:
@@ -491,22 +627,37 @@ def sweep(rank: int, args):
     n = dist.get_world_size()
     out = Console(rank)
     c = Caller(args, rank, n, int(os.environ.get("LOCAL_RANK", rank)))
-    pattern = Pattern(args.dtype, args.op, n, rank, c.device)
-    if not pattern.exact:
-        c.notes.append(f"world {n} is too large for exact {args.dtype} integers; #wrong may be nonzero")
     memcpy = memcpy_bandwidth(c.device, rank)
+    for coll in args.colls:
+        sweep_one(rank, args, c, coll, memcpy, out)
+
+
+def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Console):
+    """One collective's sweep: rows, table, JSON (rank 0)."""
+    n = c.world
+    if coll_name == "all_reduce":
+        pattern = Pattern(args.dtype, args.op, n, rank, c.device)
+        if not pattern.exact:
+            c.notes.append(f"world {n} is too large for exact {args.dtype} integers; #wrong may be nonzero")
+        series = c.series()
+        sizes = sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)
+    else:
+        pattern = Collective(coll_name, args.op, n, rank, c.device, c.dtype)
+        series = [Series(s.kind, s.kind, None) if s.kind != "baseline" else s for s in c.series()]
+        series = list(dict.fromkeys(series))  # one series per kind (--algo is all_reduce's)
+        # whole chunks: the larger buffer is n x the smaller one
+        sizes = sorted({(z // (c.elem * n)) * c.elem * n
+                        for z in sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)} - {0})
     memcpy_Bps = memcpy["one_rank_GBps"] * 1e9
-    series = c.series()
-    sizes = sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)
     # a forced algorithm compared with another is measured only where ringdp runs it
     plan = [(z, s) for z in sizes for s in series
-            if len(args.algos) == 1 or s.algo == "auto" or s.kind == "baseline" or c.algo(s, z) == s.algo]
+            if len(args.algos) == 1 or s.algo in ("auto", None) or s.kind == "baseline" or c.algo(s, z) == s.algo]
     factors = {f"{algo}_{kind}": bytes_factor(n, algo, kind == "registered", args.dtype, c.device.type, c.transport)
                for algo in ("ring", "oneshot") for kind in ("ordinary", "registered")}
     threshold = c.oneshot_max_bytes()
     info = machine_info(n, args.device)
 
-    out.line(f"# ringdp all_reduce benchmark: world {n}, device {args.device} ({c.transport}), {args.dtype}, "
+    out.line(f"# ringdp {coll_name} benchmark: world {n}, device {args.device} ({c.transport}), {args.dtype}, "
              f"op {args.op}, algo {args.algo}, series {', '.join(s.name for s in series)}")
     out.line(f"# machine: {info['cpu_model']} ({info['cpu_cores']} cores), torch {info['torch']}, "
              f"{info.get('gpu', 'no gpu') if args.device == 'cuda' else 'cpu'}, ringdp: {info['ringdp']}")
@@ -518,13 +669,15 @@ def sweep(rank: int, args):
         out.line(f"# one-shot up to {threshold} bytes (algo auto)")
     for note in c.notes:
         out.line(f"# note: {note}")
-    out.line("# GB/s = 1e9 bytes/s; time = mean per call, max over ranks; speedup = baseline time / time")
+    out.line(f"# GB/s = 1e9 bytes/s; busbw = algbw x {BUSBW_FACTOR[coll_name](n):g}; time = mean per call, max over "
+             "ranks; speedup = baseline time / time")
     out.line("#")
     out.line(HEADER)
 
     def payload(complete: bool) -> dict:
         return {
-            "benchmark": "allreduce",
+            "benchmark": "allreduce" if coll_name == "all_reduce" else coll_name,
+            "collective": coll_name,
             "complete": complete,
             "machine": info,
             "args": {k: v for k, v in vars(args).items()},
@@ -533,14 +686,14 @@ def sweep(rank: int, args):
             "memcpy": memcpy,
             "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
             "oneshot_max_bytes": threshold,
-            "pattern_k": pattern.k,
+            "pattern_k": getattr(pattern, "k", None),
             "notes": c.notes,
             "total_wrong": sum(r["wrong"] for r in rows),
             "elapsed_s": time.perf_counter() - out.t0,
             "rows": rows,
         }
 
-    name = result_name(args, n)
+    name = result_name(args, n, coll_name)
     rows, done = [], 0
     for nbytes in sizes:
         group = []
@@ -596,6 +749,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="ringdp algorithm auto|ring|oneshot, passed as all_reduce(algo=...) (default: "
                          "$RINGDP_ALGO or auto), or a comma list such as ring,oneshot: one ringdp series "
                          "per algorithm")
+    ap.add_argument("--coll", default="all_reduce",
+                    help=f"comma list of {', '.join(COLLS)} (default all_reduce): one sweep and one JSON each")
     ap.add_argument("--world", type=int, default=2, help="local ranks to start when not under torchrun")
     ap.add_argument("--baseline", choices=("auto", "gloo", "nccl"), default="auto",
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
@@ -626,6 +781,9 @@ def parse_args(argv: list[str] | None = None):
     if not args.algos or set(args.algos) - {"auto", "ring", "oneshot"}:
         ap.error("--algo takes auto, ring, oneshot or a comma list of them")
     args.algo = ",".join(args.algos)
+    args.colls = list(dict.fromkeys(x.strip() for x in args.coll.split(",") if x.strip()))
+    if not args.colls or set(args.colls) - set(COLLS):
+        ap.error(f"--coll takes a comma list of {', '.join(COLLS)}")
     if args.factor <= 1.0:
         ap.error("--factor must be > 1")
     if args.min_bytes > args.max_bytes:

@@ -46,7 +46,8 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
     first = runs[0][1]
     machine = first.get("machine", {})
     args = first.get("args", {})
-    title = (f"all_reduce {args.get('dtype', '?')} {args.get('op', '?')}, world {world_of(first) or '?'}, "
+    coll = first.get("collective", "all_reduce")
+    title = (f"{coll} {args.get('dtype', '?')} {args.get('op', '?')}, world {world_of(first) or '?'}, "
              f"{machine.get('device', '?')}: {machine.get('gpu') or machine.get('cpu_model', '')} "
              f"({machine.get('cpu_cores', '?')} cores), torch {machine.get('torch', '?')}")
     fig.suptitle(title, fontsize=9)
@@ -58,9 +59,9 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
         ax.set_xticklabels([human_bytes(s) for s in ticks], rotation=45, ha="right", fontsize=7)
         ax.set_xlabel("message size")
         ax.grid(True, which="both", alpha=0.3)
-    ax_bw.set_ylabel("busbw (GB/s) = S/t * 2(n-1)/n")
+    ax_bw.set_ylabel("busbw (GB/s) = S/t * " + {"all_reduce": "2(n-1)/n", "broadcast": "1"}.get(coll, "(n-1)/n"))
     ax_bw.set_title("bus bandwidth (higher is better)", fontsize=9)
-    ax_t.set_ylabel("time per all_reduce (us)")
+    ax_t.set_ylabel(f"time per {coll} (us)")
     ax_t.set_title("latency (lower is better)", fontsize=9)
     ax_bw.legend(fontsize=7)
     ax_t.legend(fontsize=6)

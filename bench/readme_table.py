@@ -4,7 +4,7 @@
     python bench/readme_table.py bench/out/*.json     # given files
     python bench/readme_table.py --no-summary > /tmp/table.md
 
-allreduce_*.json (bench/allreduce.py): a table of time, busbw and speedup per size and
+allreduce_*.json and {reduce_scatter,all_gather,broadcast}_*.json (bench/allreduce.py --coll): a table of time, busbw and speedup per size and
 series, or, for a run with forced algorithms (--algo ring,oneshot), the median time per
 algorithm; then the summary (bench/report.py): speedups by size range, the issue's
 targets, the ring/one-shot crossover and suggested threshold. ddp_step*.json
@@ -92,7 +92,7 @@ def ddp_table(path: Path, d: dict) -> str:
 
 def render(path: Path, summary: bool = True) -> str:
     d = load(path)
-    if d.get("benchmark") == "allreduce" or path.name.startswith("allreduce_"):
+    if d.get("benchmark") == "allreduce" or path.name.startswith("allreduce_") or d.get("collective"):
         forced = len(d["args"].get("algos", [d["args"].get("algo")])) > 1
         text = threshold_table(path, d) if forced else allreduce_table(path, d)
         if summary:
@@ -104,7 +104,8 @@ def render(path: Path, summary: bool = True) -> str:
 
 
 def default_files(results: Path) -> list[Path]:
-    return sorted(results.glob("allreduce_*.json")) + sorted(results.glob("ddp_step*.json"))
+    colls = [p for c in ("reduce_scatter", "all_gather", "broadcast") for p in sorted(results.glob(f"{c}_*.json"))]
+    return sorted(results.glob("allreduce_*.json")) + colls + sorted(results.glob("ddp_step*.json"))
 
 
 def main(argv: list[str] | None = None) -> int:
