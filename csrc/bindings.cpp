@@ -45,6 +45,15 @@ DType dtype_from_code(int code) {
   throw py::value_error("unknown ringdp dtype code " + std::to_string(code));
 }
 
+// The dtype of an output/input pair, which must agree (Python checks first, with a clearer
+// message; this guards the raw binding).
+DType same_dtype(const torch::Tensor& out, const torch::Tensor& in) {
+  if (out.scalar_type() != in.scalar_type())
+    throw py::type_error(std::string("ringdp: output dtype ") + c10::toString(out.scalar_type()) +
+                         " differs from input dtype " + c10::toString(in.scalar_type()));
+  return to_dtype(out.scalar_type());
+}
+
 std::vector<at::ScalarType> supported_dtypes() {
   std::vector<at::ScalarType> v;
   for (const auto& e : kDTypes) v.push_back(e.scalar);
@@ -153,6 +162,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                          static_cast<RedOp>(op), static_cast<Algo>(algo), timeout_s, tag);
           },
           py::arg("tensor"), py::arg("op"), py::arg("algo"), py::arg("timeout_s"), py::arg("tag") = "",
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "reduce_scatter",
+          [](ShmComm& c, const torch::Tensor& out, const torch::Tensor& in, int op, int algo, double timeout_s,
+             const std::string& tag) {
+            c.reduce_scatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()),
+                             same_dtype(out, in), static_cast<RedOp>(op), static_cast<Algo>(algo), timeout_s, tag);
+          },
+          py::arg("output"), py::arg("input"), py::arg("op"), py::arg("algo"), py::arg("timeout_s"),
+          py::arg("tag") = "", py::call_guard<py::gil_scoped_release>())
+      .def(
+          "all_gather",
+          [](ShmComm& c, const torch::Tensor& out, const torch::Tensor& in, int algo, double timeout_s,
+             const std::string& tag) {
+            c.all_gather(in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()), same_dtype(out, in),
+                         static_cast<Algo>(algo), timeout_s, tag);
+          },
+          py::arg("output"), py::arg("input"), py::arg("algo"), py::arg("timeout_s"), py::arg("tag") = "",
+          py::call_guard<py::gil_scoped_release>())
+      .def(
+          "broadcast",
+          [](ShmComm& c, const torch::Tensor& t, int root, int algo, double timeout_s, const std::string& tag) {
+            c.broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), to_dtype(t.scalar_type()), root,
+                        static_cast<Algo>(algo), timeout_s, tag);
+          },
+          py::arg("tensor"), py::arg("root"), py::arg("algo"), py::arg("timeout_s"), py::arg("tag") = "",
           py::call_guard<py::gil_scoped_release>())
       .def("reject", &ShmComm::reject, py::arg("why"), py::arg("timeout_s"), py::arg("tag") = "",
            py::call_guard<py::gil_scoped_release>())
@@ -275,6 +310,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("owned_chunk", &ring::owned_chunk);
   m.def("ring_trace", &ring_trace, py::arg("count"), py::arg("world"), py::arg("rank"),
         py::arg("slice_elems"), py::arg("align"));
+  m.def("collective_trace", &collective_trace, py::arg("kind"), py::arg("count"), py::arg("world"),
+        py::arg("rank"), py::arg("slice_elems"), py::arg("align") = 1, py::arg("root") = 0);
   m.def("half_roundtrip", [](float f) { return cpu::half_to_float(cpu::float_to_half(f)); });
   m.def("bf16_roundtrip", [](float f) { return cpu::bf16_to_float(cpu::float_to_bf16(f)); });
 }

@@ -3,6 +3,7 @@
     import torch.distributed as dist, ringdp
     dist.init_process_group("gloo")          # torchrun sets rank, world size, store
     ringdp.all_reduce(t)                      # in place, like dist.all_reduce
+    ringdp.reduce_scatter_tensor(out, inp)    # also all_gather_into_tensor, broadcast (CPU)
     buf = ringdp.empty(1 << 20)              # registered memory: no staging copy
 """
 from __future__ import annotations
@@ -35,6 +36,35 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout
                                               tag=tag)
 
 
+def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None,
+                          tag=None):
+    """torch.distributed.reduce_scatter_tensor on ringdp (CPU tensors): `input` holds world x
+    output.numel() elements; rank r's `output` gets the reduction (SUM, AVG, MIN, MAX) of
+    every rank's block r. The input is not modified. PREMUL_SUM: scale the input first, then
+    SUM. Returns None or a Work (async_op=True); errors, `timeout`, `algo` and `tag` as
+    all_reduce."""
+    return get_communicator(group).reduce_scatter_tensor(output, input, op=op, async_op=async_op, tag=tag,
+                                                         timeout=timeout, algo=algo)
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=None, algo=None, tag=None):
+    """torch.distributed.all_gather_into_tensor on ringdp (CPU tensors): block q of `output`
+    (world x input.numel() elements) becomes rank q's `input`. Returns None or a Work
+    (async_op=True); errors, `timeout`, `algo` and `tag` as all_reduce."""
+    return get_communicator(group).all_gather_into_tensor(output, input, async_op=async_op, tag=tag,
+                                                          timeout=timeout, algo=algo)
+
+
+def broadcast(tensor, src, group=None, async_op=False, timeout=None, algo=None, tag=None):
+    """torch.distributed.broadcast on ringdp (CPU tensors): every rank's `tensor` becomes
+    rank `src`'s. As in torch, `src` is a global rank (the same as the group rank for the
+    default group). Returns None or a Work (async_op=True); errors, `timeout`, `algo` and
+    `tag` as all_reduce."""
+    if group is not None and group is not dist.group.WORLD and isinstance(src, int) and not isinstance(src, bool):
+        src = dist.get_group_rank(group, src)
+    return get_communicator(group).broadcast(tensor, src, async_op=async_op, tag=tag, timeout=timeout, algo=algo)
+
+
 def _size(size):
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         return tuple(size[0])
@@ -63,6 +93,7 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
 
 __all__ = [
     "RingDDP", "comm_hooks",
-    "Communicator", "RingError", "Work", "all_reduce", "build_info", "collective_tag", "destroy", "empty",
-    "get_communicator", "init", "is_registered", "synchronize", "zeros",
+    "Communicator", "RingError", "Work", "all_gather_into_tensor", "all_reduce", "broadcast", "build_info",
+    "collective_tag", "destroy", "empty", "get_communicator", "init", "is_registered", "reduce_scatter_tensor",
+    "synchronize", "zeros",
 ]

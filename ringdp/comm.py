@@ -18,6 +18,10 @@ finished and current call); a timeout's RingError carries the same. Each communi
 its last calls (the flight record, ``Communicator.flight_record()``), written to
 RINGDP_TRACE's folder as ``ringdp_flight.rank<r>.json`` on a stall or a failed collective.
 
+Collectives: all_reduce (CPU and CUDA); reduce_scatter_tensor, all_gather_into_tensor and
+broadcast (CPU tensors, the shared-memory transport; csrc/ring/ring.cpp runs all four), with
+torch.distributed's semantics and the same Work / async_op / tag / timeout behaviour.
+
 Execution: validation and the algorithm (ringdp/policy.py) on the calling thread, then the
 collective runs in submission order: inline when nothing is queued and the call is
 synchronous, else on one background worker thread. CPU collectives complete on the host.
@@ -406,6 +410,65 @@ class Communicator:
         a = policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
 
+    def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
+                              algo=None):
+        """torch's reduce_scatter_tensor: `input` holds world x output.numel() elements (block q
+        for rank q); rank r's `output` gets the reduction (SUM, AVG, MIN, MAX) of every rank's
+        block r. The input is not modified. PREMUL_SUM is the caller's: scale the input, then
+        SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
+        sums would overwrite the input) or one-shot for small inputs (policy.py)."""
+        t = policy.timeout_s(timeout, self.timeout)
+        try:
+            code = self._check_pair(output, input, op, "reduce_scatter_tensor")
+            forced = self._forced(algo)
+            tag = _current_tag(tag)
+        except (TypeError, ValueError) as e:
+            self._reject(output, str(e), t)
+            raise
+        self._cpu_only(output, "reduce_scatter_tensor")
+        a = policy.ALGO_CODES[self._decide(input.numel() * input.element_size(), forced, "shm", self._shm.oneshot_bytes)]
+        return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
+                            outputs=[output])
+
+    def all_gather_into_tensor(self, output, input, async_op=False, tag=None, timeout=None, algo=None):
+        """torch's all_gather_into_tensor: `output` holds world x input.numel() elements and
+        block q of it becomes rank q's `input` (which may itself be block r of `output`). In
+        place, with no staging copy, when every rank's output is registered (ringdp.empty);
+        one-shot for small inputs (policy.py)."""
+        t = policy.timeout_s(timeout, self.timeout)
+        try:
+            self._check_pair(output, input, None, "all_gather_into_tensor")
+            forced = self._forced(algo)
+            tag = _current_tag(tag)
+        except (TypeError, ValueError) as e:
+            self._reject(output, str(e), t)
+            raise
+        self._cpu_only(output, "all_gather_into_tensor")
+        a = policy.ALGO_CODES[self._decide(input.numel() * input.element_size(), forced, "shm", self._shm.oneshot_bytes)]
+        return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output])
+
+    def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
+        """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
+        every rank: a pipelined chain src -> src+1 -> ... along the ring (in place when every
+        rank's tensor is registered), or one-shot for small tensors (policy.py)."""
+        t = policy.timeout_s(timeout, self.timeout)
+        try:
+            self._check(tensor, None, "broadcast")
+            if isinstance(src, bool) or not isinstance(src, int):
+                raise TypeError(f"ringdp.broadcast: src must be an int rank, got {type(src).__name__}")
+            if not 0 <= src < self.world:
+                raise ValueError(f"ringdp.broadcast on rank {self.rank}: src={src} is not a rank of this group "
+                                 f"(world size {self.world})")
+            forced = self._forced(algo)
+            tag = _current_tag(tag)
+        except (TypeError, ValueError) as e:
+            self._reject(tensor, str(e), t)
+            raise
+        self._cpu_only(tensor, "broadcast")
+        a = policy.ALGO_CODES[self._decide(tensor.numel() * tensor.element_size(), forced, "shm",
+                                           self._shm.oneshot_bytes)]
+        return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
+
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
         ep = self._cuda_endpoint(tensor.device)
         a = policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
@@ -451,28 +514,59 @@ class Communicator:
             raise RingError(self._shm_error)
         return self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)
 
-    def _check(self, tensor, op) -> int:
+    def _check(self, tensor, op, what="all_reduce", name="tensor") -> int:
+        """Validate one tensor argument of collective `what` (and the op, when not None);
+        returns the op's code (SUM's when op is None)."""
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"ringdp.all_reduce expects a torch.Tensor, got {type(tensor).__name__}")
-        code = _types.op_code(op)
+            raise TypeError(f"ringdp.{what} expects a torch.Tensor as {name}, got {type(tensor).__name__}")
+        code = _types.op_code(op) if op is not None else _types.SUM
         if tensor.dtype not in _SUPPORTED_DTYPES:
             names = ", ".join(str(d).replace("torch.", "") for d in _C.supported_dtypes())
-            raise TypeError(f"ringdp.all_reduce does not support dtype {tensor.dtype}; supported: {names}")
+            raise TypeError(f"ringdp.{what} does not support dtype {tensor.dtype}; supported: {names}")
         if tensor.layout != torch.strided:
-            raise ValueError(f"ringdp.all_reduce needs a dense (strided) tensor, got layout {tensor.layout}")
+            raise ValueError(f"ringdp.{what} needs a dense (strided) {name}, got layout {tensor.layout}")
         if tensor.device.type not in ("cpu", "cuda") or (tensor.is_cuda and not _C.WITH_CUDA):
             raise ValueError(
-                f"ringdp.all_reduce on rank {self.rank}: tensor is on {tensor.device}, which this ringdp "
+                f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, which this ringdp "
                 f"build does not reduce (build_info(): {build_info()})"
             )
         if not tensor.is_contiguous():
             raise ValueError(
-                f"ringdp.all_reduce needs a contiguous tensor (shape {tuple(tensor.shape)}, strides "
-                f"{tensor.stride()}); reduce t.contiguous() and copy the result back"
+                f"ringdp.{what} needs a contiguous {name} (shape {tuple(tensor.shape)}, strides "
+                f"{tensor.stride()}); pass t.contiguous() and copy the result back"
             )
         if code == _types.AVG and not tensor.dtype.is_floating_point:
             raise TypeError(f"ReduceOp.AVG needs a floating-point tensor, got {tensor.dtype}")
         return code
+
+    def _check_pair(self, output, input, op, what: str) -> int:
+        """Validate output and input of reduce_scatter_tensor / all_gather_into_tensor:
+        each as _check, then the same dtype and device, and the sizes (output * world ==
+        input for reduce_scatter, output == input * world for all_gather)."""
+        code = self._check(output, op, what, "output")
+        self._check(input, op, what, "input")
+        if output.dtype != input.dtype:
+            raise TypeError(f"ringdp.{what}: output dtype {output.dtype} differs from input dtype {input.dtype}")
+        if output.device != input.device:
+            raise ValueError(f"ringdp.{what}: output is on {output.device}, input on {input.device}")
+        n = self.world
+        if what == "reduce_scatter_tensor" and output.numel() * n != input.numel():
+            raise ValueError(
+                f"ringdp.reduce_scatter_tensor on rank {self.rank}: input has {input.numel()} elements, expected "
+                f"output.numel() x world size = {output.numel()} x {n} = {output.numel() * n}")
+        if what == "all_gather_into_tensor" and input.numel() * n != output.numel():
+            raise ValueError(
+                f"ringdp.all_gather_into_tensor on rank {self.rank}: output has {output.numel()} elements, expected "
+                f"input.numel() x world size = {input.numel()} x {n} = {input.numel() * n}")
+        return code
+
+    def _cpu_only(self, tensor, what: str) -> None:
+        """reduce_scatter, all_gather and broadcast run on the shared-memory transport only."""
+        if tensor.is_cuda:
+            raise RingError(f"rank {self.rank}: ringdp.{what} does not run on CUDA tensors yet (only all_reduce "
+                            f"does); use torch.distributed's NCCL backend for it")
+        if self._shm_error:
+            raise RingError(self._shm_error)
 
     def _reject(self, tensor, why: str, timeout_s: float) -> None:
         """Take part in this collective without data, on the transport of the tensor's device,

@@ -30,6 +30,9 @@ enum class RedOp : int32_t {
 // different collectives fail instead of mixing them; never renumber.
 enum class Kind : int32_t {
   kAllReduce = 0,
+  kReduceScatter = 1,
+  kAllGather = 2,
+  kBroadcast = 3,
 };
 
 // The caller's tag of one call (e.g. RingDDP's "RingDDP step 12 bucket 3"): at most

@@ -29,15 +29,30 @@ inline size_t chunk_end(size_t count, int n, size_t align, int c) {
   return chunk_begin(count, n, align, c + 1);
 }
 
-// Reduce-scatter step k (0 <= k < n-1): rank r sends chunk r-k, receives chunk r-k-1 and
-// adds its own values. After n-1 steps rank r holds the final values of chunk r+1.
-inline int rs_send_chunk(int n, int r, int k) { return mod(r - k, n); }
-inline int rs_recv_chunk(int n, int r, int k) { return mod(r - k - 1, n); }
-// All-gather step k (0 <= k < n-1): rank r sends chunk r+1-k, receives chunk r-k.
-inline int ag_send_chunk(int n, int r, int k) { return mod(r + 1 - k, n); }
-inline int ag_recv_chunk(int n, int r, int k) { return mod(r - k, n); }
-// The chunk rank r reduces last and owns.
+// Chunk arithmetic, given the chunk `o` a rank ends the reduce-scatter owning (o = r + c
+// for a constant c, so ranks own distinct chunks and each receives what its predecessor
+// sent). all_reduce uses o = r+1 (the historical choice, below); reduce_scatter and
+// all_gather use o = r, so that rank r ends with chunk r (torch's semantics).
+//   reduce-scatter step k (0 <= k < n-1): send chunk o-1-k, receive chunk o-2-k and add
+//   my values; after n-1 steps the last received chunk is o.
+//   all-gather step k (0 <= k < n-1): send chunk o-k, receive chunk o-1-k.
+inline int rs_send_of(int n, int o, int k) { return mod(static_cast<long>(o) - 1 - k, n); }
+inline int rs_recv_of(int n, int o, int k) { return mod(static_cast<long>(o) - 2 - k, n); }
+inline int ag_send_of(int n, int o, int k) { return mod(static_cast<long>(o) - k, n); }
+inline int ag_recv_of(int n, int o, int k) { return mod(static_cast<long>(o) - 1 - k, n); }
+
+// all_reduce's ownership (o = r+1). Reduce-scatter step k: rank r sends chunk r-k,
+// receives chunk r-k-1 and adds its own values. After n-1 steps rank r holds the final
+// values of chunk r+1. All-gather step k: rank r sends chunk r+1-k, receives chunk r-k.
 inline int owned_chunk(int n, int r) { return mod(r + 1, n); }
+inline int rs_send_chunk(int n, int r, int k) { return rs_send_of(n, owned_chunk(n, r), k); }
+inline int rs_recv_chunk(int n, int r, int k) { return rs_recv_of(n, owned_chunk(n, r), k); }
+inline int ag_send_chunk(int n, int r, int k) { return ag_send_of(n, owned_chunk(n, r), k); }
+inline int ag_recv_chunk(int n, int r, int k) { return ag_recv_of(n, owned_chunk(n, r), k); }
+
+// Broadcast along the ring: rank r's position in the chain that starts at `root`
+// (0: the root, n-1: the last rank, which only receives).
+inline int chain_pos(int n, int r, int root) { return mod(static_cast<long>(r) - root, n); }
 
 }  // namespace ring
 }  // namespace ringdp

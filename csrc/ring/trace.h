@@ -2,6 +2,7 @@
 // schedule (every slice sent is the slice its successor receives, chunks tile the buffer,
 // a dataflow replay gives the right sums) without moving data.
 #pragma once
+#include <stdexcept>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -21,6 +22,8 @@ class RecordingTransport final : public RingTransport {
   void recv_reduce_copy_send(const Slice& s) override { add("recv_reduce_copy_send", s); }
   void recv_copy_send(const Slice& s) override { add("recv_copy_send", s); }
   void recv(const Slice& s) override { add("recv", s); }
+  void copy_send(const Slice& s) override { add("copy_send", s); }
+  void recv_reduce_copy(const Slice& s) override { add("recv_reduce_copy", s); }
   void finish() override { log.emplace_back("finish", 0, 0); }
 
  private:
@@ -31,6 +34,20 @@ inline std::vector<TraceEntry> ring_trace(size_t count, int world, int rank, siz
                                           size_t align) {
   RecordingTransport t;
   ring_all_reduce(t, RingPlan{count, world, rank, slice_elems, align});
+  return t.log;
+}
+
+// The trace of any collective of the engine: "all_reduce", "reduce_scatter", "all_gather"
+// (count per rank) or "broadcast" (from `root`).
+inline std::vector<TraceEntry> collective_trace(const std::string& kind, size_t count, int world, int rank,
+                                                size_t slice_elems, size_t align, int root) {
+  RecordingTransport t;
+  const RingPlan p{count, world, rank, slice_elems, align};
+  if (kind == "all_reduce") ring_all_reduce(t, p);
+  else if (kind == "reduce_scatter") ring_reduce_scatter(t, p);
+  else if (kind == "all_gather") ring_all_gather(t, p);
+  else if (kind == "broadcast") ring_broadcast(t, p, root);
+  else throw std::invalid_argument("unknown collective " + kind);
   return t.log;
 }
 

@@ -19,6 +19,10 @@
 //                                                            make x available to next
 //   recv_copy_send        data[s] = incoming;               make it available to next
 //   recv                  data[s] = incoming
+//   copy_send             make my data[s] (final values, the tensor's dtype) available to
+//                         next: the start of a standalone all-gather or broadcast
+//   recv_reduce_copy      x = data[s] (op) incoming; result[s] = x (final, AVG applied):
+//                         the end of a standalone reduce-scatter (nothing sent)
 //
 // Both ends of a connection agree on the sequence of slices (the schedule is a pure
 // function of count, world size and rank), so the k-th slice a rank sends is the k-th
@@ -26,6 +30,7 @@
 // counters of slices sent and received, monotonic across calls.
 #pragma once
 #include <cstddef>
+#include <stdexcept>
 
 namespace ringdp {
 
@@ -42,6 +47,10 @@ class RingTransport {
   virtual void recv_reduce_copy_send(const Slice& s) = 0;
   virtual void recv_copy_send(const Slice& s) = 0;
   virtual void recv(const Slice& s) = 0;
+  // The primitives of the standalone halves (reduce_scatter, all_gather, broadcast). Only
+  // the shared-memory transports have them so far; the CUDA ones run all_reduce only.
+  virtual void copy_send(const Slice&) { throw std::logic_error("this transport has no copy_send"); }
+  virtual void recv_reduce_copy(const Slice&) { throw std::logic_error("this transport has no recv_reduce_copy"); }
   // Called once after the last primitive of a collective: returns when the caller's
   // buffer may be reused (no peer still reads it) and every result is in place.
   virtual void finish() = 0;

@@ -29,6 +29,9 @@ const char* redop_name(RedOp op) {
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::kAllReduce: return "all_reduce";
+    case Kind::kReduceScatter: return "reduce_scatter";
+    case Kind::kAllGather: return "all_gather";
+    case Kind::kBroadcast: return "broadcast";
   }
   return "unknown";
 }

@@ -19,7 +19,8 @@ namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 2;  // 2: call fingerprint (kind, tag), Control::done
+constexpr uint32_t kLayoutVersion = 3;  // 2: call fingerprint (kind, tag), Control::done
+                                        // 3: kinds reduce_scatter/all_gather/broadcast, root
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.
@@ -42,8 +43,8 @@ struct alignas(kCacheLine) CallHeader {
   int32_t dtype;          // DType
   int32_t op;             // RedOp
   int32_t algo;           // Algo
-  int32_t pad0;
-  uint64_t count;         // elements
+  int32_t root;           // broadcast: the source rank (0 for other kinds)
+  uint64_t count;         // elements (reduce_scatter, all_gather: per rank)
   int64_t reg_offset;     // arena offset of the tensor, -1 when not registered
   uint64_t slice_bytes;   // configuration that must agree across ranks
   char pad1[kCacheLine - 48];

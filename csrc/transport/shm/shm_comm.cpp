@@ -51,7 +51,7 @@ const char* algo_name(int32_t a) { return a == static_cast<int32_t>(Algo::kOneSh
 // (diagnostics only).
 struct HeaderView {
   uint32_t seq;
-  int32_t kind, dtype, op, algo;
+  int32_t kind, dtype, op, algo, root;
   uint64_t count;
   char tag[kTagBytes];
 };
@@ -63,6 +63,7 @@ HeaderView view(const shm::CallHeader& h) {
   v.dtype = h.dtype;
   v.op = h.op;
   v.algo = h.algo;
+  v.root = h.root;
   v.count = h.count;
   std::memcpy(v.tag, h.tag, kTagBytes);
   v.tag[kTagBytes - 1] = '\0';
@@ -70,9 +71,13 @@ HeaderView view(const shm::CallHeader& h) {
 }
 
 std::string describe(const HeaderView& h) {
-  return cat(kind_name(static_cast<Kind>(h.kind)), " #", h.seq, " (", h.count, " x ",
-             dtype_name(static_cast<DType>(h.dtype)), " ", redop_name(static_cast<RedOp>(h.op)), " ",
-             algo_name(h.algo), ", tag '", h.tag, "')");
+  const Kind k = static_cast<Kind>(h.kind);
+  const std::string what = k == Kind::kBroadcast   ? cat("from rank ", h.root)
+                           : k == Kind::kAllGather ? std::string("")
+                                                   : std::string(redop_name(static_cast<RedOp>(h.op)));
+  return cat(kind_name(k), " #", h.seq, " (", h.count, " x ", dtype_name(static_cast<DType>(h.dtype)),
+             k == Kind::kReduceScatter || k == Kind::kAllGather ? " per rank" : "", what.empty() ? "" : " ", what,
+             " ", algo_name(h.algo), ", tag '", h.tag, "')");
 }
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -198,15 +203,16 @@ void ShmComm::check_health(int waiting_on, const char* what) {
     if (r == cfg_.rank || !segs_[static_cast<size_t>(r)].base()) continue;
     const Control& c = ctrl(r);
     if (c.aborted.v.load(std::memory_order_acquire) != 0)
-      fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " failed because rank ", r,
+      fail(cat("rank ", cfg_.rank, ": ", kind_name(kind_), " #", call_, " failed because rank ", r,
                " aborted: ", read_msg(c.abort_msg), "\n", stall_report(waiting_on, what)));
     if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.id.pid))
-      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during all_reduce #", call_, "\n",
+      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during ", kind_name(kind_), " #", call_,
+               "\n",
                stall_report(waiting_on, what)));
   }
   const auto now = Clock::now();
   if (now >= deadline_)
-    fail(cat("rank ", cfg_.rank, ": all_reduce #", call_, " timed out after ", timeout_s_,
+    fail(cat("rank ", cfg_.rank, ": ", kind_name(kind_), " #", call_, " timed out after ", timeout_s_,
              " s waiting for rank ", waiting_on, " (", what,
              "); that rank is alive but did not make progress: is it running the same collectives "
              "in the same order? (set the timeout with RINGDP_TIMEOUT_S or timeout=)\n",
@@ -237,7 +243,7 @@ std::string ShmComm::stall_report(int waiting_on, const char* what) const {
     lines += cat("\n  rank ", r, r == cfg_.rank ? " (this rank)" : "", ": last finished ", call(done),
                  done == latest ? std::string("; in no collective") : cat("; in ", call(latest)));
   }
-  return cat("ringdp stall report from rank ", cfg_.rank, ": ", kind_name(Kind::kAllReduce), " #", s,
+  return cat("ringdp stall report from rank ", cfg_.rank, ": ", kind_name(kind_), " #", s,
              " has waited ", seconds(Clock::now() - call_start_), " s, now for rank ", waiting_on, " (", what,
              "). ", absent.empty() ? std::string("Every rank has entered it.")
                                    : cat("Not entered by rank(s) ", absent, "."),
@@ -270,21 +276,23 @@ std::string ShmComm::describe_header(int r, int parity) const {
   return cat("rank ", r, ": ", describe(view(ctrl(r).hdr[parity])));
 }
 
-size_t ShmComm::begin_call(uint32_t s, double timeout_s, DType dtype, RedOp op, Algo algo, size_t count,
-                           const std::string& tag) {
+size_t ShmComm::begin_call(uint32_t s, double timeout_s, Kind kind, DType dtype, RedOp op, Algo algo,
+                           size_t count, const std::string& tag) {
   call_ = s;
+  kind_ = kind;
   timeout_s_ = timeout_s;
   call_start_ = Clock::now();
   stall_reported_ = false;
   deadline_ = call_start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
-  return flight_.begin(s, Kind::kAllReduce, dtype, op, static_cast<int32_t>(algo), count, tag);
+  return flight_.begin(s, kind, dtype, op, static_cast<int32_t>(algo), count, tag);
 }
 
-shm::CallHeader& ShmComm::write_header(uint32_t s, DType dtype, RedOp op, Algo algo, size_t count,
+shm::CallHeader& ShmComm::write_header(uint32_t s, Kind kind, DType dtype, RedOp op, Algo algo, size_t count,
                                        const std::string& tag) {
   shm::CallHeader& h = ctrl(cfg_.rank).hdr[s & 1u];
   h.status = 0;
-  h.kind = static_cast<int32_t>(Kind::kAllReduce);
+  h.kind = static_cast<int32_t>(kind);
+  h.root = 0;
   h.dtype = static_cast<int32_t>(dtype);
   h.op = static_cast<int32_t>(op);
   h.algo = static_cast<int32_t>(algo);
@@ -316,8 +324,8 @@ void ShmComm::reject(const std::string& why, double timeout_s, const std::string
   if (!poison_.empty()) return;  // peers already know this communicator is dead
   const uint32_t s = ++seq_;
   const std::string t = tag.substr(0, kTagBytes - 1);
-  const size_t slot = begin_call(s, timeout_s, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
-  shm::CallHeader& h = write_header(s, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
+  const size_t slot = begin_call(s, timeout_s, Kind::kAllReduce, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
+  shm::CallHeader& h = write_header(s, Kind::kAllReduce, DType::kFloat32, RedOp::kSum, Algo::kRing, 0, t);
   h.status = 1;
   copy_msg(h.msg, why);
   try {
@@ -331,6 +339,57 @@ void ShmComm::reject(const std::string& why, double timeout_s, const std::string
 
 void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s,
                          const std::string& tag) {
+  Call c;
+  c.kind = Kind::kAllReduce;
+  c.dtype = dtype;
+  c.op = op;
+  c.algo = algo;
+  c.count = count;
+  c.data = static_cast<char*>(data);
+  run(c, timeout_s, tag);
+}
+
+void ShmComm::reduce_scatter(const void* input, void* output, size_t count, DType dtype, RedOp op, Algo algo,
+                             double timeout_s, const std::string& tag) {
+  Call c;
+  c.kind = Kind::kReduceScatter;
+  c.dtype = dtype;
+  c.op = op;
+  c.algo = algo;
+  c.count = count;
+  c.in = static_cast<const char*>(input);
+  c.data = static_cast<char*>(output);
+  run(c, timeout_s, tag);
+}
+
+void ShmComm::all_gather(const void* input, void* output, size_t count, DType dtype, Algo algo, double timeout_s,
+                         const std::string& tag) {
+  Call c;
+  c.kind = Kind::kAllGather;
+  c.dtype = dtype;
+  c.algo = algo;
+  c.count = count;
+  c.in = static_cast<const char*>(input);
+  c.data = static_cast<char*>(output);
+  run(c, timeout_s, tag);
+}
+
+void ShmComm::broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
+                        const std::string& tag) {
+  if (root < 0 || root >= cfg_.world)
+    throw RingError(cat("rank ", cfg_.rank, ": broadcast from rank ", root, ", which is not a rank of this group (",
+                        "world size ", cfg_.world, ")"));
+  Call c;
+  c.kind = Kind::kBroadcast;
+  c.dtype = dtype;
+  c.algo = algo;
+  c.count = count;
+  c.root = root;
+  c.data = static_cast<char*>(data);
+  run(c, timeout_s, tag);
+}
+
+void ShmComm::run(Call c, double timeout_s, const std::string& tag) {
   require_connected();
   if (!poison_.empty())
     throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", first_line(poison_),
@@ -339,9 +398,9 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
     throw RingError(cat("rank ", cfg_.rank, ": a collective's tag has at most ", kTagBytes - 1, " bytes, got ",
                         tag.size(), " ('", tag, "')"));
   const uint32_t s = ++seq_;
-  const size_t slot = begin_call(s, timeout_s, dtype, op, algo, count, tag);
+  const size_t slot = begin_call(s, timeout_s, c.kind, c.dtype, c.op, c.algo, c.count, tag);
   try {
-    run_all_reduce(s, data, count, dtype, op, algo, tag);
+    run_call(s, c, tag);
   } catch (...) {
     end_call(s, slot, false);
     throw;
@@ -349,25 +408,31 @@ void ShmComm::all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo a
   end_call(s, slot, true);
 }
 
-void ShmComm::run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, RedOp op, Algo algo,
-                             const std::string& tag) {
+void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   const int par = static_cast<int>(s & 1u);
-  const size_t esz = dtype_size(dtype);
-  const size_t bytes = count * esz;
+  const int n = cfg_.world;
+  const size_t esz = dtype_size(c.dtype);
+  const size_t bytes = c.count * esz;  // all_reduce, broadcast: the tensor; others: one block
+  // What the ring runs over (registered or not) and what one-shot stages in its buffer.
+  const size_t ring_bytes = c.kind == Kind::kAllGather ? bytes * static_cast<size_t>(n) : bytes;
+  const char* stage = c.kind == Kind::kReduceScatter || c.kind == Kind::kAllGather ? c.in : c.data;
+  const size_t stage_bytes = c.kind == Kind::kReduceScatter ? bytes * static_cast<size_t>(n) : bytes;
 
-  // 1. Announce what this rank is about to reduce (and, for one-shot, the data itself).
-  shm::CallHeader& h = write_header(s, dtype, op, algo, count, tag);
-  h.reg_offset = arena_offset_of(data, bytes);
-  if (algo == Algo::kOneShot) {
-    if (bytes > geo_.oneshot_bytes) {
-      const std::string why = cat("one-shot all_reduce of ", bytes, " bytes exceeds its buffer of ",
+  // 1. Announce what this rank is about to do (and, for one-shot, stage the data itself).
+  shm::CallHeader& h = write_header(s, c.kind, c.dtype, c.op, c.algo, c.count, tag);
+  h.root = c.root;
+  // reduce_scatter never runs in place (it would overwrite the input): never "registered".
+  h.reg_offset = c.kind == Kind::kReduceScatter ? -1 : arena_offset_of(c.data, ring_bytes);
+  if (c.algo == Algo::kOneShot) {
+    if (stage_bytes > geo_.oneshot_bytes) {
+      const std::string why = cat("one-shot ", kind_name(c.kind), " of ", stage_bytes, " bytes exceeds its buffer of ",
                                   geo_.oneshot_bytes, " bytes (RINGDP_ONESHOT_MAX_BYTES too large?)");
       h.status = 1;
       copy_msg(h.msg, why);
       exchange_headers(s);
       throw RingError(cat("rank ", cfg_.rank, ": ", why));
     }
-    std::memcpy(oneshot_buf(cfg_.rank, par), data, bytes);
+    if (c.kind != Kind::kBroadcast || c.root == cfg_.rank) std::memcpy(oneshot_buf(cfg_.rank, par), stage, stage_bytes);
   }
   exchange_headers(s);
 
@@ -375,18 +440,18 @@ void ShmComm::run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, 
   //    data moves (the communicator stays usable): rejections first, then the fingerprint
   //    (call number, kind, tag), then the shape.
   std::string problems;
-  for (int r = 0; r < cfg_.world; ++r) {
+  for (int r = 0; r < n; ++r) {
     const shm::CallHeader& p = ctrl(r).hdr[par];
     if (p.status != 0) problems += cat("; rank ", r, " rejected its input: ", read_msg(p.msg));
   }
   if (problems.empty()) {
     bool same_call = true, same_shape = true;
-    for (int r = 0; r < cfg_.world; ++r) {
+    for (int r = 0; r < n; ++r) {
       const shm::CallHeader& p = ctrl(r).hdr[par];
       same_call = same_call && p.seq.v.load(std::memory_order_acquire) == s && p.kind == h.kind &&
                   std::strncmp(p.tag, h.tag, kTagBytes) == 0;
       same_shape = same_shape && p.count == h.count && p.dtype == h.dtype && p.op == h.op && p.algo == h.algo &&
-                   p.slice_bytes == h.slice_bytes;
+                   p.root == h.root && p.slice_bytes == h.slice_bytes;
     }
     if (!same_call)
       problems = "; ranks are at different collectives (a rank skipped or repeated a call, e.g. a step "
@@ -394,37 +459,91 @@ void ShmComm::run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, 
     else if (!same_shape)
       problems = "; ranks disagree on the call:";
     if (!problems.empty())
-      for (int r = 0; r < cfg_.world; ++r) problems += cat(" [", describe_header(r, par), "]");
+      for (int r = 0; r < n; ++r) problems += cat(" [", describe_header(r, par), "]");
   }
   if (!problems.empty())
-    throw RingError(cat("rank ", cfg_.rank, ": all_reduce #", s, " cannot run", problems));
-  if (count == 0 || cfg_.world == 1) return;
+    throw RingError(cat("rank ", cfg_.rank, ": ", kind_name(c.kind), " #", s, " cannot run", problems));
+  if (c.count == 0) return;
 
+  // 3. A single rank has nothing to exchange: the output is its own input.
+  if (n == 1) {
+    if (c.kind == Kind::kReduceScatter || c.kind == Kind::kAllGather) std::memmove(c.data, c.in, bytes);
+    return;
+  }
   try {
-    // 3a. One-shot: every rank reduces all ranks' buffers in rank order (bitwise identical).
-    if (algo == Algo::kOneShot) {
-      std::vector<const void*> srcs(static_cast<size_t>(cfg_.world));
-      for (int r = 0; r < cfg_.world; ++r) srcs[static_cast<size_t>(r)] = oneshot_buf(r, par);
-      cpu::kernels_for(dtype, op).reduce_many(data, srcs.data(), cfg_.world, count,
-                                              op == RedOp::kAvg ? cfg_.world : 0);
-      return;
-    }
-    // 3b. Ring. In place over registered memory when every rank's tensor is registered and
-    //     the dtype accumulates in itself; otherwise staged through the FIFOs.
-    bool registered = acc_size(dtype) == esz;
-    for (int r = 0; r < cfg_.world; ++r) registered = registered && ctrl(r).hdr[par].reg_offset >= 0;
-    RingPlan plan{count, cfg_.world, cfg_.rank, geo_.slot_bytes / acc_size(dtype), 64 / esz};
-    if (registered) {
-      const size_t prev_offset = static_cast<size_t>(ctrl(link_->prev()).hdr[par].reg_offset);
-      shm::RegisteredTransport t(*link_, static_cast<char*>(data), prev_offset, dtype, op);
-      ring_all_reduce(t, plan);
-    } else {
-      shm::StagedTransport t(*link_, static_cast<char*>(data), dtype, op);
-      ring_all_reduce(t, plan);
-    }
+    if (c.algo == Algo::kOneShot) run_oneshot(par, c);
+    else run_ring(par, c);
   } catch (const RingError&) {
-    if (poison_.empty()) abort("failed during all_reduce");
+    if (poison_.empty()) abort(cat("failed during ", kind_name(c.kind)));
     throw;
+  }
+}
+
+void ShmComm::run_oneshot(int par, const Call& c) {
+  // Every rank reads the peers' one-shot buffers (staged before the header exchange, so
+  // they are complete); reductions run in rank order, so every rank computes the same bits.
+  const int n = cfg_.world;
+  const size_t esz = dtype_size(c.dtype);
+  const size_t bytes = c.count * esz;
+  const int avg_div = c.op == RedOp::kAvg ? n : 0;
+  std::vector<const void*> srcs(static_cast<size_t>(n));
+  switch (c.kind) {
+    case Kind::kAllReduce:
+      for (int r = 0; r < n; ++r) srcs[static_cast<size_t>(r)] = oneshot_buf(r, par);
+      cpu::kernels_for(c.dtype, c.op).reduce_many(c.data, srcs.data(), n, c.count, avg_div);
+      break;
+    case Kind::kReduceScatter:  // block `rank` of every rank's input
+      for (int r = 0; r < n; ++r)
+        srcs[static_cast<size_t>(r)] = oneshot_buf(r, par) + static_cast<size_t>(cfg_.rank) * bytes;
+      cpu::kernels_for(c.dtype, c.op).reduce_many(c.data, srcs.data(), n, c.count, avg_div);
+      break;
+    case Kind::kAllGather:  // block r of the output is rank r's input
+      for (int r = 0; r < n; ++r)
+        std::memmove(c.data + static_cast<size_t>(r) * bytes, r == cfg_.rank ? c.in : oneshot_buf(r, par), bytes);
+      break;
+    case Kind::kBroadcast:
+      if (cfg_.rank != c.root) std::memcpy(c.data, oneshot_buf(c.root, par), bytes);
+      break;
+  }
+}
+
+void ShmComm::run_ring(int par, const Call& c) {
+  // In place over registered memory when every rank's buffer is registered and nothing
+  // needs a wider accumulation type (all_reduce of half types does); otherwise staged
+  // through the FIFOs. reduce_scatter is always staged (its header says unregistered).
+  const int n = cfg_.world;
+  const size_t esz = dtype_size(c.dtype);
+  const bool reduces = c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter;
+  bool registered = !reduces || acc_size(c.dtype) == esz;
+  for (int r = 0; r < n; ++r) registered = registered && ctrl(r).hdr[par].reg_offset >= 0;
+  // Partial sums travel in the accumulation type; final values in the tensor's dtype.
+  const size_t slice_elems = geo_.slot_bytes / (reduces ? acc_size(c.dtype) : esz);
+  const RingPlan plan{c.count, n, cfg_.rank, slice_elems, 64 / esz};
+  const RedOp op = reduces ? c.op : RedOp::kSum;  // (all_gather, broadcast: no arithmetic)
+  if (c.kind == Kind::kAllGather) {  // my block first, in place: the all-gather starts from it
+    char* mine = c.data + static_cast<size_t>(cfg_.rank) * c.count * esz;
+    if (mine != c.in) std::memmove(mine, c.in, c.count * esz);
+  }
+  auto drive = [&](RingTransport& t) {
+    switch (c.kind) {
+      case Kind::kAllReduce: ring_all_reduce(t, plan); break;
+      case Kind::kReduceScatter: ring_reduce_scatter(t, plan); break;
+      case Kind::kAllGather: ring_all_gather(t, plan); break;
+      case Kind::kBroadcast: ring_broadcast(t, plan, c.root); break;
+    }
+  };
+  if (c.kind == Kind::kReduceScatter) {
+    // Reads the input, writes only block `rank` of the result, into the output.
+    shm::StagedTransport t(*link_, const_cast<char*>(c.in), c.data, static_cast<size_t>(cfg_.rank) * c.count,
+                           c.dtype, op);
+    drive(t);
+  } else if (registered) {
+    const size_t prev_offset = static_cast<size_t>(ctrl(link_->prev()).hdr[par].reg_offset);
+    shm::RegisteredTransport t(*link_, c.data, prev_offset, c.dtype, op);
+    drive(t);
+  } else {
+    shm::StagedTransport t(*link_, c.data, c.dtype, op);
+    drive(t);
   }
 }
 

@@ -1,6 +1,7 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot path, and drives the ring engine over the shm transports.
+// one-shot path, and drives the ring engine over the shm transports: all_reduce,
+// reduce_scatter, all_gather and broadcast, each a Kind in the call's fingerprint.
 #pragma once
 #include <cstdint>
 #include <functional>
@@ -62,6 +63,21 @@ class ShmComm final : public Endpoint {
   // timeout, dead or failed peer.
   void all_reduce(void* data, size_t count, DType dtype, RedOp op, Algo algo, double timeout_s,
                   const std::string& tag = "");
+  // torch's reduce_scatter_tensor: `input` holds world * count elements (block q = rank q's
+  // share), `output` count elements; rank r gets the reduction of every rank's block r.
+  // The input is never written. Ring (always staged: in place, the partial sums would
+  // overwrite the input) or one-shot (world * count elements must fit its buffer).
+  void reduce_scatter(const void* input, void* output, size_t count, DType dtype, RedOp op, Algo algo,
+                      double timeout_s, const std::string& tag = "");
+  // torch's all_gather_into_tensor: `input` count elements, `output` world * count; block q
+  // of the output is rank q's input. `input` may be block r of `output` itself. In place
+  // over registered memory when every rank's output is registered.
+  void all_gather(const void* input, void* output, size_t count, DType dtype, Algo algo, double timeout_s,
+                  const std::string& tag = "");
+  // Copy `count` elements at `data` of rank `root` to every rank's `data` (a pipelined chain
+  // along the ring; in place over registered memory when every rank's tensor is registered).
+  void broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
+                 const std::string& tag = "");
   // Take part in the next collective without data because this rank rejected its input:
   // peers raise an error naming this rank and `why`. Does not throw for the local rank
   // unless the exchange itself fails.
@@ -116,18 +132,33 @@ class ShmComm final : public Endpoint {
   // version, rank r of this world, with this configuration and `actual_bytes` of segment.
   void check_identity(int r, const shm::Identity& id, bool readable, uint64_t actual_bytes,
                       const std::string& what) const;
+  // One collective as this communicator runs it.
+  struct Call {
+    Kind kind = Kind::kAllReduce;
+    DType dtype = DType::kFloat32;
+    RedOp op = RedOp::kSum;
+    Algo algo = Algo::kRing;
+    size_t count = 0;          // elements (reduce_scatter, all_gather: per rank)
+    int root = 0;              // broadcast's source
+    const char* in = nullptr;  // reduce_scatter, all_gather: the input
+    char* data = nullptr;      // the tensor (all_reduce, broadcast) or the output
+  };
+  // Checks shared by every collective, then begin_call / run_call / end_call.
+  void run(Call c, double timeout_s, const std::string& tag);
   // Start call s: number, deadline, stall clock, flight record (returns its slot).
-  size_t begin_call(uint32_t s, double timeout_s, DType dtype, RedOp op, Algo algo, size_t count,
+  size_t begin_call(uint32_t s, double timeout_s, Kind kind, DType dtype, RedOp op, Algo algo, size_t count,
                     const std::string& tag);
   // Fill this rank's header for call s (parity s & 1): fingerprint and shape.
-  shm::CallHeader& write_header(uint32_t s, DType dtype, RedOp op, Algo algo, size_t count,
+  shm::CallHeader& write_header(uint32_t s, Kind kind, DType dtype, RedOp op, Algo algo, size_t count,
                                 const std::string& tag);
   // Call s is over (successfully or not): Control::done and the flight record.
   void end_call(uint32_t s, size_t slot, bool ok);
   void exchange_headers(uint32_t s);
-  // all_reduce's body for call s: headers, checks, then one-shot or ring.
-  void run_all_reduce(uint32_t s, void* data, size_t count, DType dtype, RedOp op, Algo algo,
-                      const std::string& tag);
+  // A collective's body for call s: headers, checks, then one-shot or ring.
+  void run_call(uint32_t s, const Call& c, const std::string& tag);
+  // The data-moving part of run_call, once every header agrees.
+  void run_oneshot(int parity, const Call& c);
+  void run_ring(int parity, const Call& c);
   void fail(const std::string& why);  // abort() and throw
   // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
@@ -142,6 +173,7 @@ class ShmComm final : public Endpoint {
   shm::Clock::time_point deadline_;
   double timeout_s_ = 0;
   uint32_t call_ = 0;  // call number being run, for messages
+  Kind kind_ = Kind::kAllReduce;  // its kind
   shm::Clock::time_point call_start_;
   bool stall_reported_ = false;
   std::function<void(const std::string&)> on_stall_;

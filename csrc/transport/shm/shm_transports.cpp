@@ -7,9 +7,12 @@ namespace shm {
 
 // ---- staged ----------------------------------------------------------------------------
 
-StagedTransport::StagedTransport(Link& link, char* data, DType dtype, RedOp op)
+StagedTransport::StagedTransport(Link& link, char* data, char* result, size_t result_base, DType dtype,
+                                 RedOp op)
     : link_(link),
       data_(data),
+      result_(result),
+      result_base_(result_base),
       k_(cpu::kernels_for(dtype, op)),
       esz_(dtype_size(dtype)),
       asz_(acc_size(dtype)),
@@ -54,6 +57,18 @@ void StagedTransport::recv(const Slice& s) {
   link_.consume();
 }
 
+void StagedTransport::copy_send(const Slice& s) {
+  char* o = link_.out_slot();
+  std::memcpy(o, at(s), s.count * esz_);  // final values: the tensor's own dtype
+  link_.post();
+}
+
+void StagedTransport::recv_reduce_copy(const Slice& s) {
+  const char* i = link_.in_slot();
+  k_.reduce_final(result_ + (s.offset - result_base_) * esz_, nullptr, i, at(s), s.count, avg_div_);
+  link_.consume();
+}
+
 // ---- registered ------------------------------------------------------------------------
 
 RegisteredTransport::RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype, RedOp op)
@@ -91,6 +106,13 @@ void RegisteredTransport::recv_copy_send(const Slice& s) {
 
 void RegisteredTransport::recv(const Slice& s) {
   std::memcpy(data_ + s.offset * esz_, in(s), s.count * esz_);
+  link_.consume();
+}
+
+void RegisteredTransport::copy_send(const Slice&) { link_.post(); }  // read in place
+
+void RegisteredTransport::recv_reduce_copy(const Slice& s) {
+  k_.reduce_inplace(data_ + s.offset * esz_, in(s), s.count, avg_div_);
   link_.consume();
 }
 

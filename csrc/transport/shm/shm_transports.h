@@ -11,15 +11,22 @@ namespace shm {
 
 // Ordinary tensors. Each connection prev -> me is a FIFO of `fifo_slots` slots living in
 // prev's segment: prev writes slot (posted % slots), I read it and bump my `consumed`.
-// Reduce-scatter slices travel in the accumulation type (float32 for half types).
+// Reduce-scatter slices travel in the accumulation type (float32 for half types), final
+// values (all-gather, broadcast) in the tensor's dtype. `data` is the buffer the schedule's
+// offsets index (read and written); final values of recv_reduce_copy go to `result`, whose
+// first element is element `result_base` of the buffer (reduce_scatter: data = the input,
+// untouched, result = the output; otherwise result = data, result_base = 0).
 class StagedTransport final : public RingTransport {
  public:
-  StagedTransport(Link& link, char* data, DType dtype, RedOp op);
+  StagedTransport(Link& link, char* data, DType dtype, RedOp op) : StagedTransport(link, data, data, 0, dtype, op) {}
+  StagedTransport(Link& link, char* data, char* result, size_t result_base, DType dtype, RedOp op);
   void send(const Slice& s) override;
   void recv_reduce_send(const Slice& s) override;
   void recv_reduce_copy_send(const Slice& s) override;
   void recv_copy_send(const Slice& s) override;
   void recv(const Slice& s) override;
+  void copy_send(const Slice& s) override;
+  void recv_reduce_copy(const Slice& s) override;
   void finish() override {}
 
  private:
@@ -27,6 +34,8 @@ class StagedTransport final : public RingTransport {
 
   Link& link_;
   char* data_;
+  char* result_;
+  size_t result_base_;
   const cpu::Kernels& k_;
   size_t esz_, asz_;
   int avg_div_;
@@ -35,7 +44,8 @@ class StagedTransport final : public RingTransport {
 // Registered tensors (ringdp.empty): the tensor itself lives in the arena every peer has
 // mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and
 // reduce into my own tensor in place. No slots, no staging copies. finish() waits until my
-// successor has read my last slice.
+// successor has read my last slice. all_reduce, all_gather and broadcast use it; not
+// reduce_scatter, whose partial sums would overwrite the caller's input in place.
 class RegisteredTransport final : public RingTransport {
  public:
   RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype, RedOp op);
@@ -44,6 +54,8 @@ class RegisteredTransport final : public RingTransport {
   void recv_reduce_copy_send(const Slice& s) override;
   void recv_copy_send(const Slice& s) override;
   void recv(const Slice& s) override;
+  void copy_send(const Slice& s) override;
+  void recv_reduce_copy(const Slice& s) override;
   void finish() override;
 
  private:

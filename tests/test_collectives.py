@@ -1,0 +1,395 @@
+"""reduce_scatter_tensor, all_gather_into_tensor and broadcast on CPU (shared-memory transport).
+
+Inputs depend on rank and index (tests/_closed_form.py's v(r, i) = (i % 13) + 2r), so
+every dtype holds the exact results:
+    reduce_scatter: rank q's input is v(q, i) for i < n*k; rank r's output is
+                    expected(op, n, n*k)[r*k:(r+1)*k] (the all-reduce's block r)
+    all_gather:     rank q's input is (i % 13) + 3q; output block q is rank q's input
+    broadcast:      rank src's tensor is v(src, i) + 1, the others start at -1
+Every collective runs twice in a row, on ordinary and (all_gather, broadcast) registered
+tensors, with the default, tiny-slot ring and one-shot configurations.
+"""
+import hashlib
+import os
+import signal
+import time
+from collections import deque
+
+import pytest
+import torch
+
+from _closed_form import expected, ops_for, value
+from _dist import run_ranks, values
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
+SIZES = [0, 1, 7, 13, 4099]  # elements per rank (reduce_scatter's output, all_gather's input)
+BIG = 300_007  # prime, several pipeline rounds
+
+CONFIGS = {
+    "default": {},
+    # tiny slots, two per connection: many rounds, back-pressure on every step
+    "tiny-ring": {"RINGDP_SLOT_BYTES": "4096", "RINGDP_FIFO_SLOTS": "2", "RINGDP_ALGO": "ring"},
+    "oneshot": {"RINGDP_ALGO": "oneshot"},  # falls back to the ring above its buffer
+}
+
+
+def _gather_input(rank, count, dtype):
+    return (torch.arange(count) % 13 + 3 * rank).to(dtype)
+
+
+def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc")):
+    import torch.distributed as dist
+
+    import ringdp
+
+    bad, checked = [], 0
+
+    def alloc(n, dtype, registered):
+        return ringdp.empty(n, dtype=dtype) if registered else torch.empty(n, dtype=dtype)
+
+    for dtype in dtypes:
+        for k in sizes:
+            if "rs" in kinds:
+                full = value(rank, world * k, dtype)
+                for op in ops_for(dtype):
+                    exp = expected(op, world, world * k, dtype)[rank * k:(rank + 1) * k]
+                    for rep in range(2):
+                        out = torch.full((k,), -7, dtype=dtype)
+                        inp = full.clone()
+                        ringdp.reduce_scatter_tensor(out, inp, op=getattr(dist.ReduceOp, op))
+                        checked += 1
+                        if not torch.equal(out, exp) or not torch.equal(inp, full):
+                            bad.append(("rs", str(dtype), op, k, rep, torch.equal(inp, full)))
+            for registered in (False, True):
+                if "ag" in kinds:
+                    exp = torch.cat([_gather_input(q, k, dtype) for q in range(world)])
+                    for rep in range(2):
+                        out = alloc(world * k, dtype, registered).fill_(-1)
+                        inp = _gather_input(rank, k, dtype)
+                        if rep == 1:  # in place: the input is the output's block `rank`
+                            inp = out[rank * k:(rank + 1) * k]
+                            inp.copy_(_gather_input(rank, k, dtype))
+                        ringdp.all_gather_into_tensor(out, inp)
+                        checked += 1
+                        if not torch.equal(out, exp):
+                            bad.append(("ag", str(dtype), k, registered, rep))
+                if "bc" in kinds:
+                    for rep in range(2):
+                        src = (k + rep) % world
+                        exp = value(src, k, dtype) + 1
+                        t = alloc(k, dtype, registered)
+                        t.copy_(exp if rank == src else torch.full((k,), -1, dtype=dtype))
+                        ringdp.broadcast(t, src)
+                        checked += 1
+                        if not torch.equal(t, exp):
+                            bad.append(("bc", str(dtype), k, registered, src))
+    return checked, bad
+
+
+def _check(res):
+    for rank, (checked, bad) in enumerate(values(res)):
+        assert checked > 0
+        assert bad == [], f"rank {rank}: {bad[:10]}"
+
+
+@pytest.mark.parametrize("world,config", [(1, "default")] + [(w, c) for w in (2, 3, 4) for c in CONFIGS])
+def test_matrix(world, config):
+    # (world 1 moves no data: one configuration is enough)
+    if world == 4 and config != "default":
+        dtypes = [torch.float32, torch.bfloat16, torch.int64]  # (keep the time modest on 2 cores)
+    else:
+        dtypes = DTYPES
+    _check(run_ranks(_matrix, world, SIZES, dtypes, env=CONFIGS[config], timeout=300))
+
+
+@pytest.mark.parametrize("world", [3])
+def test_big_prime_size(world):
+    # rs: 300_007 per rank (world x that in), ag likewise, bc 300_007
+    _check(run_ranks(_matrix, world, [BIG], [torch.float32, torch.bfloat16], timeout=300))
+
+
+def _random(rank, world, count, dtype, registered):
+    """Random values: rounding depends on the order of the reduction, so equal bytes on every
+    rank show one rank reduced each block once and the others copied it."""
+    import ringdp
+
+    g = torch.Generator().manual_seed(99 + rank)
+    inp = torch.randn(world * count, generator=g, dtype=torch.float64).to(dtype)
+    out = torch.empty(count, dtype=dtype)
+    ringdp.reduce_scatter_tensor(out, inp)
+    full = ringdp.empty(world * count, dtype=dtype) if registered else torch.empty(world * count, dtype=dtype)
+    ringdp.all_gather_into_tensor(full, out)
+    ref = inp.clone()
+    ringdp.all_reduce(ref)  # a different order of additions: close, maybe not equal
+    close = torch.allclose(full.double(), ref.double(), rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2)
+    mine = torch.equal(full[rank * count:(rank + 1) * count], out)
+    bc = ringdp.empty(count, dtype=dtype) if registered else torch.empty(count, dtype=dtype)
+    bc.copy_(inp[:count])
+    ringdp.broadcast(bc, world - 1)
+    digest = lambda t: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()  # noqa: E731
+    return digest(full), digest(bc), close, mine
+
+
+@pytest.mark.parametrize("dtype,registered", [(torch.float32, True), (torch.bfloat16, False)])
+def test_bitwise_identical_across_ranks(dtype, registered):
+    res = values(run_ranks(_random, 3, 100_003, dtype, registered))
+    assert all(r[0] == res[0][0] and r[1] == res[0][1] for r in res), res
+    assert all(r[2] and r[3] for r in res), res
+
+
+def _async(rank, world):
+    import ringdp
+
+    k = 50_001
+    outs = [torch.empty(k) for _ in range(2)] + [ringdp.empty(world * k)]
+    ins = [value(rank, world * k, torch.float32) + j for j in range(2)] + [value(rank, k, torch.float32)]
+    bc = ringdp.empty(k)
+    bc.fill_(float(rank))
+    works = [ringdp.reduce_scatter_tensor(outs[j], ins[j], async_op=True) for j in range(2)]
+    works.append(ringdp.all_gather_into_tensor(outs[2], ins[2], async_op=True))
+    works.append(ringdp.broadcast(bc, 1, async_op=True))
+    ar = torch.full((k,), 1.0)
+    works.append(ringdp.all_reduce(ar, async_op=True))
+    fut = works[0].get_future()
+    ok = []
+    for w in works:
+        assert w.wait() is True
+        ok.append(w.is_completed() and w.is_success())
+    exp_rs = expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]
+    ok.append(torch.equal(outs[0], exp_rs))
+    ok.append(torch.equal(outs[1], exp_rs + world))
+    ok.append(torch.equal(outs[2], torch.cat([value(q, k, torch.float32) for q in range(world)])))
+    ok.append(torch.equal(bc, torch.full((k,), 1.0)))
+    ok.append(torch.equal(ar, torch.full((k,), float(world))))
+    ok.append(fut.wait()[0] is outs[0])
+    # overwrite at once; a second round on the same buffers must not see stale reads
+    for t in outs + [bc]:
+        t.fill_(-1e9)
+    ringdp.broadcast(bc, 0)
+    ok.append(torch.equal(bc, torch.full((k,), -1e9)))
+    return ok
+
+
+@pytest.mark.parametrize("world", [3])
+def test_async_op(world):
+    for ok in values(run_ranks(_async, world)):
+        assert all(ok), ok
+
+
+def _kind_mismatch(rank, world):
+    import ringdp
+
+    out = []
+    try:
+        if rank == 0:
+            ringdp.reduce_scatter_tensor(torch.empty(10), torch.ones(10 * world))
+        else:
+            ringdp.all_gather_into_tensor(torch.empty(10 * world), torch.ones(10))
+        out.append("no error")
+    except ringdp.RingError as e:
+        out.append(str(e))
+    try:  # broadcast from different sources
+        ringdp.broadcast(torch.ones(5), src=rank % 2)
+        out.append("no error")
+    except ringdp.RingError as e:
+        out.append(str(e))
+    # the communicator is still usable: both ranks agree now
+    t = torch.ones(10)
+    ringdp.broadcast(t.fill_(rank + 5.0), src=1)
+    out.append(float(t.sum()))
+    return out
+
+
+def test_kind_mismatch_raises_on_every_rank(pool):
+    for rank, (mismatch, roots, after) in enumerate(pool.run(_kind_mismatch)):
+        assert f"rank {rank}:" in mismatch and "different collectives" in mismatch, mismatch
+        assert "reduce_scatter #" in mismatch and "all_gather #" in mismatch, mismatch
+        assert "disagree" in roots and "from rank 0" in roots and "from rank 1" in roots, roots
+        assert after == 60.0
+
+
+def _bad_args(rank, world):
+    import ringdp
+
+    errors = []
+    calls = [
+        lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world + 1)),  # size
+        lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world, dtype=torch.float64)),  # dtype
+        lambda: ringdp.reduce_scatter_tensor(torch.empty(3, dtype=torch.int32), torch.empty(3 * world, dtype=torch.int32),
+                                             op="avg"),  # AVG of ints
+        lambda: ringdp.all_gather_into_tensor(torch.empty(3 * world + 2), torch.empty(3)),  # size
+        lambda: ringdp.all_gather_into_tensor(torch.empty(6 * world)[::2], torch.empty(3)),  # non-contiguous
+        lambda: ringdp.all_gather_into_tensor(torch.empty(3 * world), [1, 2, 3]),  # not a tensor
+        lambda: ringdp.broadcast(torch.empty(3), world),  # src out of range
+        lambda: ringdp.broadcast(torch.empty(3), -1),
+        lambda: ringdp.broadcast(torch.empty(3), "0"),
+        lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world), op=torch.distributed.ReduceOp.PRODUCT),
+    ]
+    for c in calls:
+        try:
+            c()
+            errors.append(None)
+        except (TypeError, ValueError) as e:
+            errors.append((type(e).__name__, str(e)))
+    out = torch.empty(4)
+    ringdp.reduce_scatter_tensor(out, torch.full((4 * world,), float(rank)))  # still usable
+    return errors, out.tolist()
+
+
+def test_bad_arguments_are_clear_errors(pool):
+    for errors, out in pool.run(_bad_args):
+        kinds = [e[0] if e else None for e in errors]
+        assert kinds == ["ValueError", "TypeError", "TypeError", "ValueError", "ValueError", "TypeError",
+                         "ValueError", "ValueError", "TypeError", "ValueError"], errors
+        assert "expected output.numel() x world size" in errors[0][1]
+        assert "differs from input dtype" in errors[1][1]
+        assert "contiguous" in errors[4][1]
+        assert "src=2 is not a rank" in errors[6][1]
+        assert out == [1.0] * 4
+
+
+def _bad_on_one_rank(rank, world):
+    import ringdp
+
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(5))
+        else:
+            ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world))
+    except (ValueError, ringdp.RingError) as e:
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None
+
+
+def test_bad_input_on_one_rank_fails_the_peer_fast(pool):
+    (k0, m0, _), (k1, m1, t1) = pool.run(_bad_on_one_rank)
+    assert k0 == "ValueError"
+    assert k1 == "RingError" and "rank 0 rejected its input" in m1 and t1 < 10, m1
+
+
+def _peer_killed(rank, world, kind):
+    import threading
+
+    import ringdp
+
+    ringdp.init(timeout=60)
+    k = 1_000_000
+    inp, out = torch.ones(world * k), torch.empty(k)
+    big = torch.empty(world * k)
+
+    def call():
+        if kind == "rs":
+            ringdp.reduce_scatter_tensor(out, inp)
+        elif kind == "ag":
+            ringdp.all_gather_into_tensor(big, out)
+        else:
+            ringdp.broadcast(big, 0)
+
+    call()  # one good call first
+    if rank == world - 1:
+        threading.Timer(0.005, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        while True:
+            call()
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 60:
+            call()
+        return None
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("kind", ["rs", "ag", "bc"])
+def test_sigkilled_peer(kind):
+    world = 3
+    res = run_ranks(_peer_killed, world, kind, allow_missing=(world - 1,), timeout=120)
+    name = {"rs": "reduce_scatter", "ag": "all_gather", "bc": "broadcast"}[kind]
+    for rank in range(world - 1):
+        status, v = res[rank]
+        assert status == "ok", v
+        assert v is not None, "the survivor never noticed"
+        msg, took = v
+        assert f"rank {rank}:" in msg and ("died" in msg or "aborted" in msg), msg
+        assert name in msg, msg
+        assert took < 30
+
+
+def _flight(rank, world):
+    import ringdp
+
+    ringdp.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world), tag="rs")
+    ringdp.all_gather_into_tensor(torch.empty(2 * world), torch.ones(2), tag="ag")
+    ringdp.broadcast(torch.ones(2), 0, tag="bc")
+    return [(r["kind"], r["tag"], r["status"]) for r in ringdp.get_communicator().flight_record()[-3:]]
+
+
+def test_flight_record_names_the_kinds(pool):
+    for rec in pool.run(_flight):
+        assert rec == [("reduce_scatter", "rs", "ok"), ("all_gather", "ag", "ok"), ("broadcast", "bc", "ok")]
+
+
+# ---- the schedule, without processes: replay the engine's traces -------------------------
+def _replay(kind, count, n, slice_elems, root=0):
+    """Run every rank's trace of `kind` against FIFOs between neighbours; returns, per rank,
+    what each element of its result holds: the set of ranks reduced into it (reduce_scatter),
+    or the rank whose data it is (all_gather, broadcast)."""
+    from ringdp._native import _C
+
+    traces = [deque(_C.collective_trace(kind, count, n, r, slice_elems, 1, root)) for r in range(n)]
+    fifo = [deque() for _ in range(n)]  # fifo[r]: slices r received from r-1, oldest first
+    size = count * n if kind in ("reduce_scatter", "all_gather") else count
+    if kind == "reduce_scatter":
+        data = [[frozenset([r])] * size for r in range(n)]
+        result = [[None] * count for _ in range(n)]
+    elif kind == "all_gather":
+        data = [[i // count if i // count == r else None for i in range(size)] for r in range(n)]
+    else:
+        data = [[root if r == root else None] * size for r in range(n)]
+    progress = True
+    while progress:
+        progress = False
+        for r in range(n):
+            while traces[r]:
+                prim, off, cnt = traces[r][0]
+                if prim == "finish":
+                    traces[r].popleft()
+                    continue
+                nxt = fifo[(r + 1) % n]
+                if prim.startswith("recv"):
+                    if not fifo[r]:
+                        break
+                    o2, c2, vals = fifo[r].popleft()
+                    assert (o2, c2) == (off, cnt), (kind, r, prim, off, cnt, o2, c2)
+                traces[r].popleft()
+                progress = True
+                seg = range(off, off + cnt)
+                if prim in ("send", "copy_send"):
+                    nxt.append((off, cnt, [data[r][i] for i in seg]))
+                elif prim == "recv_reduce_send":
+                    nxt.append((off, cnt, [v | data[r][i] for v, i in zip(vals, seg)]))
+                elif prim == "recv_reduce_copy":
+                    for v, i in zip(vals, seg):
+                        result[r][i - r * count] = v | data[r][i]
+                elif prim in ("recv_copy_send", "recv"):
+                    for v, i in zip(vals, seg):
+                        data[r][i] = v
+                    if prim == "recv_copy_send":
+                        nxt.append((off, cnt, vals))
+    assert all(not t for t in traces), "deadlock in the schedule"
+    assert all(not f for f in fifo), "slices sent and never received"
+    return result if kind == "reduce_scatter" else data
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("count,slice_elems", [(0, 4), (1, 4), (7, 2), (13, 4), (10, 100)])
+def test_schedule_replay(n, count, slice_elems):
+    everyone = frozenset(range(n))
+    if n > 1:
+        rs = _replay("reduce_scatter", count, n, slice_elems)
+        assert all(v == everyone for r in range(n) for v in rs[r]), rs
+    ag = _replay("all_gather", count, n, slice_elems)
+    assert all(ag[r] == [i // count for i in range(n * count)] for r in range(n)), ag
+    for root in range(n):
+        bc = _replay("broadcast", count, n, slice_elems, root)
+        assert all(bc[r] == [root] * count for r in range(n)), bc
