@@ -185,9 +185,25 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def communicator(self) -> Communicator:
         return self._comm
 
+    # c10d's ProcessGroup keeps its name and description in its backends, and this group
+    # has none: it keeps them itself
     def _set_group_name(self, name):
-        super()._set_group_name(name)
+        self._group_name = name
         self._named = True
+
+    @property
+    def group_name(self):
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return getattr(self, "_group_desc", "")
 
     # -- identity -------------------------------------------------------------------------
     def getBackendName(self):
@@ -339,7 +355,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         native = getattr(self._comm, "all_gather_into_tensor", None)
         if (native is None or not self._native([output, input]) or output.is_cuda
                 or output.numel() != input.numel() * self._size_):
-            return self._inner([input])._allgather_base(output, input, opts)
+            # gloo's future holds the input; torch's contract (and ringdp's): the output
+            return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
         return RingWork([native(output, input, async_op=True)], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
