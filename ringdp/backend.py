@@ -396,6 +396,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             return self._inner(tensors).broadcast(tensors, opts)
         return RingWork([native(t, opts.rootRank, async_op=True) for t in tensors], tensors)
 
+    # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
+    # waits for completes after every ringdp collective issued so far (one ordered worker)
+    def _start_coalescing(self, device):
+        pass
+
+    def _end_coalescing(self, device):
+        return RingWork([self._comm._submit(lambda: None, async_op=True)], [])
+
     def barrier(self, opts=None):
         """Every rank's ringdp collectives issued before it have run (an all-reduce of one
         element behind them), and so have its gloo ones (gloo's barrier)."""
