@@ -195,14 +195,17 @@ def test_ddp_compression_hooks(pool, variant):
     check_ddp(pool.run(case_ddp, variant=variant), variant, rtol=1e-2, atol=1e-3)
 
 
-def case_fsdp2(rank, world, mixed=False, steps=4):
+def case_fsdp2(rank, world, mixed=False, steps=4, premul=False):
     """Stock FSDP2 (fully_shard) of a small TransformerEncoder stack on a ringdp group and on
-    a gloo group; the losses of every step, averaged over ranks."""
+    a gloo group; every step's loss on this rank. `premul`: on the ringdp group the gradients
+    are divided by 2 x world (set_gradient_divide_factor: FSDP2 reduce-scatters with
+    PREMUL_SUM(1 / (2 world)), which gloo lacks) with twice gloo's learning rate: plain SGD
+    then takes the same steps."""
     import ringdp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    def run(g):
+    def run(g, factor=None, lr=0.1):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
                                 for _ in range(2)])
@@ -212,7 +215,10 @@ def case_fsdp2(rank, world, mixed=False, steps=4):
         for layer in model:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if factor is not None:
+            for m in [*model, model]:
+                m.set_gradient_divide_factor(factor)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
         losses = []
         for step in range(steps):
             gen = torch.Generator().manual_seed(step)
@@ -227,10 +233,10 @@ def case_fsdp2(rank, world, mixed=False, steps=4):
     g = ringdp_group()
     comm = ringdp.get_communicator(g)
     before = len(comm.flight_record())
-    ring = run(g)
+    ring = run(g, factor=2.0 * world, lr=0.2) if premul else run(g)
     native = len(comm.flight_record()) - before
     gg = dist.new_group(backend="gloo")
-    gloo = run(gg)
+    gloo = run(gg, lr=0.1)
     dist.destroy_process_group(gg)
     drop(g)
     return {"ring": ring, "gloo": gloo, "native_calls": native}
@@ -248,6 +254,10 @@ def check_fsdp2(res):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_fsdp2_world2(pool, mixed):
     check_fsdp2(pool.run(case_fsdp2, mixed=mixed))
+
+
+def test_fsdp2_premul_sum(pool):
+    check_fsdp2(pool.run(case_fsdp2, premul=True))
 
 
 def test_fsdp2_world4():
