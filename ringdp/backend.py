@@ -98,12 +98,15 @@ class RingWork(dist.Work):
 
     def _complete(self):
         exc = next((w._future.exception() for w in self._parts if w._future.exception() is not None), None)
+        cuda = [w._cuda for w in self._parts if w._cuda is not None]
+        finalized = False
         if exc is None and self._finalize is not None:
             try:
                 for w in self._parts:  # CUDA parts: the current stream waits for ringdp's
                     if w._cuda is not None:
                         w.wait()
                 self._finalize()
+                finalized = True
             except BaseException as e:  # noqa: BLE001 -- handed to the waiter
                 exc = e
         self._finalize = None
@@ -111,6 +114,11 @@ class RingWork(dist.Work):
         self._done.set()
         if exc is not None:
             self._tf.set_exception(exc)
+        elif cuda and not finalized:
+            # a CUDA-aware future records its event on the current stream: ringdp's, where the
+            # collective ran (after a copy-out, the current stream, where the copy ran)
+            with torch.cuda.stream(cuda[-1][0].stream):
+                self._tf.set_result(self._outputs)
         else:
             self._tf.set_result(self._outputs)
 

@@ -515,3 +515,75 @@ def test_backend_strings():
             assert o["shared"], f"{spec}: ringdp.get_communicator() is not the backend's"
             assert torch.equal(o["sub"], torch.full((2,), 1.0))
             assert torch.equal(o["grad"], res[0][spec]["grad"]), f"{spec}: RingDDP gradients differ across ranks"
+
+
+def case_native_methods(rank, world):
+    """The backend takes the communicator's reduce_scatter_tensor / all_gather_into_tensor /
+    broadcast when it has them (the engine's, once merged): stand-ins with their signatures,
+    made of ringdp's all-reduce, count the calls; the results must stay right."""
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    calls = []
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None):
+        calls.append("reduce_scatter_tensor")
+        buf = input.clone()
+        comm.all_reduce(buf, op=op)
+        output.copy_(buf.view(world, -1)[rank].view_as(output))
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    def all_gather_into_tensor(output, input, async_op=False, tag=None):
+        calls.append("all_gather_into_tensor")
+        buf = torch.zeros(output.numel(), dtype=output.dtype)
+        buf.view(world, -1)[rank].copy_(input.reshape(-1))
+        comm.all_reduce(buf)
+        output.copy_(buf.view_as(output))
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    def broadcast(tensor, src, async_op=False, tag=None):
+        calls.append("broadcast")
+        if rank != src:
+            tensor.zero_()
+        comm.all_reduce(tensor)
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    comm.reduce_scatter_tensor = reduce_scatter_tensor
+    comm.all_gather_into_tensor = all_gather_into_tensor
+    comm.broadcast = broadcast
+    try:
+        out = {}
+        inp = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+        s = sum(r + 1 for r in range(world))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, inp, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["reduce_scatter_premul"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / 2)
+        o = torch.empty(2)
+        dist.reduce_scatter(o, list(inp.chunk(world)), group=g)
+        out["reduce_scatter_list"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
+        o = torch.empty(3 * world)
+        dist.all_gather_into_tensor(o, torch.full((3,), float(rank) + 0.5), group=g)
+        out["all_gather_into_tensor"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5)
+        lst = [torch.empty(2) for _ in range(world)]
+        dist.all_gather(lst, torch.full((2,), float(rank)), group=g)
+        out["all_gather"] = (torch.stack(lst), torch.arange(world, dtype=torch.float32)[:, None].expand(world, 2))
+        b = torch.full((4,), float(rank) + 1)
+        dist.broadcast(b, src=dist.get_global_rank(g, world - 1), group=g)
+        out["broadcast"] = (b, torch.full((4,), float(world)))
+        res = {"results": out}
+        m = nn.parallel.DistributedDataParallel(build(MLP, rank), process_group=g)  # broadcasts rank 0's
+        res["ddp_init"] = (params(m.module)[0], params(build(MLP, 0))[0])
+    finally:
+        del comm.reduce_scatter_tensor, comm.all_gather_into_tensor, comm.broadcast
+    res["calls"] = sorted(set(calls))
+    drop(g)
+    return res
+
+
+def test_native_methods_taken_when_present(pool):
+    for r, res in enumerate(pool.run(case_native_methods)):
+        assert res["calls"] == ["all_gather_into_tensor", "broadcast", "reduce_scatter_tensor"], res["calls"]
+        for name, (got, want) in res["results"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+        torch.testing.assert_close(*res["ddp_init"], rtol=0, atol=0)
