@@ -24,6 +24,8 @@ Routing (``ProcessGroupRingdp``):
     them (``Communicator.reduce_scatter_tensor``/``all_gather_into_tensor``/``broadcast``);
     until then reduce_scatter is an all-reduce of the whole input (its own chunk copied
     out) and all-gather/broadcast run on the inner gloo group (exact copies).
+  * a group whose ranks are on several hosts (no shared-memory endpoint): its CPU
+    collectives go to the inner gloo group (PREMUL_SUM: multiplied here, summed there).
   * CUDA tensors: ringdp's CUDA all-reduce when the extension has CUDA and the group was
     made with "cuda:ringdp" (or plain "ringdp"); otherwise, and for every other CUDA
     collective, an inner NCCL group made on first use.
@@ -270,6 +272,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         for t in tensors:
             if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES or not t.is_contiguous():
                 return False
+            if t.device.type == "cpu" and self._comm.shm is None:
+                return False  # ranks on several hosts (or a closed communicator): gloo
             if t.is_cuda:
                 if not self._use_ringdp_cuda() or op is None:  # ringdp's CUDA path: all-reduce only
                     return False
@@ -296,7 +300,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             op, opts = opts, dist.AllreduceOptions()
             opts.reduceOp = op
         if not self._native(tensors, opts.reduceOp):
-            return self._inner(tensors).allreduce(tensors, opts)
+            return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
         return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
                         cuda_devices=_devices(tensors))
 
@@ -304,7 +308,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
         if not self._native(tensors, opts.reduceOp):
-            return self._inner(tensors).allreduce_coalesced(tensors, opts)
+            return self._inner(tensors).allreduce_coalesced(tensors,
+                                                            _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
         return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
                         cuda_devices=_devices(tensors))
 
@@ -335,7 +340,10 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if opts is None:
             opts = dist.ReduceScatterOptions()
         if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
-            return self._inner([input])._reduce_scatter_base(output, input, opts)
+            if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
+                input = input.clone()
+            return self._inner([input])._reduce_scatter_base(output, input,
+                                                              _premultiplied([input], opts, dist.ReduceScatterOptions))
         return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -423,6 +431,20 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
 _OP_NAMES = {_types.SUM: dist.ReduceOp.SUM, _types.AVG: dist.ReduceOp.AVG, _types.MIN: dist.ReduceOp.MIN,
              _types.MAX: dist.ReduceOp.MAX}
+
+
+def _premultiplied(tensors, opts, options_type):
+    """Options for the inner gloo group: gloo has no PREMUL_SUM, so the tensors (CPU ones)
+    are multiplied by the factor here and summed there; other ops are passed on as they are."""
+    kind, factor = _op_of(opts.reduceOp)
+    if factor is None or any(t.is_cuda for t in tensors):
+        return opts
+    for t in tensors:
+        t.mul_(factor)
+    new = options_type()
+    new.reduceOp = dist.ReduceOp.SUM
+    new.timeout = opts.timeout
+    return new
 
 
 def _devices(tensors):

@@ -587,3 +587,40 @@ def test_native_methods_taken_when_present(pool):
         for name, (got, want) in res["results"].items():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
         torch.testing.assert_close(*res["ddp_init"], rtol=0, atol=0)
+
+
+def case_spans_hosts(rank, world):
+    """A group whose ranks are on several hosts has no shared-memory endpoint: its CPU
+    collectives run on the inner gloo group (PREMUL_SUM too, which gloo lacks: multiplied
+    first, then summed). Simulated by hiding the endpoint."""
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    shm, before = comm._shm, len(comm.flight_record())
+    comm._shm = None
+    out = {}
+    try:
+        s = sum(r + 1 for r in range(world))
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        out["sum"] = (t, torch.full((4,), float(s)))
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["premul"] = (t, torch.full((4,), s / 2))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, torch.arange(2 * world, dtype=torch.float32) * (rank + 1),
+                                   op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["reduce_scatter_premul"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / 2)
+    finally:
+        comm._shm = shm
+    calls = len(comm.flight_record()) - before
+    drop(g)
+    return {"results": out, "ringdp_calls": calls}
+
+
+def test_spans_hosts_falls_back_to_gloo(pool):
+    for r, res in enumerate(pool.run(case_spans_hosts)):
+        assert res["ringdp_calls"] == 0
+        for name, (got, want) in res["results"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
