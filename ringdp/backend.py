@@ -155,10 +155,6 @@ class RingWork(dist.Work):
         self.wait()
 
 
-def _done_work(outputs):
-    return RingWork([], outputs)
-
-
 # ==================================================================== the group
 class ProcessGroupRingdp(dist.ProcessGroup):
     """ringdp's process group (module doc). Made by torch through the registered creator."""
