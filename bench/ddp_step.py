@@ -16,6 +16,8 @@ Modes, all in the same run, on the same data and initial weights:
     ring        ringdp.RingDDP (buckets in registered memory, copies in and out)
     ring_view   ringdp.RingDDP(gradient_as_bucket_view=True) (.grad are bucket views)
     torch_view  torch DDP with gradient_as_bucket_view=True (--modes to add it)
+    torch_ringdp torch DDP on a "cpu:ringdp" group (ringdp's torch.distributed backend,
+                ringdp/backend.py; a group beside the default gloo one: --modes to add it)
     ring_serial RingDDP(overlap=False): every all-reduce after backward (--modes to add
                 it; the difference to `ring` is what overlapping brings)
 
@@ -49,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
 
-ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial")
+ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp")
 
 
 def parse_args(argv=None):
@@ -91,6 +93,22 @@ def build_model(hidden: int, layers: int):
     return nn.Sequential(*mods)
 
 
+_ringdp_group = None
+
+
+def ringdp_group():
+    """One "cpu:ringdp" group for every torch_ringdp model of the run (made on first use,
+    collectively: every rank builds the same modes in the same order)."""
+    global _ringdp_group
+    if _ringdp_group is None:
+        import torch.distributed as dist
+
+        import ringdp  # noqa: F401 -- registers the backend
+
+        _ringdp_group = dist.new_group(backend="cpu:ringdp")
+    return _ringdp_group
+
+
 def wrap(mode: str, module, args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -102,6 +120,9 @@ def wrap(mode: str, module, args):
     if mode in ("torch", "torch_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return DDP(module, gradient_as_bucket_view=(mode == "torch_view"), **kw)
+    if mode == "torch_ringdp":
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        return DDP(module, process_group=ringdp_group(), **kw)
     if mode in ("ring", "ring_view", "ring_serial"):
         return RingDDP(module, bucket_cap_mb=cap, gradient_as_bucket_view=(mode == "ring_view"),
                        overlap=(mode != "ring_serial"))
@@ -188,7 +209,7 @@ def plot(rows, path: Path, title: str):
     fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(hiddens), 4.2))
     width = 0.8 / len(modes)
     colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
-              "ring_view": "#2ca02c", "ring_serial": "#9467bd"}
+              "ring_view": "#2ca02c", "ring_serial": "#9467bd", "torch_ringdp": "#ff7f0e"}
     for j, mode in enumerate(modes):
         for k, h in enumerate(hiddens):
             r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)
@@ -228,7 +249,7 @@ def main_rank(rank, world, args):
             for h in sorted({r["hidden"] for r in rows}):
                 t = {r["mode"]: r for r in rows if r["hidden"] == h}
                 if "torch" in t:
-                    for m in ("ring", "ring_view"):
+                    for m in ("ring", "ring_view", "torch_ringdp"):
                         if m in t:
                             print(f"H={h}: {m} step / torch DDP(gloo) step = {t[m]['step_ms'] / t['torch']['step_ms']:.2f}"
                                   f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")

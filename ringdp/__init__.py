@@ -16,6 +16,10 @@ import torch.distributed as dist
 from . import comm_hooks
 from .comm import Communicator, RingError, Work, build_info, collective_tag, destroy, get_communicator, init
 from .ddp import RingDDP
+from . import backend
+from .backend import ProcessGroupRingdp
+
+backend.register()  # torch.distributed backend "ringdp": init_process_group("cpu:ringdp,cuda:nccl")
 
 
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None, tag=None):
@@ -92,7 +96,7 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
 
 
 __all__ = [
-    "RingDDP", "comm_hooks",
+    "ProcessGroupRingdp", "RingDDP", "backend", "comm_hooks",
     "Communicator", "RingError", "Work", "all_gather_into_tensor", "all_reduce", "broadcast", "build_info",
     "collective_tag", "destroy", "empty", "get_communicator", "init", "is_registered", "reduce_scatter_tensor",
     "synchronize", "zeros",

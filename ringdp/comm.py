@@ -215,16 +215,20 @@ class Communicator:
     if ringdp had never been used. Calls on a communicator whose group was destroyed raise
     a RingError; ringdp's module functions then create a new one for a new group."""
 
-    def __init__(self, group=None, timeout=None, config: Config | None = None):
-        pg = _live_group(group)
+    def __init__(self, group=None, timeout=None, config: Config | None = None, *, backend=None):
+        # backend: ringdp's torch.distributed backend (ringdp/backend.py) making its own
+        # communicator while init_process_group/new_group runs, before the group exists: it
+        # gives rank, size, store and liveness (rank(), size(), _ringdp_store(), _ringdp_alive())
+        pg = _live_group(group) if backend is None else backend
         cfg = config if config is not None else Config.from_env()
         self.config = cfg.replace(timeout_s=policy.timeout_s(timeout, cfg.timeout_s))
-        self._world_group = _is_world(group)
+        self._world_group = _is_world(group) and backend is None
+        self._backend = backend is not None
         self._pg = weakref.ref(pg)  # never a strong reference: see the class doc
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group) if backend is None else backend.rank()
+        self.world = dist.get_world_size(group) if backend is None else backend.size()
         self.timeout = self.config.timeout_s
-        key = _group_key(group)
+        key = _group_key(group) if backend is None else "backend"  # the backend's store is the group's own
         gen = _generation.get(key, 0)
         _generation[key] = gen + 1
         self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout, store=self._store)
@@ -258,6 +262,8 @@ class Communicator:
     def group_alive(self) -> bool:
         """Whether the process group this communicator was made for still exists."""
         pg = self._pg()
+        if self._backend:
+            return pg is not None and pg._ringdp_alive()
         return pg is not None and pg in dist.distributed_c10d._world.pg_map
 
     def _gone(self) -> str:
@@ -278,6 +284,8 @@ class Communicator:
         """The store the rendezvous uses, looked up at each use (class doc)."""
         if not self.group_alive:
             raise RingError(self._gone())
+        if self._backend:
+            return self._pg()._ringdp_store()
         return dist.distributed_c10d._get_default_store()
 
     # ---- set-up -------------------------------------------------------------------------
@@ -672,8 +680,11 @@ _comms_lock = threading.Lock()
 def init(group=None, timeout=None) -> Communicator:
     """Set ringdp up for `group` (default: the default process group). Collective. Optional:
     every ringdp call initialises lazily. A communicator left from a destroyed group of the
-    same ranks is closed (locally) and replaced."""
+    same ranks is closed (locally) and replaced. A group of ringdp's backend: its own."""
     _live_group(group)
+    c = _backend_communicator(group)
+    if c is not None:
+        return c
     key = _group_key(group)
     with _comms_lock:
         c = _comms.get(key)
@@ -688,7 +699,11 @@ def init(group=None, timeout=None) -> Communicator:
 
 def get_communicator(group=None) -> Communicator:
     """The communicator of `group` (None: the default group), created on first use
-    (collective). RingError when the group was destroyed."""
+    (collective). RingError when the group was destroyed. A group whose backend is ringdp's
+    (ringdp/backend.py) has its communicator already: the backend's."""
+    c = _backend_communicator(group)
+    if c is not None:
+        return c
     if _is_world(group):
         c = _comms.get("world")
     elif group in dist.distributed_c10d._world.pg_map:
@@ -696,6 +711,17 @@ def get_communicator(group=None) -> Communicator:
     else:
         c = None
     return c if c is not None and c.group_alive else init(group)  # init: set up, or say why not
+
+
+def _backend_communicator(group):
+    """The communicator of ringdp's torch.distributed backend when `group` (None: the default
+    group) is one of its process groups, else None."""
+    if _is_world(group):
+        if not dist.is_available() or not dist.is_initialized():
+            return None
+        group = dist.distributed_c10d._get_default_group()
+    fn = getattr(group, "_ringdp_communicator", None)
+    return fn() if fn is not None else None
 
 
 def destroy(group=None):

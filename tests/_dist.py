@@ -52,9 +52,12 @@ def _from_bytes(payload: bytes):
     return torch.load(io.BytesIO(payload), weights_only=False)
 
 
-def _init_group(rank, world, port, timeout_s=None):
+def _init_group(rank, world, port, timeout_s=None, backend="gloo"):
     import torch
     import torch.distributed as dist
+
+    if "ringdp" in backend:
+        import ringdp  # noqa: F401 -- registers the backend
 
     torch.set_num_threads(1)
     kw = {}
@@ -62,7 +65,7 @@ def _init_group(rank, world, port, timeout_s=None):
         from datetime import timedelta
 
         kw["timeout"] = timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
 
 
 # ============================================================== persistent pool
@@ -207,10 +210,10 @@ class PoolKeeper:
 
 
 # ============================================================== one-off runs
-def _entry(fn, rank, world, port, env, args, q):
+def _entry(fn, rank, world, port, env, args, q, backend="gloo"):
     os.environ.update(env)
     try:
-        _init_group(rank, world, port)
+        _init_group(rank, world, port, backend=backend)
         result = fn(rank, world, *args)
         q.put((rank, "ok", _to_bytes(result)))
     except BaseException as e:  # report, do not hang the parent
@@ -228,14 +231,16 @@ class RankFailed(AssertionError):
     pass
 
 
-def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=()):
+def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend="gloo"):
     """Run `fn(rank, world, *args)` once on `world` fresh processes with `env` set from the
-    start. Returns a list indexed by rank of ("ok", value) or ("err", message). Ranks listed
-    in allow_missing may exit without reporting (e.g. a rank that kills itself)."""
+    start, in a default group of `backend` (e.g. "cpu:ringdp"). Returns a list indexed by
+    rank of ("ok", value) or ("err", message). Ranks listed in allow_missing may exit
+    without reporting (e.g. a rank that kills itself)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), args, q), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, dict(env or {}), args, q, backend),
+                         daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

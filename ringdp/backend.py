@@ -1,0 +1,548 @@
+"""ringdp as a torch.distributed backend: ``import ringdp`` registers the name "ringdp".
+
+    import torch.distributed as dist, ringdp
+    dist.init_process_group("cpu:ringdp,cuda:nccl")     # or "ringdp", "cpu:ringdp,cuda:ringdp"
+    g = dist.new_group(backend="cpu:ringdp")             # a group of its own beside gloo's
+    model = torch.nn.parallel.DistributedDataParallel(model, process_group=g)   # stock DDP/FSDP2
+
+Mechanism. torch 2.13's ``Backend.register_backend(name, creator, devices=[...])`` calls the
+creator with (store, rank, size, timeout) while ``init_process_group``/``new_group`` runs.
+c10d's ``Backend`` class has no Python constructor (a Python subclass raises "No constructor
+defined!"), so a Python backend must be a subclass of ``ProcessGroup`` (as torch's own
+"threaded" test group and test_c10d_pypg.py's groups are): torch then uses the object as the
+whole process group. C++ callers (the DDP Reducer, _broadcast_coalesced, functional
+collectives) reach its methods through pybind11's trampoline, Python callers directly. A
+C++ c10d Backend would need the extension to link torch's c10d and re-implement Work and
+futures there; not needed for what follows.
+
+Routing (``ProcessGroupRingdp``):
+  * native on ringdp's communicator (CPU tensors, shared memory): allreduce (SUM, AVG, MIN,
+    MAX, PREMUL_SUM = multiply by the factor, then SUM), allreduce_coalesced,
+    reduce_scatter_tensor (_reduce_scatter_base) and reduce_scatter (list),
+    all_gather_into_tensor (_allgather_base) and allgather (list), broadcast, barrier.
+    reduce_scatter, all_gather and broadcast use the communicator's own methods when it has
+    them (``Communicator.reduce_scatter_tensor``/``all_gather_into_tensor``/``broadcast``);
+    until then reduce_scatter is an all-reduce of the whole input (its own chunk copied
+    out) and all-gather/broadcast run on the inner gloo group (exact copies).
+  * a group whose ranks are on several hosts (no shared-memory endpoint): its CPU
+    collectives go to the inner gloo group (PREMUL_SUM: multiplied here, summed there).
+  * CUDA tensors: ringdp's CUDA all-reduce when the extension has CUDA and the group was
+    made with "cuda:ringdp" (or plain "ringdp"); otherwise, and for every other CUDA
+    collective, an inner NCCL group made on first use.
+  * everything else (send/recv, all_to_all, gather, scatter, reduce, object collectives,
+    monitored_barrier via ``group.monitored_barrier``, sparse or unsupported dtypes/ops):
+    the inner gloo group (CPU) or nccl group (CUDA), made from the same store under a
+    prefix of its own, so that no program fails because ringdp lacks a collective.
+    (``dist.monitored_barrier`` itself refuses every backend whose name is not "gloo".)
+
+Work objects (``RingWork``) behave as torch's: wait() (re-raises the failure),
+is_completed(), is_success(), exception(), get_future() (a torch.futures.Future of the
+output tensors; DDP's comm hooks use it), every call asynchronous.
+
+One communicator per group: the backend creates it from the store/rank/size torch gives it,
+and ``ringdp.get_communicator(group)`` (so ``ringdp.all_reduce`` and ``RingDDP``) returns
+that one for the group. Failures (mismatch, dead peer, timeout) are ringdp's RingError,
+naming the rank, within the group's timeout.
+"""
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from . import _types
+from ._native import _C
+from .comm import Communicator, RingError, Work
+
+__all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
+
+BACKEND_NAME = "ringdp"
+_RedOpType = dist.ReduceOp.RedOpType
+_NATIVE_OPS = {_RedOpType.SUM: _types.SUM, _RedOpType.AVG: _types.AVG, _RedOpType.MIN: _types.MIN,
+               _RedOpType.MAX: _types.MAX}
+_SUPPORTED_DTYPES = frozenset(_C.supported_dtypes())
+
+
+def _op_of(reduce_op):
+    """(RedOpType, premul factor or None) of a ReduceOp or RedOpType."""
+    if isinstance(reduce_op, _RedOpType):
+        return reduce_op, None
+    kind = reduce_op.op
+    if kind == _RedOpType.PREMUL_SUM:
+        f = reduce_op.factor
+        return kind, (f.item() if isinstance(f, torch.Tensor) else float(f))
+    return kind, None
+
+
+# ============================================================================ Work
+class RingWork(dist.Work):
+    """A torch.distributed Work over ringdp collectives (module doc). `parts`: ringdp Works
+    (or None for parts done inline) that complete in order (one worker thread runs them);
+    `finalize()` runs once after the last (copy-out); the future's value is `outputs`."""
+
+    def __init__(self, parts, outputs, finalize=None, cuda_devices=None):
+        super().__init__()
+        self._outputs = outputs
+        self._tf = torch.futures.Future(devices=cuda_devices)
+        self._done = threading.Event()
+        self._exc = None
+        self._lock = threading.Lock()
+        self._finalize = finalize
+        pending = [w for w in parts if w is not None]
+        self._parts = pending
+        if not pending:
+            self._complete()
+        else:
+            pending[-1]._future.add_done_callback(lambda _f: self._complete())
+
+    def _complete(self):
+        exc = next((w._future.exception() for w in self._parts if w._future.exception() is not None), None)
+        cuda = [w._cuda for w in self._parts if w._cuda is not None]
+        finalized = False
+        if exc is None and self._finalize is not None:
+            try:
+                for w in self._parts:  # CUDA parts: the current stream waits for ringdp's
+                    if w._cuda is not None:
+                        w.wait()
+                self._finalize()
+                finalized = True
+            except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+                exc = e
+        self._finalize = None
+        self._exc = exc
+        self._done.set()
+        if exc is not None:
+            self._tf.set_exception(exc)
+        elif cuda and not finalized:
+            # a CUDA-aware future records its event on the current stream: ringdp's, where the
+            # collective ran (after a copy-out, the current stream, where the copy ran)
+            with torch.cuda.stream(cuda[-1][0].stream):
+                self._tf.set_result(self._outputs)
+        else:
+            self._tf.set_result(self._outputs)
+
+    def wait(self, timeout=timedelta(0)):
+        secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        if not self._done.wait(secs if secs > 0 else None):
+            raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")
+        if self._exc is not None:
+            raise self._exc
+        for w in self._parts:
+            if w._cuda is not None:
+                w.wait()
+        return True
+
+    def is_completed(self):
+        return self._done.is_set()
+
+    def is_success(self):
+        return self._done.is_set() and self._exc is None
+
+    def exception(self):
+        return self._exc
+
+    def get_future(self):
+        return self._tf
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+    def synchronize(self):
+        self.wait()
+
+
+# ==================================================================== the group
+class ProcessGroupRingdp(dist.ProcessGroup):
+    """ringdp's process group (module doc). Made by torch through the registered creator."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, cuda_ringdp: bool | None = None):
+        super().__init__(rank, size)
+        self._store_obj = store
+        self._timeout = timeout
+        self._rank_, self._size_ = rank, size
+        self._named = False  # set once torch named (registered) the group
+        self._shut = False
+        self._cuda_ringdp = cuda_ringdp  # None: decided from the group's backend string on first use
+        # the inner groups: gloo now (every rank creates the backend together), nccl on demand
+        self._gloo = ProcessGroupGloo(dist.PrefixStore("ringdp-inner-gloo/", store), rank, size, timeout=timeout)
+        self._nccl = None
+        self._nccl_lock = threading.Lock()
+        self._comm = Communicator(timeout=timeout.total_seconds(), backend=self)
+
+    # -- what the communicator asks of its backend (ringdp/comm.py) ----------------------
+    def _ringdp_store(self):
+        return self._store_obj
+
+    def _ringdp_alive(self) -> bool:
+        if self._shut:
+            return False
+        # before torch registered the group (during its creation) it is alive; after, as
+        # long as torch.distributed knows it
+        return not self._named or self in dist.distributed_c10d._world.pg_map
+
+    def _ringdp_communicator(self) -> Communicator:
+        return self._comm
+
+    @property
+    def communicator(self) -> Communicator:
+        return self._comm
+
+    # c10d's ProcessGroup keeps its name and description in its backends, and this group
+    # has none: it keeps them itself
+    def _set_group_name(self, name):
+        self._group_name = name
+        self._named = True
+
+    @property
+    def group_name(self):
+        name = getattr(self, "_group_name", None)
+        if name is None:
+            raise RuntimeError("ProcessGroup name not set")
+        return name
+
+    def _set_group_desc(self, desc):
+        self._group_desc = desc
+
+    @property
+    def group_desc(self):
+        return getattr(self, "_group_desc", "")
+
+    # -- identity -------------------------------------------------------------------------
+    def getBackendName(self):
+        return BACKEND_NAME
+
+    def _get_backend_name(self):
+        return BACKEND_NAME
+
+    def name(self):
+        return BACKEND_NAME
+
+    def __repr__(self):
+        return f"ProcessGroupRingdp(rank={self._rank_}, size={self._size_})"
+
+    def shutdown(self):
+        if not self._shut:
+            self._shut = True
+            self._comm.close()
+            self._gloo = None
+            self._nccl = None
+
+    def abort(self):
+        self.shutdown()
+
+    # -- inner groups ---------------------------------------------------------------------
+    def _inner(self, tensors):
+        """The inner group for these tensors: gloo for CPU, nccl (made now) for CUDA."""
+        if self._shut:
+            raise RingError(self._comm._unusable() or f"rank {self._rank_}: this ringdp process group was shut down")
+        if any(t.is_cuda for t in tensors):
+            with self._nccl_lock:
+                if self._nccl is None:
+                    opts = dist.ProcessGroupNCCL.Options()
+                    opts._timeout = self._timeout
+                    self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("ringdp-inner-nccl/", self._store_obj),
+                                                       self._rank_, self._size_, opts)
+            return self._nccl
+        return self._gloo
+
+    def _use_ringdp_cuda(self) -> bool:
+        if not _C.WITH_CUDA:
+            return False
+        if self._cuda_ringdp is None:
+            cfg = dist.distributed_c10d._world.pg_backend_config.get(self, "")
+            self._cuda_ringdp = "cuda:" not in cfg or "cuda:ringdp" in cfg
+        return self._cuda_ringdp
+
+    def _native(self, tensors, op=None) -> bool:
+        """Whether ringdp's communicator runs this collective of `tensors` (with `op`)."""
+        if op is not None:
+            kind, _ = _op_of(op)
+            if kind not in _NATIVE_OPS and kind != _RedOpType.PREMUL_SUM:
+                return False
+            if kind == _RedOpType.AVG and not all(t.dtype.is_floating_point for t in tensors):
+                return False
+        for t in tensors:
+            if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES or not t.is_contiguous():
+                return False
+            if t.device.type == "cpu" and self._comm.shm is None:
+                return False  # ranks on several hosts (or a closed communicator): gloo
+            if t.is_cuda:
+                if not self._use_ringdp_cuda() or op is None:  # ringdp's CUDA path: all-reduce only
+                    return False
+            elif t.device.type != "cpu":
+                return False
+        return True
+
+    # -- all-reduce -----------------------------------------------------------------------
+    def _all_reduce(self, t, reduce_op):
+        kind, factor = _op_of(reduce_op)
+        if factor is not None:
+            t.mul_(factor)
+            code = _types.SUM
+        else:
+            code = _NATIVE_OPS[kind]
+        return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=True)
+
+    def allreduce(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None:
+            opts = dist.AllreduceOptions()
+        elif not isinstance(opts, dist.AllreduceOptions):  # allreduce(tensors, op)
+            op, opts = opts, dist.AllreduceOptions()
+            opts.reduceOp = op
+        if not self._native(tensors, opts.reduceOp):
+            return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
+        return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
+                        cuda_devices=_devices(tensors))
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        if opts is None:
+            opts = dist.AllreduceCoalescedOptions()
+        if not self._native(tensors, opts.reduceOp):
+            return self._inner(tensors).allreduce_coalesced(tensors,
+                                                            _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
+        return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
+                        cuda_devices=_devices(tensors))
+
+    # -- reduce-scatter -------------------------------------------------------------------
+    def _reduce_scatter_flat(self, output, flat, reduce_op, keep):
+        """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`."""
+        kind, factor = _op_of(reduce_op)
+        native = getattr(self._comm, "reduce_scatter_tensor", None)
+        if native is not None and not output.is_cuda:
+            if factor is not None:
+                if keep:
+                    flat = flat.clone()
+                flat.mul_(factor)
+            op = _OP_NAMES[_types.SUM if factor is not None else _NATIVE_OPS[kind]]
+            if output.is_contiguous():
+                return RingWork([native(output, flat, op=op, async_op=True)], [output])
+            out = torch.empty_like(output, memory_format=torch.contiguous_format)
+            return RingWork([native(out, flat, op=op, async_op=True)], [output], lambda: output.copy_(out))
+        # composition: all-reduce the whole input, keep this rank's chunk
+        buf = flat.clone() if keep else flat
+        n = output.numel()
+        r = self._rank_
+        return RingWork([self._all_reduce(buf, reduce_op)], [output],
+                        lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)),
+                        cuda_devices=_devices([output]))
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
+            if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
+                input = input.clone()
+            return self._inner([input])._reduce_scatter_base(output, input,
+                                                              _premultiplied([input], opts, dist.ReduceScatterOptions))
+        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _chain(works, outputs)
+
+    def reduce_scatter(self, output_tensors, input_tensor_lists, opts=None):
+        if isinstance(output_tensors, torch.Tensor):
+            output_tensors, input_tensor_lists = [output_tensors], [input_tensor_lists]
+        if opts is None:
+            opts = dist.ReduceScatterOptions()
+        out, ins = output_tensors[0], input_tensor_lists[0]
+        if (len(output_tensors) != 1 or len(ins) != self._size_
+                or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
+            return self._inner([out]).reduce_scatter(output_tensors, input_tensor_lists, opts)
+        flat = torch.cat([t.reshape(-1) for t in ins])
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False)
+
+    # -- all-gather -----------------------------------------------------------------------
+    def _allgather_base(self, output, input, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        native = getattr(self._comm, "all_gather_into_tensor", None)
+        if (native is None or not self._native([output, input]) or output.is_cuda
+                or output.numel() != input.numel() * self._size_):
+            # gloo's future holds the input; torch's contract (and ringdp's): the output
+            return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
+        return RingWork([native(output, input, async_op=True)], [output])
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        return _chain([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        if isinstance(input_tensors, torch.Tensor):
+            output_tensors, input_tensors = [output_tensors], [input_tensors]
+        if opts is None:
+            opts = dist.AllgatherOptions()
+        native = getattr(self._comm, "all_gather_into_tensor", None)
+        outs, inp = output_tensors[0], input_tensors[0]
+        if (native is None or len(input_tensors) != 1 or len(outs) != self._size_
+                or not self._native([inp, *outs]) or inp.is_cuda or any(o.shape != inp.shape for o in outs)):
+            return self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)
+        flat = torch.empty((self._size_ * inp.numel(),), dtype=inp.dtype)
+
+        def copy_out():
+            for r, o in enumerate(outs):
+                o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+
+        return RingWork([native(flat, inp.reshape(-1), async_op=True)], output_tensors, copy_out)
+
+    # -- broadcast, barrier ---------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        if opts is None:
+            opts = dist.BroadcastOptions()
+        elif not isinstance(opts, dist.BroadcastOptions):  # broadcast(tensors, root)
+            root, opts = opts, dist.BroadcastOptions()
+            opts.rootRank = root
+        native = getattr(self._comm, "broadcast", None)
+        if native is None or not self._native(tensors) or any(t.is_cuda for t in tensors):
+            return self._inner(tensors).broadcast(tensors, opts)
+        return RingWork([native(t, opts.rootRank, async_op=True) for t in tensors], tensors)
+
+    # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
+    # waits for completes after every ringdp collective issued so far (one ordered worker)
+    def _start_coalescing(self, device):
+        pass
+
+    def _end_coalescing(self, device):
+        return RingWork([self._comm._submit(lambda: None, async_op=True)], [])
+
+    def barrier(self, opts=None):
+        """Every rank's ringdp collectives issued before it have run (an all-reduce of one
+        element behind them), and so have its gloo ones (gloo's barrier)."""
+        t = torch.zeros(1)
+        w = self._comm.all_reduce(t, async_op=True)
+        g = self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+        return _chain([RingWork([w], [t]), g], [t])
+
+
+_OP_NAMES = {_types.SUM: dist.ReduceOp.SUM, _types.AVG: dist.ReduceOp.AVG, _types.MIN: dist.ReduceOp.MIN,
+             _types.MAX: dist.ReduceOp.MAX}
+
+
+def _premultiplied(tensors, opts, options_type):
+    """Options for the inner gloo group: gloo has no PREMUL_SUM, so the tensors (CPU ones)
+    are multiplied by the factor here and summed there; other ops are passed on as they are."""
+    kind, factor = _op_of(opts.reduceOp)
+    if factor is None or any(t.is_cuda for t in tensors):
+        return opts
+    for t in tensors:
+        t.mul_(factor)
+    new = options_type()
+    new.reduceOp = dist.ReduceOp.SUM
+    new.timeout = opts.timeout
+    return new
+
+
+def _devices(tensors):
+    devs = sorted({t.device for t in tensors if t.is_cuda}, key=str)
+    return devs or None
+
+
+class _Chain(dist.Work):
+    """Several Works (ringdp's or an inner group's) as one: done when all are."""
+
+    def __init__(self, works, outputs):
+        super().__init__()
+        self._works = works
+        self._outputs = outputs
+        futs = [w.get_future() for w in works]
+        self._tf = torch.futures.collect_all(futs).then(lambda f: (f.value(), [x.wait() for x in futs],
+                                                                   self._outputs)[-1]) if futs else None
+
+    def wait(self, timeout=timedelta(0)):
+        for w in self._works:
+            w.wait(timeout) if timeout else w.wait()
+        return True
+
+    def is_completed(self):
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self):
+        return all(w.is_success() for w in self._works)
+
+    def exception(self):
+        for w in self._works:
+            try:
+                e = w.exception()
+            except Exception as x:  # noqa: BLE001 -- torch's Work raises when there is none
+                e = None if w.is_success() else x
+            if e is not None:
+                return e
+        return None
+
+    def get_future(self):
+        if self._tf is None:
+            f = torch.futures.Future()
+            f.set_result(self._outputs)
+            return f
+        return self._tf
+
+    def result(self):
+        self.wait()
+        return self._outputs
+
+
+def _chain(works, outputs):
+    return works[0] if len(works) == 1 else _Chain(works, outputs)
+
+
+# torch 2.13's ProcessGroup names for the single-tensor forms
+ProcessGroupRingdp.reduce_scatter_single = ProcessGroupRingdp._reduce_scatter_base
+ProcessGroupRingdp.all_gather_single = ProcessGroupRingdp._allgather_base
+ProcessGroupRingdp.reduce_scatter_single_coalesced = ProcessGroupRingdp.reduce_scatter_tensor_coalesced
+ProcessGroupRingdp.all_gather_single_coalesced = ProcessGroupRingdp.allgather_into_tensor_coalesced
+
+
+# Everything else goes to the inner group of the tensors' device (gloo for CPU).
+def _delegate(name, inner_name=None):
+    def method(self, *args, **kwargs):
+        tensors = []
+
+        def collect(a):
+            if isinstance(a, torch.Tensor):
+                tensors.append(a)
+            elif isinstance(a, (list, tuple)):
+                for x in a:
+                    collect(x)
+
+        collect(args)
+        return getattr(self._inner(tensors), inner_name or name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"{name}: on the inner gloo (CPU) / nccl (CUDA) group."
+    return method
+
+
+for _name in ("send", "recv", "recv_anysource", "alltoall", "alltoall_base", "gather", "scatter", "reduce",
+              "allgather_coalesced"):
+    setattr(ProcessGroupRingdp, _name, _delegate(_name))
+ProcessGroupRingdp.all_to_all_single = _delegate("all_to_all_single", "alltoall_base")
+
+
+def _monitored_barrier(self, timeout=None, wait_all_ranks=False):
+    if timeout is None:
+        timeout = self._timeout
+    return self._gloo.monitored_barrier(timeout, wait_all_ranks)
+
+
+ProcessGroupRingdp.monitored_barrier = _monitored_barrier
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupRingdp(store, rank, size, timeout)
+
+
+def register():
+    """Register the backend "ringdp" (devices cpu and cuda); ``import ringdp`` does it."""
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])

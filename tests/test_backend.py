@@ -1,0 +1,626 @@
+"""ringdp as a torch.distributed backend (ringdp/backend.py): stock DDP and FSDP2 on
+"cpu:ringdp" against the same runs on gloo and a single process, the delegated collectives,
+Work semantics and failures. Multi-process: the `pool` fixture's 2 ranks (a gloo default
+group; cases make a ringdp group beside it with new_group) and `run_ranks` for other world
+sizes and for a default group of ringdp's own."""
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from _dist import run_ranks, values
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
+
+STEPS = 5
+LR = 0.1
+
+
+# ================================================================ helpers (on the ranks)
+def ringdp_group():
+    """The ringdp group of this case: the default group when it is ringdp's, else a new one."""
+    import ringdp  # noqa: F401 -- registers the backend
+
+    if "ringdp" in str(dist.get_backend()):
+        return dist.group.WORLD
+    return dist.new_group(backend="cpu:ringdp")
+
+
+def drop(g):
+    if g is not dist.group.WORLD:
+        dist.destroy_process_group(g)
+
+
+class MLP(nn.Module):
+    def __init__(self, d=8, h=16, out=4):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(d, h), nn.Linear(h, h), nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.l3(torch.relu(self.l2(torch.relu(self.l1(x)))))
+
+
+class Branchy(nn.Module):
+    """`b` used on even steps only, `never` never."""
+
+    def __init__(self, d=8, out=4):
+        super().__init__()
+        self.a, self.b, self.never = nn.Linear(d, out), nn.Linear(d, out), nn.Linear(d, out)
+
+    def forward(self, x, use_b=True):
+        return self.a(x) + self.b(x) if use_b else self.a(x)
+
+
+def batch(step, n, d=8, out=4):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(n, d, generator=g), torch.randn(n, out, generator=g)
+
+
+def build(cls, seed):
+    torch.manual_seed(seed)
+    return cls()
+
+
+def params(m):
+    return [p.detach().clone() for p in m.parameters()]
+
+
+def train_ddp(rank, world, group, variant, steps=STEPS, per_rank=4):
+    """Stock DDP over `group`, started from a rank-dependent init (DDP broadcasts rank 0's).
+    Returns the parameters after `steps` SGD steps."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.join import Join
+
+    cls = Branchy if variant == "unused" else MLP
+    model = build(cls, 0 if rank == 0 else 7 + rank)
+    kw = {"process_group": group}
+    if variant == "small_buckets":
+        kw["bucket_cap_mb"] = 1e-4  # a few hundred bytes: a bucket per parameter or two
+    if variant == "unused":
+        kw["find_unused_parameters"] = True
+    ddp = nn.parallel.DistributedDataParallel(model, **kw)
+    if variant == "fp16":
+        ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif variant == "bf16":
+        # DDP.register_comm_hook refuses bf16_compress_hook without CUDA+NCCL (a check of
+        # the build, not of the hook, which runs on CPU): register it as DDP would after it
+        dist._register_comm_hook(ddp.reducer, group, default_hooks.bf16_compress_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=LR)
+    if variant == "join":  # uneven inputs: rank r has steps + r batches
+        with Join([ddp]):
+            for step in range(steps + rank):
+                x, y = batch(step, per_rank * world)
+                n = per_rank
+                loss = nn.functional.mse_loss(ddp(x[rank * n:(rank + 1) * n]), y[rank * n:(rank + 1) * n])
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+        return params(model)
+    for step in range(steps):
+        x, y = batch(step, per_rank * world)
+        x, y = x[rank * per_rank:(rank + 1) * per_rank], y[rank * per_rank:(rank + 1) * per_rank]
+        opt.zero_grad()
+        if variant == "no_sync":  # two micro-batches, the first without communication
+            with ddp.no_sync():
+                nn.functional.mse_loss(ddp(x[:2]), y[:2]).mul(0.5).backward()
+            nn.functional.mse_loss(ddp(x[2:]), y[2:]).mul(0.5).backward()
+        elif variant == "unused":
+            nn.functional.mse_loss(ddp(x, use_b=step % 2 == 0), y).backward()
+        else:
+            nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return params(model)
+
+
+def reference(world, variant, steps=STEPS, per_rank=4):
+    """One process, full batch (the mean of the ranks' losses), rank 0's init."""
+    cls = Branchy if variant == "unused" else MLP
+    model = build(cls, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        x, y = batch(step, per_rank * world)
+        opt.zero_grad()
+        if variant == "unused":
+            out = model(x, use_b=step % 2 == 0)
+        else:
+            out = model(x)
+        # per-rank mean losses averaged over ranks = the full-batch mean (equal shards);
+        # no_sync's two half micro-batches sum to the same gradient
+        nn.functional.mse_loss(out, y).backward()
+        opt.step()
+    return params(model)
+
+
+# ================================================================ cases
+def case_ddp(rank, world, variant="plain"):
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    before = len(comm.flight_record())
+    ring = train_ddp(rank, world, g, variant)
+    native_calls = len(comm.flight_record()) - before
+    gg = dist.new_group(backend="gloo")
+    gloo = train_ddp(rank, world, gg, variant)
+    dist.destroy_process_group(gg)
+    out = {"ring": ring, "gloo": gloo, "native_calls": native_calls,
+           "ref": reference(world, variant) if variant not in ("fp16", "bf16", "join") else None,
+           "backend": dist.get_backend(g)}
+    drop(g)
+    return out
+
+
+def check_ddp(res, variant, rtol=1e-6, atol=1e-7, ref_tol=(1e-6, 1e-6)):
+    for r, out in enumerate(res):
+        assert "ringdp" in out["backend"]
+        assert out["native_calls"] > 0, f"rank {r}: DDP on the ringdp group never reached ringdp's communicator"
+        for a, b in zip(out["ring"], out["gloo"]):
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{variant} rank {r} vs gloo: {m}")
+        if out["ref"] is not None:
+            for a, b in zip(out["ring"], out["ref"]):
+                torch.testing.assert_close(a, b, rtol=ref_tol[0], atol=ref_tol[1],
+                                           msg=lambda m: f"{variant} rank {r} vs one process: {m}")
+        for a, b in zip(out["ring"], res[0]["ring"]):
+            assert torch.equal(a, b), f"{variant}: rank {r}'s parameters differ from rank 0's"
+    # the run moved the parameters (a test that trains nothing would pass the above)
+    init = build(Branchy if variant == "unused" else MLP, 0)
+    assert max((a - b).abs().max().item() for a, b in zip(res[0]["ring"], params(init))) > 1e-3
+
+
+def test_ddp_world2_plain(pool):
+    check_ddp(pool.run(case_ddp, variant="plain"), "plain")
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ddp_default_group_world(world):
+    """init_process_group("cpu:ringdp") as the default group, world 3 and 4."""
+    check_ddp(values(run_ranks(case_ddp, world, "plain", backend="cpu:ringdp", timeout=180)), f"world {world}")
+
+
+@pytest.mark.parametrize("variant", ["small_buckets", "unused", "no_sync", "join"])
+def test_ddp_variants(pool, variant):
+    check_ddp(pool.run(case_ddp, variant=variant), variant)
+
+
+@pytest.mark.parametrize("variant", ["fp16", "bf16"])
+def test_ddp_compression_hooks(pool, variant):
+    # the hook's compressed sum: ringdp accumulates half types in float32, gloo in the half
+    # type, so the two agree to the compressed type's precision only
+    check_ddp(pool.run(case_ddp, variant=variant), variant, rtol=1e-2, atol=1e-3)
+
+
+def case_fsdp2(rank, world, mixed=False, steps=4, premul=False):
+    """Stock FSDP2 (fully_shard) of a small TransformerEncoder stack on a ringdp group and on
+    a gloo group; every step's loss on this rank. `premul`: on the ringdp group the gradients
+    are divided by 2 x world (set_gradient_divide_factor: FSDP2 reduce-scatters with
+    PREMUL_SUM(1 / (2 world)), which gloo lacks) with twice gloo's learning rate: plain SGD
+    then takes the same steps."""
+    import ringdp
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def run(g, factor=None, lr=0.1):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                                for _ in range(2)])
+        kw = {"mesh": DeviceMesh.from_group(g, "cpu")}
+        if mixed:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        if factor is not None:
+            for m in [*model, model]:
+                m.set_gradient_divide_factor(factor)
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        losses = []
+        for step in range(steps):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(world * 2, 5, 16, generator=gen)[rank * 2:(rank + 1) * 2]
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach().clone())
+        return torch.stack(losses)
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    before = len(comm.flight_record())
+    ring = run(g, factor=2.0 * world, lr=0.2) if premul else run(g)
+    native = len(comm.flight_record()) - before
+    gg = dist.new_group(backend="gloo")
+    gloo = run(gg, lr=0.1)
+    dist.destroy_process_group(gg)
+    drop(g)
+    return {"ring": ring, "gloo": gloo, "native_calls": native}
+
+
+def check_fsdp2(res):
+    for r, out in enumerate(res):
+        assert out["native_calls"] > 0, f"rank {r}: FSDP2 on the ringdp group never reached ringdp"
+        torch.testing.assert_close(out["ring"], out["gloo"], rtol=1e-5, atol=0)
+        assert out["ring"][-1] < out["ring"][0], f"rank {r}: FSDP2 did not train: {out['ring']}"
+    # the ranks see different data: their losses differ; the parameters they train are shared
+    assert not torch.equal(res[0]["ring"], res[1]["ring"])
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_fsdp2_world2(pool, mixed):
+    check_fsdp2(pool.run(case_fsdp2, mixed=mixed))
+
+
+def test_fsdp2_premul_sum(pool):
+    check_fsdp2(pool.run(case_fsdp2, premul=True))
+
+
+def test_fsdp2_world4():
+    check_fsdp2(values(run_ranks(case_fsdp2, 4, True, backend="cpu:ringdp", timeout=180)))
+
+
+def case_collectives(rank, world):
+    """Every native collective through torch.distributed's API on a ringdp group, against
+    values computed here from the rank numbers."""
+    import ringdp
+
+    g = ringdp_group()
+    out = {}
+    base = torch.arange(6, dtype=torch.float32)
+    for name, op, want in [("sum", dist.ReduceOp.SUM, base * sum(r + 1 for r in range(world))),
+                           ("avg", dist.ReduceOp.AVG, base * sum(r + 1 for r in range(world)) / world),
+                           ("min", dist.ReduceOp.MIN, base * 1), ("max", dist.ReduceOp.MAX, base * world),
+                           ("premul", dist._make_nccl_premul_sum(0.25), base * sum(r + 1 for r in range(world)) / 4)]:
+        t = base * (rank + 1)
+        dist.all_reduce(t, op=op, group=g)
+        out[name] = (t, want)
+    ts = [base * (rank + 1), torch.full((3,), float(rank))]
+    dist.all_reduce_coalesced(ts, group=g)
+    out["coalesced"] = (torch.cat(ts), torch.cat([base * sum(r + 1 for r in range(world)),
+                                                  torch.full((3,), float(sum(range(world))))]))
+    inp = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, inp, group=g)
+    s = sum(r + 1 for r in range(world))
+    out["reduce_scatter_tensor"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
+    o = torch.empty(2)
+    dist.reduce_scatter_tensor(o, inp, op=dist.ReduceOp.AVG, group=g)
+    out["reduce_scatter_avg"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / world)
+    o = torch.empty(2)
+    dist.reduce_scatter(o, list(inp.chunk(world)), group=g)
+    out["reduce_scatter_list"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
+    o = torch.empty(3 * world)
+    dist.all_gather_into_tensor(o, torch.full((3,), float(rank) + 0.5), group=g)
+    out["all_gather_into_tensor"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5)
+    lst = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lst, torch.tensor([rank, -rank]), group=g)
+    out["all_gather"] = (torch.stack(lst), torch.tensor([[r, -r] for r in range(world)]))
+    b = torch.full((4,), float(rank))
+    src = dist.get_global_rank(g, world - 1) if g is not dist.group.WORLD else world - 1
+    dist.broadcast(b, src=src, group=g)
+    out["broadcast"] = (b, torch.full((4,), float(world - 1)))
+    dist.barrier(group=g)
+    # one communicator per group: ringdp.all_reduce and the backend share it
+    comm = ringdp.get_communicator(g)
+    pg = dist.distributed_c10d._get_default_group() if g is dist.group.WORLD else g
+    t = torch.ones(3) * (rank + 1)
+    ringdp.all_reduce(t, group=g)
+    out["ringdp.all_reduce"] = (t, torch.ones(3) * s)
+    shared = comm is pg.communicator
+    drop(g)
+    return {"results": out, "shared": shared}
+
+
+def test_native_collectives(pool):
+    for r, res in enumerate(pool.run(case_collectives)):
+        assert res["shared"], f"rank {r}: ringdp.get_communicator(group) is not the backend's communicator"
+        for name, (got, want) in res["results"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+def case_delegated(rank, world):
+    """What ringdp leaves to its inner gloo group, through torch.distributed's API."""
+    g = ringdp_group()
+    gr = lambda r: dist.get_global_rank(g, r) if g is not dist.group.WORLD else r  # noqa: E731
+    out = {}
+    t = torch.full((3,), float(rank))
+    if rank == 0:
+        dist.send(torch.tensor([11.0, 12.0]), gr(1), group=g)
+    elif rank == 1:
+        buf = torch.zeros(2)
+        dist.recv(buf, gr(0), group=g)
+        out["recv"] = buf
+    ins = [torch.tensor([rank * 10 + j], dtype=torch.float32) for j in range(world)]
+    outs = [torch.empty(1) for _ in range(world)]
+    dist.all_to_all(outs, ins, group=g)
+    out["all_to_all"] = torch.cat(outs)
+    single = torch.empty(world)
+    dist.all_to_all_single(single, torch.arange(world, dtype=torch.float32) + 100 * rank, group=g)
+    out["all_to_all_single"] = single
+    gl = [torch.empty(3) for _ in range(world)] if rank == 0 else None
+    dist.gather(t, gl, dst=gr(0), group=g)
+    out["gather"] = torch.stack(gl) if rank == 0 else None
+    sc = torch.empty(2)
+    dist.scatter(sc, [torch.full((2,), 5.0 + r) for r in range(world)] if rank == 0 else None, src=gr(0), group=g)
+    out["scatter"] = sc
+    objs = [None] * world
+    dist.all_gather_object(objs, {"rank": rank, "name": f"r{rank}"}, group=g)
+    out["all_gather_object"] = objs
+    lst = [{"from": 0, "x": [1, 2]}] if rank == 0 else [None]
+    dist.broadcast_object_list(lst, src=gr(0), group=g)
+    out["broadcast_object_list"] = lst[0]
+    pg = dist.distributed_c10d._get_default_group() if g is dist.group.WORLD else g
+    pg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=True)
+    out["monitored_barrier"] = True
+    try:  # torch's dist.monitored_barrier refuses every backend named other than "gloo"
+        dist.monitored_barrier(group=g)
+        out["dist.monitored_barrier"] = "ran"
+    except ValueError as e:
+        out["dist.monitored_barrier"] = str(e)
+    drop(g)
+    return out
+
+
+def test_delegated_collectives(pool):
+    res = pool.run(case_delegated)
+    world = len(res)
+    assert torch.equal(res[1]["recv"], torch.tensor([11.0, 12.0]))
+    for r, out in enumerate(res):
+        assert torch.equal(out["all_to_all"], torch.tensor([j * 10.0 + r for j in range(world)]))
+        assert torch.equal(out["all_to_all_single"], torch.tensor([r + 100.0 * j for j in range(world)]))
+        assert torch.equal(out["scatter"], torch.full((2,), 5.0 + r))
+        assert out["all_gather_object"] == [{"rank": j, "name": f"r{j}"} for j in range(world)]
+        assert out["broadcast_object_list"] == {"from": 0, "x": [1, 2]}
+        assert out["monitored_barrier"] is True
+        assert "only implemented for GLOO" in out["dist.monitored_barrier"]
+    assert torch.equal(res[0]["gather"], torch.stack([torch.full((3,), float(j)) for j in range(world)]))
+
+
+def case_work(rank, world):
+    """Work semantics: async calls, futures (with a then() chain, as DDP hooks use), and a
+    size mismatch that fails every rank naming the other."""
+    from ringdp import RingError
+
+    g = ringdp_group()
+    out = {}
+    t = torch.full((1 << 16,), float(rank + 1))
+    w = dist.all_reduce(t, group=g, async_op=True)
+    fut = w.get_future().then(lambda f: f.value()[0] * 2)
+    out["wait"] = w.wait()
+    deadline = time.monotonic() + 10
+    while not w.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["completed"], out["success"], out["exception"] = w.is_completed(), w.is_success(), w.exception()
+    out["future"] = w.get_future().wait()[0]
+    out["then"] = fut.wait()
+    o = torch.empty(4)
+    w = dist.all_gather_into_tensor(o, torch.full((2,), float(rank)), group=g, async_op=True)
+    out["ag_future"] = w.get_future().wait()[0]
+    # a mismatch: rank 0 reduces 5 elements, the others 7
+    bad = torch.ones(5 if rank == 0 else 7)
+    w = dist.all_reduce(bad, group=g, async_op=True)
+    try:
+        w.wait()
+        out["mismatch"] = None
+    except RingError as e:
+        out["mismatch"] = str(e)
+    out["mismatch_success"], out["mismatch_exception"] = w.is_success(), repr(w.exception())
+    try:
+        w.get_future().wait()
+        out["mismatch_future"] = None
+    except Exception as e:  # noqa: BLE001
+        out["mismatch_future"] = str(e)
+    # still usable after a mismatch
+    t = torch.ones(3)
+    dist.all_reduce(t, group=g)
+    out["after"] = t
+    drop(g)
+    return out
+
+
+def test_work_semantics(pool):
+    res = pool.run(case_work)
+    world = len(res)
+    s = float(sum(r + 1 for r in range(world)))
+    for r, out in enumerate(res):
+        assert out["wait"] is True and out["completed"] and out["success"] and out["exception"] is None
+        assert torch.equal(out["future"], torch.full((1 << 16,), s))
+        assert torch.equal(out["then"], torch.full((1 << 16,), 2 * s))
+        assert torch.equal(out["ag_future"], torch.tensor([0.0, 0.0, 1.0, 1.0]))
+        other = 1 - r
+        assert out["mismatch"] is not None and f"rank {other}" in out["mismatch"], out["mismatch"]
+        assert out["mismatch_success"] is False and "RingError" in out["mismatch_exception"]
+        assert out["mismatch_future"] is not None and "rank" in out["mismatch_future"]
+        assert torch.equal(out["after"], torch.full((3,), float(world)))
+
+
+def case_dead_peer(rank, world):
+    """The last rank dies (SIGKILL) after one all-reduce; the others' next dist.all_reduce
+    on the ringdp default group raises, naming it."""
+    import signal
+
+    from ringdp import RingError
+
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    assert t[0].item() == world
+    if rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1 << 20))
+            time.sleep(0.2)
+        return {"error": None}
+    except RingError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+
+
+def test_dead_peer_names_rank():
+    world = 3
+    res = run_ranks(case_dead_peer, world, backend="cpu:ringdp", env={"RINGDP_TIMEOUT_S": "20"},
+                    allow_missing=(world - 1,), timeout=120)
+    for r in range(world - 1):
+        status, out = res[r]
+        assert status == "ok", out
+        assert out["error"] is not None, f"rank {r}: no error after its peer died"
+        assert f"rank {world - 1}" in out["error"], out["error"]
+        assert out["seconds"] < 20
+
+
+def case_backend_strings(rank, world, ports):
+    """init_process_group with each way of naming the backend, one after another (fresh
+    ports), and RingDDP + ringdp.all_reduce on the resulting group."""
+    import ringdp
+
+    dist.destroy_process_group()  # the harness's gloo group
+    out = {}
+    for spec, port in zip(["cpu:ringdp,cuda:nccl", "cpu:ringdp,cuda:ringdp", "ringdp"], ports):
+        dist.init_process_group(spec, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        pg = dist.distributed_c10d._get_default_group()
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t)
+        u = torch.full((5,), float(rank + 1))
+        ringdp.all_reduce(u)
+        m = ringdp.RingDDP(build(MLP, 0 if rank == 0 else 3))
+        x, y = batch(rank, 4)
+        nn.functional.mse_loss(m(x), y).backward()
+        grad = m.module.l1.weight.grad.clone()
+        sub = dist.new_group(backend=spec)
+        v = torch.full((2,), float(rank))
+        dist.all_reduce(v, group=sub)
+        out[spec] = {"backend": dist.get_backend(), "type": type(pg).__name__, "t": t, "u": u,
+                     "shared": ringdp.get_communicator() is pg.communicator, "grad": grad, "sub": v,
+                     "sub_type": type(sub).__name__}
+        dist.destroy_process_group()
+    return out
+
+
+def test_backend_strings():
+    from _dist import free_port
+
+    world = 2
+    res = values(run_ranks(case_backend_strings, world, [free_port() for _ in range(3)], timeout=120))
+    for r, out in enumerate(res):
+        assert set(out) == {"cpu:ringdp,cuda:nccl", "cpu:ringdp,cuda:ringdp", "ringdp"}
+        for spec, o in out.items():
+            assert o["type"] == "ProcessGroupRingdp" and o["sub_type"] == "ProcessGroupRingdp", (spec, o)
+            assert "ringdp" in o["backend"]
+            assert torch.equal(o["t"], torch.full((5,), 3.0)) and torch.equal(o["u"], torch.full((5,), 3.0))
+            assert o["shared"], f"{spec}: ringdp.get_communicator() is not the backend's"
+            assert torch.equal(o["sub"], torch.full((2,), 1.0))
+            assert torch.equal(o["grad"], res[0][spec]["grad"]), f"{spec}: RingDDP gradients differ across ranks"
+
+
+def case_native_methods(rank, world):
+    """The backend takes the communicator's reduce_scatter_tensor / all_gather_into_tensor /
+    broadcast when it has them (the engine's, once merged): stand-ins with their signatures,
+    made of ringdp's all-reduce, count the calls; the results must stay right."""
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    calls = []
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None):
+        calls.append("reduce_scatter_tensor")
+        buf = input.clone()
+        comm.all_reduce(buf, op=op)
+        output.copy_(buf.view(world, -1)[rank].view_as(output))
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    def all_gather_into_tensor(output, input, async_op=False, tag=None):
+        calls.append("all_gather_into_tensor")
+        buf = torch.zeros(output.numel(), dtype=output.dtype)
+        buf.view(world, -1)[rank].copy_(input.reshape(-1))
+        comm.all_reduce(buf)
+        output.copy_(buf.view_as(output))
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    def broadcast(tensor, src, async_op=False, tag=None):
+        calls.append("broadcast")
+        if rank != src:
+            tensor.zero_()
+        comm.all_reduce(tensor)
+        return comm.all_reduce(torch.zeros(1), async_op=async_op)
+
+    comm.reduce_scatter_tensor = reduce_scatter_tensor
+    comm.all_gather_into_tensor = all_gather_into_tensor
+    comm.broadcast = broadcast
+    try:
+        out = {}
+        inp = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
+        s = sum(r + 1 for r in range(world))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, inp, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["reduce_scatter_premul"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / 2)
+        o = torch.empty(2)
+        dist.reduce_scatter(o, list(inp.chunk(world)), group=g)
+        out["reduce_scatter_list"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
+        o = torch.empty(3 * world)
+        dist.all_gather_into_tensor(o, torch.full((3,), float(rank) + 0.5), group=g)
+        out["all_gather_into_tensor"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5)
+        lst = [torch.empty(2) for _ in range(world)]
+        dist.all_gather(lst, torch.full((2,), float(rank)), group=g)
+        out["all_gather"] = (torch.stack(lst), torch.arange(world, dtype=torch.float32)[:, None].expand(world, 2))
+        b = torch.full((4,), float(rank) + 1)
+        dist.broadcast(b, src=dist.get_global_rank(g, world - 1), group=g)
+        out["broadcast"] = (b, torch.full((4,), float(world)))
+        res = {"results": out}
+        m = nn.parallel.DistributedDataParallel(build(MLP, rank), process_group=g)  # broadcasts rank 0's
+        res["ddp_init"] = (params(m.module)[0], params(build(MLP, 0))[0])
+    finally:
+        del comm.reduce_scatter_tensor, comm.all_gather_into_tensor, comm.broadcast
+    res["calls"] = sorted(set(calls))
+    drop(g)
+    return res
+
+
+def test_native_methods_taken_when_present(pool):
+    for r, res in enumerate(pool.run(case_native_methods)):
+        assert res["calls"] == ["all_gather_into_tensor", "broadcast", "reduce_scatter_tensor"], res["calls"]
+        for name, (got, want) in res["results"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+        torch.testing.assert_close(*res["ddp_init"], rtol=0, atol=0)
+
+
+def case_spans_hosts(rank, world):
+    """A group whose ranks are on several hosts has no shared-memory endpoint: its CPU
+    collectives run on the inner gloo group (PREMUL_SUM too, which gloo lacks: multiplied
+    first, then summed). Simulated by hiding the endpoint."""
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    shm, before = comm._shm, len(comm.flight_record())
+    comm._shm = None
+    out = {}
+    try:
+        s = sum(r + 1 for r in range(world))
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, group=g)
+        out["sum"] = (t, torch.full((4,), float(s)))
+        t = torch.full((4,), float(rank + 1))
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["premul"] = (t, torch.full((4,), s / 2))
+        o = torch.empty(2)
+        dist.reduce_scatter_tensor(o, torch.arange(2 * world, dtype=torch.float32) * (rank + 1),
+                                   op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["reduce_scatter_premul"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / 2)
+    finally:
+        comm._shm = shm
+    calls = len(comm.flight_record()) - before
+    drop(g)
+    return {"results": out, "ringdp_calls": calls}
+
+
+def test_spans_hosts_falls_back_to_gloo(pool):
+    for r, res in enumerate(pool.run(case_spans_hosts)):
+        assert res["ringdp_calls"] == 0
+        for name, (got, want) in res["results"].items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
