@@ -55,7 +55,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types
 from ._native import _C
-from .comm import Communicator, RingError, Work
+from .comm import Communicator, RingError
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
