@@ -105,6 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--worlds", default="1,2,4", help="scaling: world sizes to measure")
     p.add_argument("--scaling-steps", type=int, default=40, help="scaling: timed optimizer steps per run")
     p.add_argument("--scaling-warmup", type=int, default=5, help="scaling: untimed steps before the clock starts")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="scaling: timed blocks of --scaling-steps per run; the best block counts")
     return p.parse_args(argv)
 
 
@@ -556,6 +558,177 @@ def plot(out_dir: Path, world: int) -> Path | None:
     return path
 
 
+# ------------------------------------------------------------------ scaling efficiency
+def scaling_name() -> str:
+    return "train_scaling_cpu"
+
+
+def scaling_rank(rank: int, world: int, args):
+    """One (ddp, world) point: --scaling-warmup untimed optimizer steps, then --repeats
+    blocks of --scaling-steps, each between two barriers; rank 0 writes the block times."""
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo")
+    try:
+        kind = args.scaling_kind
+        x, y = make_blobs(args.train_size, args.data_seed)
+        ds = TensorDataset(x, y)
+        sampler = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=args.seed,
+                                     drop_last=True)
+        loader = DataLoader(ds, batch_size=args.batch, sampler=sampler, drop_last=True,
+                            generator=torch.Generator().manual_seed(args.seed))
+        torch.manual_seed(args.seed)
+        module = make_model(args.dropout)
+        if args.sync_bn:
+            module = convert_sync_bn(module, "cpu")
+        model = wrap(kind, module, args)
+        seed_rank(args.seed, rank)
+        opt = torch.optim.AdamW(model.parameters(), lr=base_lr(args, world), weight_decay=args.weight_decay)
+        amp_dtype = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+        scaler = torch.amp.GradScaler("cpu", enabled=args.amp == "fp16")
+        loss_fn = torch.nn.CrossEntropyLoss()
+        state = {"epoch": 0, "it": None}
+
+        def batch():
+            while True:
+                if state["it"] is not None:
+                    try:
+                        return next(state["it"])
+                    except StopIteration:
+                        state["epoch"] += 1
+                sampler.set_epoch(state["epoch"])
+                state["it"] = iter(loader)
+
+        def opt_step():
+            opt.zero_grad()
+            for k in range(args.accum):
+                xb, yb = batch()
+                with (model.no_sync() if k < args.accum - 1 else _nullcontext()):
+                    with (torch.autocast("cpu", dtype=amp_dtype) if amp_dtype else _nullcontext()):
+                        loss = loss_fn(model(xb), yb)
+                    scaler.scale(loss / args.accum).backward()
+            scaler.step(opt)
+            scaler.update()
+
+        model.train()
+        for _ in range(args.scaling_warmup):
+            opt_step()
+        blocks = []
+        for _ in range(args.repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(args.scaling_steps):
+                opt_step()
+            dist.barrier()
+            blocks.append(time.perf_counter() - t0)
+        if rank == 0:
+            Path(args.scaling_result).write_text(json.dumps({"blocks_s": blocks}))
+    finally:
+        dist.destroy_process_group()
+
+
+def scaling(args) -> dict:
+    """Same model, same per-rank batch, --scaling-steps optimizer steps at each world size of
+    --worlds, for each DDP of --ddp; throughput, speed-up and efficiency per point."""
+    import copy
+
+    from _common import machine_info, save_json, under_torchrun
+
+    if under_torchrun():
+        raise SystemExit("train.py scaling starts its own ranks for each world size: run it with python, "
+                         "not torchrun")
+    worlds = [int(w) for w in args.worlds.split(",")]
+    kinds = ["torch", "ring"] if args.ddp == "both" else [args.ddp]
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    samples_per_step = args.batch * args.accum  # per rank
+    load_before = os.getloadavg()
+    rows = []
+    base = {}
+    for w in worlds:  # both DDPs of one world size close together in time (a busy machine drifts)
+        for kind in kinds:
+            a = copy.copy(args)
+            a.scaling_kind = kind
+            a.scaling_result = str(out / f".{scaling_name()}_{kind}_w{w}.tmp.json")
+            launch(scaling_rank, a, w, env={"OMP_NUM_THREADS": str(args.threads)})
+            blocks = json.loads(Path(a.scaling_result).read_text())["blocks_s"]
+            os.unlink(a.scaling_result)
+            best = min(blocks)
+            tput = args.scaling_steps * samples_per_step * w / best
+            if w == 1:
+                base[kind] = tput
+            b = base.get(kind)
+            row = {"ddp": kind, "world": w, "samples_per_s": tput, "step_ms": 1e3 * best / args.scaling_steps,
+                   "blocks_s": blocks, "speedup": tput / b if b else None,
+                   "efficiency": tput / (w * b) if b else None}
+            rows.append(row)
+            print(f"[{kind}] world {w}: {tput:.0f} samples/s, {row['step_ms']:.1f} ms/step"
+                  + (f", speed-up {row['speedup']:.2f}, efficiency {row['efficiency']:.2f}" if b else ""),
+                  flush=True)
+    payload = {"benchmark": "train_scaling", "machine": machine_info(),
+               "load_average_1_5_15min": {"before": list(load_before), "after": list(os.getloadavg())},
+               "args": {k: v for k, v in vars(args).items() if k not in ("scaling_kind", "scaling_result")},
+               "samples_per_step_per_rank": samples_per_step, "rows": rows}
+    path = save_json(scaling_name(), payload, out)
+    print(scaling_table(payload))
+    print(f"wrote {path}")
+    png = plot_scaling(payload, out / f"{scaling_name()}.png")
+    print(f"wrote {png}")
+    return payload
+
+
+def scaling_table(payload: dict) -> str:
+    lines = ["| DDP | world | samples/s | ms/step | speed-up | efficiency |", "|---|---|---|---|---|---|"]
+    names = {"ring": "RingDDP", "torch": "torch DDP (gloo)"}
+    for r in sorted(payload["rows"], key=lambda r: (r["ddp"] != "ring", r["world"])):
+        sp = "-" if r["speedup"] is None else f"{r['speedup']:.2f}"
+        ef = "-" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(f"| {names[r['ddp']]} | {r['world']} | {r['samples_per_s']:.0f} | {r['step_ms']:.1f} | "
+                     f"{sp} | {ef} |")
+    return "\n".join(lines)
+
+
+def plot_scaling(payload: dict, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    style = {"torch": dict(color="#d62728", marker="s", label="torch DDP (gloo)"),
+             "ring": dict(color="#1f77b4", marker="o", label="ringdp.RingDDP")}
+    for kind in ("torch", "ring"):
+        rows = [r for r in payload["rows"] if r["ddp"] == kind]
+        if not rows:
+            continue
+        ws = [r["world"] for r in rows]
+        ax.plot(ws, [r["samples_per_s"] for r in rows], **style[kind])
+        base = next((r["samples_per_s"] for r in rows if r["world"] == 1), None)
+        if base:
+            ax.plot(ws, [base * w for w in ws], color=style[kind]["color"], ls=":", lw=1,
+                    label=f"{style[kind]['label']}: N x world 1")
+            ax2.plot(ws, [r["efficiency"] for r in rows], **style[kind])
+    m = payload["machine"]
+    ax.set_xlabel("world size (ranks = processes, one thread each)")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.legend(fontsize=8)
+    ax2.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax2.set_ylim(0, 1.1)
+    ax2.set_xlabel("world size")
+    ax2.set_ylabel("efficiency = tput(N) / (N x tput(1))")
+    for a in (ax, ax2):
+        a.set_xticks(sorted({r["world"] for r in payload["rows"]}))
+    fig.suptitle(f"bench/train.py scaling: conv net, {payload['samples_per_step_per_rank']} samples per rank "
+                 f"per step, {m['cpu_cores']} cores ({m['cpu_model']})", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 # ------------------------------------------------------------------ launch
 def main_rank(rank: int, world: int, args):
     import torch
@@ -579,6 +752,9 @@ def main_rank(rank: int, world: int, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.command == "scaling":
+        scaling(args)
+        return
     if args.command == "plot":
         p = plot(Path(args.out_dir), args.world)
         if p:

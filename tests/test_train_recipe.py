@@ -202,3 +202,31 @@ def test_resume_is_exact_with_each_switch(tmp_path, name):
         for s in (1, 2, 3, 4, 6, 8, 10, 12):
             assert lrs[s] == pytest.approx(2 * 3e-3 * train.lr_factor(s - 1, 3, total)), s
         assert lrs[1] == pytest.approx(2e-3)
+
+
+# ------------------------------------------------------------------ scaling efficiency
+def test_scaling_command_reports_consistent_efficiency(tmp_path):
+    """`train.py scaling` at worlds 1 and 2 (a few steps, RingDDP): one row per world, with
+    samples/s = steps x batch x accum x world / best block, speed-up and efficiency relative
+    to the same DDP at world 1; JSON with machine facts, PNG, markdown table."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), "scaling", "--worlds", "1,2", "--ddp", "ring",
+                        "--train-size", "256", "--batch", "8", "--accum", "2", "--scaling-steps", "3",
+                        "--scaling-warmup", "1", "--repeats", "2", "--out-dir", str(tmp_path)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    d = json.loads((tmp_path / "train_scaling_cpu.json").read_text())
+    assert d["machine"]["cpu_cores"] == os.cpu_count() and "torch" in d["machine"]
+    assert d["args"]["worlds"] == "1,2" and d["samples_per_step_per_rank"] == 16
+    rows = {(x["ddp"], x["world"]): x for x in d["rows"]}
+    assert set(rows) == {("ring", 1), ("ring", 2)}
+    for (kind, w), x in rows.items():
+        assert len(x["blocks_s"]) == 2
+        assert x["samples_per_s"] == pytest.approx(3 * 16 * w / min(x["blocks_s"]))
+        one = rows[(kind, 1)]["samples_per_s"]
+        assert x["speedup"] == pytest.approx(x["samples_per_s"] / one)
+        assert x["efficiency"] == pytest.approx(x["samples_per_s"] / (w * one))
+    assert rows[("ring", 1)]["efficiency"] == pytest.approx(1.0)
+    assert (tmp_path / "train_scaling_cpu.png").stat().st_size > 10_000
+    assert "| RingDDP | 2 |" in r.stdout
+    assert not list(tmp_path.glob(".*tmp*"))  # the per-run hand-over files are gone
