@@ -9,7 +9,9 @@ Pure functions of a result file's JSON (no torch, no ringdp), used by bench/read
     targets(doc)           the issue's performance targets (2-core CPU, float32, vs gloo):
                            world 2: ordinary >= 3.5x and registered >= 6x gloo's busbw at
                            16-256 MiB, 4 KiB in <= 1/8 of gloo's time; world 4: faster than
-                           gloo at every size. {name: met} (empty when they do not apply)
+                           gloo at every size; reduce_scatter and all_gather (--coll), world
+                           2: >= 4x gloo's busbw at 16-256 MiB (issue 11); broadcast: none.
+                           {name: met} (empty when they do not apply)
     crossovers(runs)       sizes at which the faster of two ringdp series changes
     oneshot_suggestion(doc) with --algo ring,oneshot: up to which size one-shot beats the
                            ring (each tensor kind) and the ONESHOT_MAX_BYTES that follows
@@ -93,6 +95,14 @@ def targets(doc: dict) -> dict[str, bool]:
         return min(big) if big else None
 
     world = world_of(doc)
+    coll = doc.get("collective", "all_reduce")
+    if coll != "all_reduce":
+        if coll in ("reduce_scatter", "all_gather") and world == 2:
+            for name in ("ringdp", "ringdp-reg"):
+                m = min_big(name)
+                if m is not None:
+                    t[f"{name}_16M_256M_ge_4x"] = m >= 4.0
+        return t
     if world == 2:
         for name, key, goal in (("ringdp", "ordinary_16M_256M_ge_3.5x", 3.5),
                                 ("ringdp-reg", "registered_16M_256M_ge_6x", 6.0)):
