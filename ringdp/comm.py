@@ -3,10 +3,14 @@
 Set-up (collective, ringdp.init or the first collective of the group):
   1. Config.from_env(): every RINGDP_* setting, read once (ringdp/config.py);
   2. Rendezvous (ringdp/rendezvous.py) under a prefix unique to the group and generation:
-     rank 0's job id, every rank's host (the topology);
+     rank 0's job id, every rank's host key (RINGDP_HOST_ID, else hostname + boot id: the
+     topology; local rank and local size by host, in rank order);
   3. ranks of one host: the shared-memory endpoint (csrc/transport/shm): create this rank's
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
+     A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
+     gloo subgroups across hosts for the CPU all-reduce (README "Across hosts",
+     _all_reduce_hosts); its other CPU collectives and ringdp.empty raise "spans N hosts".
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -379,7 +383,7 @@ class Communicator:
     @property
     def shm(self):
         """The shared-memory endpoint (_C.ShmComm: segment name, calls, arena use), None when
-        the group spans hosts."""
+        the group spans hosts (then the all-reduce uses a host-local one of its own)."""
         return self._shm
 
     def _cuda_endpoint(self, device) -> "cuda_comm.CudaEndpoint":
