@@ -473,11 +473,12 @@ class Communicator:
         TWO_LEVEL (as many ranks on every host): the tensor, padded to a multiple of the
         local size, is reduce-scattered inside the host (shared memory), each shard
         all-reduced across hosts by the gloo group of the ranks with this local rank, then
-        all-gathered inside the host. LEADERS (uneven hosts): all-reduce inside the host,
-        the hosts' first ranks all-reduce across hosts, broadcast inside the host. FLAT:
+        all-gathered inside the host, piece by piece, pipelined (_two_level). LEADERS
+        (uneven hosts): all-reduce inside the host, the hosts' first ranks all-reduce across
+        hosts, broadcast inside the host. FLAT:
         gloo on the whole group. AVG: SUM, then one division by the world size. Every rank
         ends with the same bytes: gloo gives its members the same result and the in-host
-        steps copy it. Not pipelined yet."""
+        steps copy it."""
         red = _types.SUM if code == _types.AVG else code
         dop = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}[red]
         path, shm, n = self.cross_path, self._host_shm, tensor.numel()
@@ -491,12 +492,7 @@ class Communicator:
                 full = flat if blk * self.local_size == n else torch.zeros(blk * self.local_size, dtype=tensor.dtype)
                 if full is not flat:
                     full[:n].copy_(flat)
-                shard = torch.empty(blk, dtype=tensor.dtype)
-                shm.reduce_scatter(shard, full, red, self._host_algo(full, forced), t, tag)
-                self._gloo(shard, dop, t, shm, tag)
-                if code == _types.AVG:
-                    shard.div_(self.world)
-                shm.all_gather(full, shard, self._host_algo(shard, forced), t, tag)
+                self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
                 if full is not flat:
                     flat.copy_(full[:n])
                 return
@@ -514,6 +510,32 @@ class Communicator:
 
         return self._submit(run, async_op, outputs=[tensor])
 
+    def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
+        """The two-level all-reduce of `full` (local size x `blk` elements), pipelined by
+        pieces of about RINGDP_HIER_PIECE_BYTES (each a multiple of the local size): the
+        in-host reduce_scatter of piece i+1 runs while gloo all-reduces piece i's shard
+        across hosts; piece i is then all-gathered inside the host. The in-host calls come
+        in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
+        shm, L = self._host_shm, self.local_size
+        per = max(1, self.config.hier_piece_bytes // (L * full.element_size()))  # shard elements per piece
+        shards = torch.empty(blk, dtype=full.dtype)
+        pending = None
+        for off in range(0, blk, per):
+            m = min(per, blk - off)
+            piece, shard = full[off * L:(off + m) * L], shards[off:off + m]
+            shm.reduce_scatter(shard, piece, red, self._host_algo(piece, forced), t, tag)
+            work = self._gloo_start(shard, dop, t, shm, tag)
+            if pending is not None:
+                self._gather_piece(*pending, avg, forced, t, tag)
+            pending = (work, shard, piece)
+        self._gather_piece(*pending, avg, forced, t, tag)
+
+    def _gather_piece(self, work, shard, piece, avg, forced, t, tag) -> None:
+        self._gloo_wait(work, t, self._host_shm, tag)
+        if avg:
+            shard.div_(self.world)
+        self._host_shm.all_gather(piece, shard, self._host_algo(shard, forced), t, tag)
+
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
         cap = self._host_shm.oneshot_bytes
@@ -524,9 +546,25 @@ class Communicator:
         """All-reduce `tensor` on this rank's gloo group across hosts; a failure (a peer host
         died, a timeout) is a RingError naming the group's ranks, and this host's peers
         (`shm`, waiting in the next in-host step) are told at once by a rejected call."""
+        self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
+
+    def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
+        """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
         try:
-            dist.all_reduce(tensor, op=dop, group=self._cross, async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+            return dist.all_reduce(tensor, op=dop, group=self._cross, async_op=True)
+        except Exception as e:  # noqa: BLE001
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
+        """Wait for a gloo all-reduce across hosts; a failure (a peer host died, a timeout) is
+        a RingError naming the group's ranks, and this host's peers (`shm`, waiting in the
+        next in-host step) are told at once by a rejected call."""
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _gloo_failed(self, e, timeout_s, shm, tag):
             first = str(e).splitlines()[0] if str(e) else ""
             msg = (f"rank {self.rank}: the all-reduce across hosts (gloo, ranks {self._cross_ranks} of the group) "
                    f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "

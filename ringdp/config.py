@@ -42,6 +42,7 @@ class Config:
     # -- across hosts (CPU tensors) ------------------------------------------------------
     host_id: str = ""  # RINGDP_HOST_ID: this rank's host key ("": hostname + boot id); tests simulate hosts
     hierarchy: bool = True  # RINGDP_HIERARCHY: two-level all-reduce across hosts (0: gloo on the whole group)
+    hier_piece_bytes: int = policy.HIER_PIECE_BYTES  # RINGDP_HIER_PIECE_BYTES: pipeline piece of the two-level path
     # -- CUDA ------------------------------------------------------------------------------
     transport: str = "auto"  # RINGDP_TRANSPORT: auto | ipc | nccl (auto: IPC on one host)
     cuda_slot_bytes: int = 0  # RINGDP_CUDA_SLOT_BYTES (0: the transport's default)
@@ -135,6 +136,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
     "RINGDP_HOST_ID": ("host_id", _text),
     "RINGDP_HIERARCHY": ("hierarchy", _bool),
+    "RINGDP_HIER_PIECE_BYTES": ("hier_piece_bytes", _number(int, 1)),
     "RINGDP_TRANSPORT": ("transport", _choice(TRANSPORTS)),
     "RINGDP_CUDA_SLOT_BYTES": ("cuda_slot_bytes", _nonneg_int),
     "RINGDP_CUDA_SLOTS": ("cuda_slots", _nonneg_int),

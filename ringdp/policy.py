@@ -106,6 +106,10 @@ def spin_ns(world: int, cfg) -> int:
 LOCAL = "local"  # one host: the shared-memory engine alone (today's path)
 FLAT = "flat"  # gloo all_reduce on the whole group (RINGDP_HIERARCHY=0, or one rank per host)
 TWO_LEVEL = "two_level"  # even hosts: in-host reduce_scatter, cross-host all_reduce per shard, in-host all_gather
+# Two-level path: the tensor goes in pieces of about this many bytes, the inter-host
+# all-reduce of one piece overlapping the in-host reduce-scatter of the next (a guess; not
+# tuned: on the 2-core box every "host" shares the same two cores).
+HIER_PIECE_BYTES = 4 << 20
 LEADERS = "leaders"  # uneven hosts: in-host all_reduce, leaders' all_reduce across hosts, in-host broadcast
 
 
