@@ -34,8 +34,11 @@ def _as_host(rank, hosts, hierarchy=None, timeout=60):
     return ringdp.init(timeout=timeout)
 
 
-def case_matrix(rank, world, hosts, hierarchy=None):
+def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None):
     import ringdp
+
+    if piece_bytes is not None:
+        os.environ["RINGDP_HIER_PIECE_BYTES"] = str(piece_bytes)
 
     c = _as_host(rank, hosts, hierarchy)
     bad, digests = [], {}
@@ -80,8 +83,9 @@ def _check_matrix(res, path, locals_):
     return res[0]["digests"]
 
 
-def test_even_hosts_two_level():
-    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], timeout=200))
+@pytest.mark.parametrize("piece_bytes", [None, 8192])  # 8 KiB pieces: 3 to 300 pieces per call
+def test_even_hosts_two_level(piece_bytes):
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, timeout=200))
     _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
 
 
