@@ -166,3 +166,40 @@ def test_whole_host_dies_is_a_ring_error(hosts):
         assert msg is not None, f"rank {r}: no error after host b died"
         assert took < 25, (r, took)
         assert "across hosts" in msg or "rank" in msg, msg
+
+
+def test_torchrun_two_nodes(tmp_path):
+    # Two torchrun launchers side by side (--nnodes 2, c10d rendezvous on 127.0.0.1), each
+    # its own simulated host: the two-level path on what torchrun sets up.
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    port = free_port()
+    procs = []
+    for host in ("a", "b"):
+        env = {**os.environ, "RINGDP_HOST_ID": host, "RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hier{port}",
+             os.path.join(here, "_two_hosts_job.py")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(o["host"] for o in outs) == ["a", "a", "b", "b"]
+    for r, o in enumerate(outs):
+        assert o["path"] == "two_level" and o["local"][1] == 2, (r, o["path"], o["local"])
+        assert all(o["ok"]) and len(o["ok"]) == 8, (r, o["ok"])
+        assert all(torch.equal(a, b) for a, b in zip(o["results"], outs[0]["results"])), r
