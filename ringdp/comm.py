@@ -3,10 +3,14 @@
 Set-up (collective, ringdp.init or the first collective of the group):
   1. Config.from_env(): every RINGDP_* setting, read once (ringdp/config.py);
   2. Rendezvous (ringdp/rendezvous.py) under a prefix unique to the group and generation:
-     rank 0's job id, every rank's host (the topology);
+     rank 0's job id, every rank's host key (RINGDP_HOST_ID, else hostname + boot id: the
+     topology; local rank and local size by host, in rank order);
   3. ranks of one host: the shared-memory endpoint (csrc/transport/shm): create this rank's
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
+     A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
+     gloo subgroups across hosts for the CPU all-reduce (README "Across hosts",
+     _all_reduce_hosts); its other CPU collectives and ringdp.empty raise "spans N hosts".
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -44,6 +48,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -239,16 +244,33 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self.host = socket.gethostname()
-        self.hosts = self._topology()
+        self.host_key = self.config.host_id or _host_key(self.host)
+        self.hosts = self._topology()  # every rank's host key, by rank
+        self.host_order = list(dict.fromkeys(self.hosts))  # the hosts, by their first rank
+        self.host_ranks = [r for r, h in enumerate(self.hosts) if h == self.host_key]  # this host's ranks
+        self.local_rank = self.host_ranks.index(self.rank)
+        self.local_size = len(self.host_ranks)
+        self.local_sizes = [self.hosts.count(h) for h in self.host_order]
         self._shm = None  # the shared-memory endpoint (ranks of one host)
         self._shm_error: str | None = None  # why there is none
         self._cuda: cuda_comm.CudaEndpoint | None = None
-        if len(set(self.hosts)) > 1:  # CUDA tensors still work (NCCL); CPU collectives raise this
+        # Across hosts (CPU all_reduce only): the path (policy.cross_host_path), the host-local
+        # shared-memory endpoint (None with one rank on this host) and the gloo group across hosts
+        # this rank takes part in (None: none, e.g. a non-leader on the uneven path).
+        self.cross_path: str | None = None
+        self._host_shm = None
+        self._cross = None
+        self._cross_ranks: list[int] = []
+        if len(self.host_order) > 1:  # CUDA tensors use NCCL; CPU all_reduce runs hierarchically
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
-                f"rank {self.rank}: ringdp's shared-memory transport joins ranks of one host, but the group "
-                f"spans {len(set(self.hosts))} hosts ({where}). CPU tensors across hosts are not supported; "
+                f"rank {self.rank}: the group spans {len(self.host_order)} hosts ({where}). Across hosts ringdp "
+                f"runs only all_reduce of CPU tensors (hierarchically: README 'Across hosts'"
+                f"{'' if backend is None else '; not for groups of the ringdp backend, which use gloo'}); "
+                f"reduce_scatter, all_gather, broadcast and registered memory (ringdp.empty) need one host; "
                 f"CUDA tensors across hosts use the NCCL transport.")
+            if backend is None:  # the backend routes cross-host CPU collectives to its gloo group
+                self._setup_hosts(group)
         else:
             self._shm = self._connect_shm()
 
@@ -290,10 +312,35 @@ class Communicator:
 
     # ---- set-up -------------------------------------------------------------------------
     def _topology(self) -> list[str]:
-        """Every rank's host, by rank."""
-        return [h.decode() for h in self.rendezvous.exchange("host", self.host, "the host records")]
+        """Every rank's host key (RINGDP_HOST_ID, else hostname and boot id), by rank."""
+        return [h.decode() for h in self.rendezvous.exchange("host", self.host_key, "the host records")]
 
-    def _connect_shm(self):
+    def _setup_hosts(self, group) -> None:
+        """Set the cross-host all-reduce up (collective, every rank of the group): the path,
+        this host's shared-memory endpoint (its ranks only) and the gloo group(s) across hosts,
+        made with use_local_synchronization (only their members call new_group), each with
+        ringdp's timeout."""
+        path = policy.cross_host_path(self.local_sizes, self.config.hierarchy)
+        self.cross_path = path
+        by_host = [[r for r, h in enumerate(self.hosts) if h == k] for k in self.host_order]
+        if path == policy.FLAT:
+            members = list(range(self.world))
+        elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
+            members = [ranks[self.local_rank] for ranks in by_host]
+        else:  # LEADERS: the first rank of every host
+            members = [ranks[0] for ranks in by_host] if self.local_rank == 0 else []
+        if path != policy.FLAT and self.local_size > 1:
+            k = self.host_order.index(self.host_key)
+            rdv = Rendezvous(f"{self.rendezvous._prefix}host{k}/", self.local_rank, self.local_size, self.timeout,
+                             store=self._store)
+            self._host_shm = self._connect_shm(rdv)
+        if members:
+            granks = list(range(self.world)) if self._world_group else dist.get_process_group_ranks(self.group)
+            self._cross_ranks = members
+            self._cross = dist.new_group([granks[r] for r in members], backend="gloo",
+                                         timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
+
+    def _connect_shm(self, rdv: Rendezvous | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3).
 
         Nothing is left in /dev/shm when a rank dies during set-up: every rank is here (the
@@ -301,16 +348,17 @@ class Communicator:
         SIGTERM too (a handler, while the name exists: csrc/transport/shm/names.h); a name
         left by SIGKILL carries its creator's pid, and the next set-up on the machine removes
         names whose creator is dead (_C.reap_stale_segments)."""
-        rdv, cfg = self.rendezvous, self.config
+        rdv = self.rendezvous if rdv is None else rdv
+        cfg = self.config
         self._reap_stale_segments()
-        if self.rank == 0:
+        if rdv.rank == 0:
             rdv.publish("uid", uuid.uuid4().hex[:12])
         uid = rdv.read("uid", "the job id").decode()
         c = _C.ShmConfig()
-        c.rank, c.world, c.name, c.host = self.rank, self.world, _C.shm_segment_name(uid, self.rank), self.host
+        c.rank, c.world, c.name, c.host = rdv.rank, rdv.world, _C.shm_segment_name(uid, rdv.rank), self.host
         c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
         c.arena_bytes = int(cfg.arena_gb * (1 << 30))
-        c.spin_ns = policy.spin_ns(self.world, cfg)
+        c.spin_ns = policy.spin_ns(rdv.world, cfg)
         c.stall_warn_s = cfg.stall_warn_s
         c.flight_calls = policy.FLIGHT_RECORD_CALLS
         native = _C.ShmComm(c)  # creates (and owns) this rank's segment
@@ -335,7 +383,7 @@ class Communicator:
     @property
     def shm(self):
         """The shared-memory endpoint (_C.ShmComm: segment name, calls, arena use), None when
-        the group spans hosts."""
+        the group spans hosts (then the all-reduce uses a host-local one of its own)."""
         return self._shm
 
     def _cuda_endpoint(self, device) -> "cuda_comm.CudaEndpoint":
@@ -413,10 +461,120 @@ class Communicator:
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
             return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t)
+        if self.cross_path is not None:
+            return self._all_reduce_hosts(tensor, code, forced, async_op, t, tag)
         if self._shm_error:
             raise RingError(self._shm_error)
         a = policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
+
+    def _all_reduce_hosts(self, tensor, code, forced, async_op, t, tag):
+        """A CPU all-reduce across hosts, on the path policy.cross_host_path chose:
+        TWO_LEVEL (as many ranks on every host): the tensor, padded to a multiple of the
+        local size, is reduce-scattered inside the host (shared memory), each shard
+        all-reduced across hosts by the gloo group of the ranks with this local rank, then
+        all-gathered inside the host, piece by piece, pipelined (_two_level). LEADERS
+        (uneven hosts): all-reduce inside the host, the hosts' first ranks all-reduce across
+        hosts, broadcast inside the host. FLAT:
+        gloo on the whole group. AVG: SUM, then one division by the world size. Every rank
+        ends with the same bytes: gloo gives its members the same result and the in-host
+        steps copy it."""
+        red = _types.SUM if code == _types.AVG else code
+        dop = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}[red]
+        path, shm, n = self.cross_path, self._host_shm, tensor.numel()
+
+        def run():
+            if n == 0:
+                return
+            flat = tensor.view(-1)
+            if path == policy.TWO_LEVEL:
+                blk = -(-n // self.local_size)
+                full = flat if blk * self.local_size == n else torch.zeros(blk * self.local_size, dtype=tensor.dtype)
+                if full is not flat:
+                    full[:n].copy_(flat)
+                self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
+                if full is not flat:
+                    flat.copy_(full[:n])
+                return
+            if path == policy.LEADERS:
+                if shm is not None:
+                    shm.all_reduce(flat, red, self._host_algo(flat, forced), t, tag)
+                if self._cross is not None:
+                    self._gloo(flat, dop, t, shm, tag)
+                if shm is not None:
+                    shm.broadcast(flat, 0, self._host_algo(flat, forced), t, tag)
+            else:
+                self._gloo(flat, dop, t)
+            if code == _types.AVG:
+                flat.div_(self.world)
+
+        return self._submit(run, async_op, outputs=[tensor])
+
+    def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
+        """The two-level all-reduce of `full` (local size x `blk` elements), pipelined by
+        pieces of about RINGDP_HIER_PIECE_BYTES (each a multiple of the local size): the
+        in-host reduce_scatter of piece i+1 runs while gloo all-reduces piece i's shard
+        across hosts; piece i is then all-gathered inside the host. The in-host calls come
+        in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
+        shm, L = self._host_shm, self.local_size
+        per = max(1, self.config.hier_piece_bytes // (L * full.element_size()))  # shard elements per piece
+        shards = torch.empty(blk, dtype=full.dtype)
+        pending = None
+        for off in range(0, blk, per):
+            m = min(per, blk - off)
+            piece, shard = full[off * L:(off + m) * L], shards[off:off + m]
+            shm.reduce_scatter(shard, piece, red, self._host_algo(piece, forced), t, tag)
+            work = self._gloo_start(shard, dop, t, shm, tag)
+            if pending is not None:
+                self._gather_piece(*pending, avg, forced, t, tag)
+            pending = (work, shard, piece)
+        self._gather_piece(*pending, avg, forced, t, tag)
+
+    def _gather_piece(self, work, shard, piece, avg, forced, t, tag) -> None:
+        self._gloo_wait(work, t, self._host_shm, tag)
+        if avg:
+            shard.div_(self.world)
+        self._host_shm.all_gather(piece, shard, self._host_algo(shard, forced), t, tag)
+
+    def _host_algo(self, tensor, forced: str) -> int:
+        """The algorithm code of one collective of `tensor` on this host's endpoint."""
+        cap = self._host_shm.oneshot_bytes
+        threshold = policy.oneshot_threshold("shm", self.local_size, self.config, cap)
+        return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
+
+    def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
+        """All-reduce `tensor` on this rank's gloo group across hosts; a failure (a peer host
+        died, a timeout) is a RingError naming the group's ranks, and this host's peers
+        (`shm`, waiting in the next in-host step) are told at once by a rejected call."""
+        self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
+
+    def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
+        """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
+        try:
+            return dist.all_reduce(tensor, op=dop, group=self._cross, async_op=True)
+        except Exception as e:  # noqa: BLE001
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
+        """Wait for a gloo all-reduce across hosts; a failure (a peer host died, a timeout) is
+        a RingError naming the group's ranks, and this host's peers (`shm`, waiting in the
+        next in-host step) are told at once by a rejected call."""
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _gloo_failed(self, e, timeout_s, shm, tag):
+            first = str(e).splitlines()[0] if str(e) else ""
+            msg = (f"rank {self.rank}: the all-reduce across hosts (gloo, ranks {self._cross_ranks} of the group) "
+                   f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
+                   f"{type(e).__name__}: {first}")
+            if shm is not None:
+                try:
+                    shm.reject(msg[:400], timeout_s, tag)
+                except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
+                    pass
+            raise RingError(msg) from None
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -617,10 +775,11 @@ class Communicator:
         """This rank's last collectives on the shared-memory transport, oldest first: seq,
         kind, count, dtype, op, algo, tag, status (running, ok, failed), start and end
         (microseconds since the epoch; end 0 while running)."""
-        if self._shm is None:
+        shm = self._shm if self._shm is not None else self._host_shm
+        if shm is None:
             return []
         names = {code: name for name, code in policy.ALGO_CODES.items()}
-        recs = self._shm.flight_record()
+        recs = shm.flight_record()
         for r in recs:
             r["algo"] = names.get(r["algo"], r["algo"])
             r["transport"] = "shm"
@@ -659,8 +818,20 @@ class Communicator:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)
         # Registered tensors still alive keep the native object (and its mapping) alive.
-        self._shm = None
+        self._shm = self._host_shm = None
+        self.cross_path = None
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
+
+
+def _host_key(hostname: str) -> str:
+    """This machine's key: the hostname and the kernel's boot id (two containers with one
+    hostname are told apart; a machine that rebooted is a new host)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{hostname}/{boot}" if boot else hostname
 
 
 def _on_stall(ref, report: str) -> None:

@@ -39,6 +39,10 @@ class Config:
     fifo_slots: int = policy.FIFO_SLOTS  # RINGDP_FIFO_SLOTS
     arena_gb: float = policy.ARENA_GB  # RINGDP_ARENA_GB: virtual size of the registered arena
     spin_us: float | None = None  # RINGDP_SPIN_US (None: policy.spin_ns decides)
+    # -- across hosts (CPU tensors) ------------------------------------------------------
+    host_id: str = ""  # RINGDP_HOST_ID: this rank's host key ("": hostname + boot id); tests simulate hosts
+    hierarchy: bool = True  # RINGDP_HIERARCHY: two-level all-reduce across hosts (0: gloo on the whole group)
+    hier_piece_bytes: int = policy.HIER_PIECE_BYTES  # RINGDP_HIER_PIECE_BYTES: pipeline piece of the two-level path
     # -- CUDA ------------------------------------------------------------------------------
     transport: str = "auto"  # RINGDP_TRANSPORT: auto | ipc | nccl (auto: IPC on one host)
     cuda_slot_bytes: int = 0  # RINGDP_CUDA_SLOT_BYTES (0: the transport's default)
@@ -130,6 +134,9 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_FIFO_SLOTS": ("fifo_slots", _nonneg_int),
     "RINGDP_ARENA_GB": ("arena_gb", _positive_float),
     "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
+    "RINGDP_HOST_ID": ("host_id", _text),
+    "RINGDP_HIERARCHY": ("hierarchy", _bool),
+    "RINGDP_HIER_PIECE_BYTES": ("hier_piece_bytes", _number(int, 1)),
     "RINGDP_TRANSPORT": ("transport", _choice(TRANSPORTS)),
     "RINGDP_CUDA_SLOT_BYTES": ("cuda_slot_bytes", _nonneg_int),
     "RINGDP_CUDA_SLOTS": ("cuda_slots", _nonneg_int),

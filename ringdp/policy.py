@@ -100,3 +100,24 @@ def spin_ns(world: int, cfg) -> int:
         return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return SPIN_NS if world <= cores else SPIN_NS_OVERSUBSCRIBED
+
+
+# ---- across hosts (CPU tensors) ------------------------------------------------------------
+LOCAL = "local"  # one host: the shared-memory engine alone (today's path)
+FLAT = "flat"  # gloo all_reduce on the whole group (RINGDP_HIERARCHY=0, or one rank per host)
+TWO_LEVEL = "two_level"  # even hosts: in-host reduce_scatter, cross-host all_reduce per shard, in-host all_gather
+# Two-level path: the tensor goes in pieces of about this many bytes, the inter-host
+# all-reduce of one piece overlapping the in-host reduce-scatter of the next (a guess; not
+# tuned: on the 2-core box every "host" shares the same two cores).
+HIER_PIECE_BYTES = 4 << 20
+LEADERS = "leaders"  # uneven hosts: in-host all_reduce, leaders' all_reduce across hosts, in-host broadcast
+
+
+def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
+    """The CPU all-reduce path for a group whose ranks sit on hosts with `local_sizes` ranks
+    each; `hierarchy`: RINGDP_HIERARCHY."""
+    if len(local_sizes) == 1:
+        return LOCAL
+    if not hierarchy or max(local_sizes) == 1:
+        return FLAT
+    return TWO_LEVEL if len(set(local_sizes)) == 1 else LEADERS

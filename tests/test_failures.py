@@ -201,10 +201,13 @@ def test_no_shm_left_behind(how):
     assert names and not (set(names) & _shm_names())
 
 
-def test_different_hosts_is_a_clear_error():
-    # Set-up succeeds (CUDA tensors would use NCCL); CPU collectives raise a clear error.
-    for msg in values(run_ranks(_fake_host, 2)):
-        assert "spans 2 hosts" in msg and "NCCL" in msg
+def test_different_hosts_all_reduce_works_and_the_rest_is_a_clear_error():
+    # Ranks on two hosts (hostnames differ): a CPU all_reduce runs across hosts (one rank per
+    # host: gloo; tests/test_hierarchy.py has the rest); what needs one host says so clearly.
+    for ok, msgs in values(run_ranks(_fake_host, 2)):
+        assert ok
+        assert len(msgs) == 3
+        assert all("spans 2 hosts" in m and "NCCL" in m for m in msgs), msgs
 
 
 def _fake_host(rank, world):
@@ -214,8 +217,14 @@ def _fake_host(rank, world):
 
     socket.gethostname = lambda: f"host{rank}"
     ringdp.init(timeout=20)
-    try:
-        ringdp.all_reduce(torch.ones(3))
-    except ringdp.RingError as e:
-        return str(e)
-    return None
+    t = torch.arange(5.0) + rank
+    ringdp.all_reduce(t)
+    msgs = []
+    for call in (lambda: ringdp.reduce_scatter_tensor(torch.empty(1), torch.ones(2)),
+                 lambda: ringdp.all_gather_into_tensor(torch.empty(2), torch.ones(1)),
+                 lambda: ringdp.broadcast(torch.ones(2), 0)):
+        try:
+            call()
+        except ringdp.RingError as e:
+            msgs.append(str(e))
+    return torch.equal(t, 2 * torch.arange(5.0) + 1), msgs

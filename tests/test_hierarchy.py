@@ -1,0 +1,205 @@
+"""The CPU all-reduce across hosts (issue 12): hosts simulated on one machine with
+RINGDP_HOST_ID per rank (set inside each rank before ringdp.init), against the closed forms
+of tests/_closed_form.py, each call twice, bitwise identical on every rank; the even path
+(a,a,b,b: two-level), the uneven one (a,a,a,b: leaders), RINGDP_HIERARCHY=0 (gloo on the
+whole group), RingDDP across two simulated hosts, and a whole host SIGKILLed."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _closed_form import expected, ops_for, value
+from _dist import run_ranks, values
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
+SIZES = [0, 1, 7, 4099, 300007]
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _as_host(rank, hosts, hierarchy=None, timeout=60):
+    os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    if hierarchy is not None:
+        os.environ["RINGDP_HIERARCHY"] = hierarchy
+    import ringdp
+
+    return ringdp.init(timeout=timeout)
+
+
+def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None):
+    import ringdp
+
+    if piece_bytes is not None:
+        os.environ["RINGDP_HIER_PIECE_BYTES"] = str(piece_bytes)
+
+    c = _as_host(rank, hosts, hierarchy)
+    bad, digests = [], {}
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for count in SIZES:
+                want = expected(op, world, count, dtype)
+                for rep in range(2):
+                    t = value(rank, count, dtype)
+                    if rep == 1 and count == 4099:  # the second call asynchronous
+                        ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op), async_op=True).wait()
+                    else:
+                        ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                    if not torch.equal(t, want):
+                        bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
+                    digests[(str(dtype), op, count, rep)] = _digest(t)
+    t = value(rank, 21, torch.float32).reshape(7, 3)  # a 2-d tensor, not a multiple of the local size
+    ringdp.all_reduce(t)
+    if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
+        bad.append(("2-d", "SUM", 21))
+    # what still needs one host: a clear error, no hang
+    errors = []
+    try:
+        ringdp.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world))
+    except ringdp.RingError as e:
+        errors.append(str(e))
+    try:
+        ringdp.empty(4)
+    except ValueError as e:
+        errors.append(str(e))
+    return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
+            "errors": errors}
+
+
+def _check_matrix(res, path, locals_):
+    for r, out in enumerate(res):
+        assert out["path"] == path, (r, out["path"])
+        assert out["local"] == locals_[r]
+        assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
+        assert len(out["errors"]) == 2 and all("spans 2 hosts" in e for e in out["errors"]), out["errors"]
+        assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not bitwise equal to rank 0's"
+    return res[0]["digests"]
+
+
+@pytest.mark.parametrize("piece_bytes", [None, 8192])  # 8 KiB pieces: 3 to 300 pieces per call
+def test_even_hosts_two_level(piece_bytes):
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, timeout=200))
+    _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
+
+
+def test_uneven_hosts_leaders():
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "a", "b"], timeout=200))
+    _check_matrix(res, "leaders", [(0, 3), (1, 3), (2, 3), (0, 1)])
+
+
+def test_interleaved_hosts_and_hierarchy_off_same_results():
+    # hosts a,b,a,b: local ranks follow rank order on each host; RINGDP_HIERARCHY=0: gloo on
+    # the whole group, the same (exact) results
+    two = _check_matrix(values(run_ranks(case_matrix, 4, ["a", "b", "a", "b"], timeout=200)), "two_level",
+                        [(0, 2), (0, 2), (1, 2), (1, 2)])
+    flat = _check_matrix(values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], "0", timeout=200)), "flat",
+                         [(0, 2), (1, 2), (0, 2), (1, 2)])
+    assert two == flat
+
+
+def test_one_rank_per_host_is_gloo():
+    res = values(run_ranks(case_matrix, 2, ["a", "b"], timeout=120))
+    _check_matrix(res, "flat", [(0, 1), (0, 1)])
+
+
+def case_one_host(rank, world):
+    c = _as_host(rank, ["a"] * world)
+    import ringdp
+
+    t = value(rank, 1000)
+    ringdp.all_reduce(t)
+    return c.cross_path, c.shm is not None, torch.equal(t, expected("SUM", world, 1000, torch.float32))
+
+
+def test_one_host_is_todays_path():
+    for path, has_shm, ok in values(run_ranks(case_one_host, 2)):
+        assert path is None and has_shm and ok
+
+
+def case_ddp(rank, world, hosts):
+    _as_host(rank, hosts)
+    import test_ddp
+
+    return test_ddp.case_train(rank, world, model="mlp")
+
+
+def test_ringddp_on_two_hosts():
+    import test_ddp
+
+    res = values(run_ranks(case_ddp, 4, ["a", "a", "b", "b"], timeout=200))
+    test_ddp._check_train(res, 1e-5)
+
+
+def case_host_dies(rank, world, hosts, victims):
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    t = value(rank, 4099)
+    ringdp.all_reduce(t)  # works once
+    if rank in victims:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        ringdp.all_reduce(value(rank, 4099))
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
+def test_whole_host_dies_is_a_ring_error(hosts):
+    victims = [r for r, h in enumerate(hosts) if h == "b"]
+    res = run_ranks(case_host_dies, 4, hosts, victims, timeout=120, allow_missing=victims)
+    for r, out in enumerate(res):
+        if r in victims:
+            continue
+        assert out is not None and out[0] == "ok", (r, out)
+        msg, took = out[1]
+        assert msg is not None, f"rank {r}: no error after host b died"
+        assert took < 25, (r, took)
+        assert "across hosts" in msg or "rank" in msg, msg
+
+
+def test_torchrun_two_nodes(tmp_path):
+    # Two torchrun launchers side by side (--nnodes 2, c10d rendezvous on 127.0.0.1), each
+    # its own simulated host: the two-level path on what torchrun sets up.
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    port = free_port()
+    procs = []
+    for host in ("a", "b"):
+        env = {**os.environ, "RINGDP_HOST_ID": host, "RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"hier{port}",
+             os.path.join(here, "_two_hosts_job.py")],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=150)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    assert sorted(o["host"] for o in outs) == ["a", "a", "b", "b"]
+    for r, o in enumerate(outs):
+        assert o["path"] == "two_level" and o["local"][1] == 2, (r, o["path"], o["local"])
+        assert all(o["ok"]) and len(o["ok"]) == 8, (r, o["ok"])
+        assert all(torch.equal(a, b) for a, b in zip(o["results"], outs[0]["results"])), r
