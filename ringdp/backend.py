@@ -77,6 +77,18 @@ def _op_of(reduce_op):
     return kind, None
 
 
+def _options(opts, cls, field: str):
+    """c10d's options object of a call: `cls()` for None, as given when it is one, else the
+    short positional form (a bare op or root) put into `field` of a fresh one."""
+    if opts is None:
+        return cls()
+    if isinstance(opts, cls):
+        return opts
+    out = cls()
+    setattr(out, field, opts)
+    return out
+
+
 # ============================================================================ Work
 class RingWork(dist.Work):
     """A torch.distributed Work over ringdp collectives (module doc). `parts`: ringdp Works
@@ -290,11 +302,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        if opts is None:
-            opts = dist.AllreduceOptions()
-        elif not isinstance(opts, dist.AllreduceOptions):  # allreduce(tensors, op)
-            op, opts = opts, dist.AllreduceOptions()
-            opts.reduceOp = op
+        opts = _options(opts, dist.AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
         return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
@@ -398,11 +406,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def broadcast(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        if opts is None:
-            opts = dist.BroadcastOptions()
-        elif not isinstance(opts, dist.BroadcastOptions):  # broadcast(tensors, root)
-            root, opts = opts, dist.BroadcastOptions()
-            opts.rootRank = root
+        opts = _options(opts, dist.BroadcastOptions, "rootRank")  # broadcast(tensors, root) too
         native = getattr(self._comm, "broadcast", None)
         if native is None or not self._native(tensors) or any(t.is_cuda for t in tensors):
             return self._inner(tensors).broadcast(tensors, opts)

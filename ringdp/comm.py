@@ -449,15 +449,23 @@ class Communicator:
         work.wait()
         return None
 
-    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None, tag=None):
+    def _prepare(self, tensor, check, timeout, algo, tag):
+        """The start every collective shares: (timeout s, check()'s result, forced algorithm,
+        tag). Bad input (check() or the arguments raising TypeError/ValueError) is announced
+        to the peers, in order, so that they fail at once, then re-raised."""
         t = policy.timeout_s(timeout, self.timeout)
         try:
-            code = self._check(tensor, op)
-            forced = self._forced(algo)
-            tag = _current_tag(tag)
+            return t, check(), self._forced(algo), _current_tag(tag)
         except (TypeError, ValueError) as e:
-            self._reject(tensor, str(e), t)  # tell the peers, in order, so they fail at once
+            self._reject(tensor, str(e), t)
             raise
+
+    def _shm_algo(self, nbytes: int, forced: str) -> int:
+        """The algorithm code of a collective of `nbytes` on the shared-memory endpoint."""
+        return policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None, tag=None):
+        t, code, forced, tag = self._prepare(tensor, lambda: self._check(tensor, op), timeout, algo, tag)
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
             return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t)
@@ -465,7 +473,7 @@ class Communicator:
             return self._all_reduce_hosts(tensor, code, forced, async_op, t, tag)
         if self._shm_error:
             raise RingError(self._shm_error)
-        a = policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
+        a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
 
     def _all_reduce_hosts(self, tensor, code, forced, async_op, t, tag):
@@ -543,9 +551,7 @@ class Communicator:
         return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
 
     def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
-        """All-reduce `tensor` on this rank's gloo group across hosts; a failure (a peer host
-        died, a timeout) is a RingError naming the group's ranks, and this host's peers
-        (`shm`, waiting in the next in-host step) are told at once by a rejected call."""
+        """All-reduce `tensor` on this rank's gloo group across hosts (failures: _gloo_wait)."""
         self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
 
     def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
@@ -565,16 +571,17 @@ class Communicator:
             self._gloo_failed(e, timeout_s, shm, tag)
 
     def _gloo_failed(self, e, timeout_s, shm, tag):
-            first = str(e).splitlines()[0] if str(e) else ""
-            msg = (f"rank {self.rank}: the all-reduce across hosts (gloo, ranks {self._cross_ranks} of the group) "
-                   f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
-                   f"{type(e).__name__}: {first}")
-            if shm is not None:
-                try:
-                    shm.reject(msg[:400], timeout_s, tag)
-                except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
-                    pass
-            raise RingError(msg) from None
+        """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
+        first = str(e).splitlines()[0] if str(e) else ""
+        msg = (f"rank {self.rank}: the all-reduce across hosts (gloo, ranks {self._cross_ranks} of the group) "
+               f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
+               f"{type(e).__name__}: {first}")
+        if shm is not None:
+            try:
+                shm.reject(msg[:400], timeout_s, tag)
+            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
+                pass
+        raise RingError(msg) from None
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -583,16 +590,10 @@ class Communicator:
         block r. The input is not modified. PREMUL_SUM is the caller's: scale the input, then
         SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
         sums would overwrite the input) or one-shot for small inputs (policy.py)."""
-        t = policy.timeout_s(timeout, self.timeout)
-        try:
-            code = self._check_pair(output, input, op, "reduce_scatter_tensor")
-            forced = self._forced(algo)
-            tag = _current_tag(tag)
-        except (TypeError, ValueError) as e:
-            self._reject(output, str(e), t)
-            raise
+        t, code, forced, tag = self._prepare(
+            output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag)
         self._cpu_only(output, "reduce_scatter_tensor")
-        a = policy.ALGO_CODES[self._decide(input.numel() * input.element_size(), forced, "shm", self._shm.oneshot_bytes)]
+        a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
                             outputs=[output])
 
@@ -601,38 +602,27 @@ class Communicator:
         block q of it becomes rank q's `input` (which may itself be block r of `output`). In
         place, with no staging copy, when every rank's output is registered (ringdp.empty);
         one-shot for small inputs (policy.py)."""
-        t = policy.timeout_s(timeout, self.timeout)
-        try:
-            self._check_pair(output, input, None, "all_gather_into_tensor")
-            forced = self._forced(algo)
-            tag = _current_tag(tag)
-        except (TypeError, ValueError) as e:
-            self._reject(output, str(e), t)
-            raise
+        t, _, forced, tag = self._prepare(
+            output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag)
         self._cpu_only(output, "all_gather_into_tensor")
-        a = policy.ALGO_CODES[self._decide(input.numel() * input.element_size(), forced, "shm", self._shm.oneshot_bytes)]
+        a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output])
 
     def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
         every rank: a pipelined chain src -> src+1 -> ... along the ring (in place when every
         rank's tensor is registered), or one-shot for small tensors (policy.py)."""
-        t = policy.timeout_s(timeout, self.timeout)
-        try:
+        def check():
             self._check(tensor, None, "broadcast")
             if isinstance(src, bool) or not isinstance(src, int):
                 raise TypeError(f"ringdp.broadcast: src must be an int rank, got {type(src).__name__}")
             if not 0 <= src < self.world:
                 raise ValueError(f"ringdp.broadcast on rank {self.rank}: src={src} is not a rank of this group "
                                  f"(world size {self.world})")
-            forced = self._forced(algo)
-            tag = _current_tag(tag)
-        except (TypeError, ValueError) as e:
-            self._reject(tensor, str(e), t)
-            raise
+
+        t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag)
         self._cpu_only(tensor, "broadcast")
-        a = policy.ALGO_CODES[self._decide(tensor.numel() * tensor.element_size(), forced, "shm",
-                                           self._shm.oneshot_bytes)]
+        a = self._shm_algo(tensor.numel() * tensor.element_size(), forced)
         return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
 
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):

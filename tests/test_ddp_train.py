@@ -17,9 +17,10 @@ TINY = ["--world", "2", "--epochs", "2", "--train-size", "512", "--val-size", "1
         "--accum", "2", "--log-every", "2", "--ckpt-every", "4"]
 
 
-def run_train(*extra, timeout=240):
+def run_train(*extra, timeout=240, base=TINY):
+    """bench/train.py with the `base` arguments, then `extra`; its stdout (fails on an error)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), *TINY, *extra], cwd=ROOT, env=env,
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), *base, *extra], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=timeout)
     assert r.returncode == 0, f"train.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
     return r.stdout

@@ -19,21 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import train  # noqa: E402
+from test_ddp_train import run_train as _run_train  # noqa: E402
 
 TINY = ["--world", "2", "--epochs", "2", "--train-size", "512", "--val-size", "128", "--batch", "16",
         "--accum", "2", "--log-every", "2", "--ckpt-every", "4", "--no-plot", "--dropout", "0.3"]
 
 
 def run_train(*extra, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
-    r = subprocess.run([sys.executable, str(ROOT / "bench" / "train.py"), *TINY, *extra], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"train.py failed:\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}"
-    return r.stdout
+    return _run_train(*extra, timeout=timeout, base=TINY)
 
 
-def read_log(path):
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+read_log = train.read_log
 
 
 # ------------------------------------------------------------------ SyncBatchNorm
