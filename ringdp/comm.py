@@ -261,6 +261,7 @@ class Communicator:
         self._host_shm = None
         self._cross = None
         self._cross_ranks: list[int] = []
+        self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
         if len(self.host_order) > 1:  # CUDA tensors use NCCL; CPU all_reduce runs hierarchically
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
@@ -497,9 +498,7 @@ class Communicator:
             flat = tensor.view(-1)
             if path == policy.TWO_LEVEL:
                 blk = -(-n // self.local_size)
-                full = flat if blk * self.local_size == n else torch.zeros(blk * self.local_size, dtype=tensor.dtype)
-                if full is not flat:
-                    full[:n].copy_(flat)
+                full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
                 self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
                 if full is not flat:
                     flat.copy_(full[:n])
@@ -518,31 +517,44 @@ class Communicator:
 
         return self._submit(run, async_op, outputs=[tensor])
 
+    def _padded(self, flat, size: int):
+        """`flat` copied into the first elements of a reused buffer of `size`, the rest zero
+        (its values never reach the result: each rank keeps only its first n elements)."""
+        if self._pad.numel() < size or self._pad.dtype != flat.dtype:
+            self._pad = torch.empty(size, dtype=flat.dtype)
+        full = self._pad[:size]
+        full[:flat.numel()].copy_(flat)
+        full[flat.numel():].zero_()
+        return full
+
     def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
-        """The two-level all-reduce of `full` (local size x `blk` elements), pipelined by
-        pieces of about RINGDP_HIER_PIECE_BYTES (each a multiple of the local size): the
-        in-host reduce_scatter of piece i+1 runs while gloo all-reduces piece i's shard
-        across hosts; piece i is then all-gathered inside the host. The in-host calls come
-        in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
-        shm, L = self._host_shm, self.local_size
-        per = max(1, self.config.hier_piece_bytes // (L * full.element_size()))  # shard elements per piece
-        shards = torch.empty(blk, dtype=full.dtype)
+        """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
+        by pieces of about RINGDP_HIER_PIECE_BYTES (local size x m elements each): the in-host
+        reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
+        position) reduced over the host, in place; gloo all-reduces that block across hosts
+        while the next piece is reduce-scattered; the piece is then all-gathered inside the
+        host from each rank's block, in place. No copy beyond the transports' own, no buffer
+        (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
+        come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
+        L, lr = self.local_size, self.local_rank
+        per = max(1, self.config.hier_piece_bytes // (L * full.element_size()))  # block elements per piece
         pending = None
         for off in range(0, blk, per):
             m = min(per, blk - off)
-            piece, shard = full[off * L:(off + m) * L], shards[off:off + m]
-            shm.reduce_scatter(shard, piece, red, self._host_algo(piece, forced), t, tag)
-            work = self._gloo_start(shard, dop, t, shm, tag)
+            piece = full[off * L:(off + m) * L]
+            mine = piece[lr * m:(lr + 1) * m]
+            self._host_shm.reduce_scatter(mine, piece, red, self._host_algo(piece, forced), t, tag)
+            work = self._gloo_start(mine, dop, t, self._host_shm, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
-            pending = (work, shard, piece)
+            pending = (work, mine, piece)
         self._gather_piece(*pending, avg, forced, t, tag)
 
-    def _gather_piece(self, work, shard, piece, avg, forced, t, tag) -> None:
+    def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
         self._gloo_wait(work, t, self._host_shm, tag)
         if avg:
-            shard.div_(self.world)
-        self._host_shm.all_gather(piece, shard, self._host_algo(shard, forced), t, tag)
+            mine.div_(self.world)
+        self._host_shm.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
 
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
