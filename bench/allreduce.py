@@ -21,6 +21,8 @@ Series (each size measures them back to back, in this order):
                   tensors, nccl for CUDA tensors; --baseline to choose, --no-baseline to skip)
     ringdp        ringdp.all_reduce on an ordinary tensor (staged through the transport)
     ringdp-reg    ringdp.all_reduce on a tensor from ringdp.empty (registered memory)
+    ringdp-flat   (--hosts only) ringdp.all_reduce on a communicator made with
+                  RINGDP_HIERARCHY=0: the inter-host engine (gloo) on the whole group
 With --algo ring,oneshot the ringdp series are split per forced algorithm (ringdp:ring,
 ringdp:oneshot, ringdp-reg:ring, ...), each call passing algo= to ringdp.all_reduce; a
 forced series is measured only at the sizes where ringdp really runs that algorithm (a
@@ -94,6 +96,14 @@ results (small integers, exact in every dtype at n <= 4):
 ringdp series call ringdp.reduce_scatter_tensor / all_gather_into_tensor / broadcast (the
 registered series allocates input and output with ringdp.empty), the baseline
 torch.distributed's; no roofline for these (roof "-"). --algo applies to all_reduce only.
+
+Across hosts (--hosts H, CPU all_reduce only): the ranks are H simulated hosts on this
+machine, rank r on host r*H // world (RINGDP_HOST_ID sim0, sim1, ...; world defaults to
+2H). The series are then gloo (flat, the whole group over loopback TCP), ringdp (the
+hierarchical all-reduce policy.cross_host_path chooses: two_level, or leaders on uneven
+hosts; column algo) and ringdp-flat. ringdp-reg is left out (registered memory needs one
+host). No roofline: the "network" is loopback TCP on the same cores. For real hosts run
+it under torchrun on each host without --hosts: ringdp finds the hosts itself.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
 on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json
@@ -176,6 +186,8 @@ def result_name(args, world: int, coll: str = "all_reduce") -> str:
         algo = args.algo.replace(",", "+")
         parts = [p for p in (args.op if args.op != "sum" else "", algo if algo != "auto" else "") if p]
         extra = "_".join(parts) if parts else None
+    if getattr(args, "hosts", 1) > 1:
+        extra = f"{extra}_hosts{args.hosts}" if extra else f"hosts{args.hosts}"
     return f"{name}_{extra}" if extra else name
 
 
@@ -406,8 +418,17 @@ class Caller:
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self.contention = max(1.0, self.hosts.count(me[0]) / cores)
-        self.comm = ringdp.init() if "ringdp" in args.series or "ringdp-reg" in args.series else None
-        self.transport = self.comm.transport(self.device.type) if self.comm is not None else "-"
+        self.comm = ringdp.init() if {"ringdp", "ringdp-reg", "ringdp-flat"} & set(args.series) else None
+        # across hosts: the path the hierarchical all-reduce takes, and ringdp-flat's communicator
+        self.cross_path = self.comm.cross_path if self.comm is not None else None
+        self.flat_comm = None
+        if "ringdp-flat" in args.series:
+            from ringdp.comm import Communicator
+
+            self.flat_comm = Communicator(config=self.comm.config.replace(hierarchy=False))
+        self.host_keys = self.comm.hosts if self.comm is not None else self.hosts
+        self.transport = (self.comm.transport(self.device.type) if self.comm is not None and self.cross_path is None
+                          else "shm+gloo" if self.comm is not None else "-")
         self.baseline, self.group = self._baseline()
 
     def _baseline(self) -> tuple[str | None, object]:
@@ -428,7 +449,7 @@ class Caller:
 
     def series(self) -> list[Series]:
         out = [Series(self.baseline, "baseline", None)] if self.baseline else []
-        for kind in ("ringdp", "ringdp-reg"):
+        for kind in ("ringdp", "ringdp-reg", "ringdp-flat"):
             if kind in self.args.series:
                 out += [Series(kind if len(self.args.algos) == 1 else f"{kind}:{a}", kind, a)
                         for a in self.args.algos]
@@ -438,12 +459,16 @@ class Caller:
         """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline."""
         if s.kind == "baseline":
             return "-"
+        if s.kind == "ringdp-flat":
+            return self.flat_comm.cross_path
+        if self.cross_path is not None:
+            return self.cross_path
         return self.comm.algo_for(nbytes, self.device.type, s.algo)
 
     def oneshot_max_bytes(self) -> int:
         """Largest size (whole elements, up to 1 GiB) that algo "auto" runs one-shot."""
         lo, hi = 0, (1 << 30) // self.elem
-        if self.comm is None:
+        if self.comm is None or self.cross_path is not None:
             return 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
@@ -453,7 +478,9 @@ class Caller:
                 hi = mid - 1
         return lo * self.elem
 
-    def factor(self, s: Series, algo: str) -> float:
+    def factor(self, s: Series, algo: str) -> float | None:
+        if self.cross_path is not None:  # across hosts: no memory roofline (module doc)
+            return None
         return bytes_factor(self.world, "oneshot" if algo == "oneshot" else "ring", s.kind == "ringdp-reg",
                             self.args.dtype, self.device.type, self.transport)
 
@@ -468,6 +495,8 @@ class Caller:
     def call(self, s: Series, t):
         if s.kind == "baseline":
             dist.all_reduce(t, op=self.op, group=self.group)
+        elif s.kind == "ringdp-flat":
+            self.flat_comm.all_reduce(t, op=self.op, algo=s.algo)
         else:
             ringdp.all_reduce(t, op=self.op, algo=s.algo)
 
@@ -553,7 +582,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     if coll is None:
         algo = c.algo(s, nbytes)
         factor = c.factor(s, algo)
-        roof = factor * nbytes * c.contention / memcpy_Bps
+        roof = factor * nbytes * c.contention / memcpy_Bps if factor is not None else None
     else:
         algo, factor, roof = "-", None, None
     return {
@@ -614,6 +643,8 @@ class Console:
 def run_rank(rank: int, world: int, args):
     """One rank: join the gloo group, sweep, write the results (rank 0), leave cleanly."""
     torch.set_num_threads(1)
+    if args.hosts > 1:  # simulated hosts (module doc): before ringdp reads its configuration
+        os.environ["RINGDP_HOST_ID"] = f"sim{rank * args.hosts // world}"
     if not dist.is_initialized():
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     try:
@@ -628,8 +659,12 @@ def sweep(rank: int, args):
     out = Console(rank)
     c = Caller(args, rank, n, int(os.environ.get("LOCAL_RANK", rank)))
     memcpy = memcpy_bandwidth(c.device, rank)
-    for coll in args.colls:
-        sweep_one(rank, args, c, coll, memcpy, out)
+    try:
+        for coll in args.colls:
+            sweep_one(rank, args, c, coll, memcpy, out)
+    finally:
+        if c.flat_comm is not None:
+            c.flat_comm.close()
 
 
 def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Console):
@@ -665,7 +700,11 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
              f"{memcpy['all_ranks_at_once_GBps_per_rank']:.1f} GB/s per rank with all {n} at once; "
              f"roofline: first figure, times {c.contention:g} for ranks sharing a core/GPU")
     out.line("# bytes per rank / S: " + ", ".join(f"{k} {v:.2f}" for k, v in factors.items()))
-    if c.comm is not None:
+    if c.cross_path is not None:
+        out.line(f"# hosts: {', '.join(f'rank {r} on {h}' for r, h in enumerate(c.host_keys))}; ringdp runs "
+                 f"{c.cross_path} (RINGDP_HIER_PIECE_BYTES {c.comm.config.hier_piece_bytes}), ringdp-flat gloo "
+                 "on the whole group; no roofline")
+    elif c.comm is not None:
         out.line(f"# one-shot up to {threshold} bytes (algo auto)")
     for note in c.notes:
         out.line(f"# note: {note}")
@@ -683,6 +722,8 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             "args": {k: v for k, v in vars(args).items()},
             "env": {k: v for k, v in os.environ.items() if k.startswith(("RINGDP_", "NCCL_"))},
             "transport": c.transport,
+            "hosts": c.host_keys,
+            "cross_path": c.cross_path,
             "memcpy": memcpy,
             "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
             "oneshot_max_bytes": threshold,
@@ -751,12 +792,16 @@ def build_parser() -> argparse.ArgumentParser:
                          "per algorithm")
     ap.add_argument("--coll", default="all_reduce",
                     help=f"comma list of {', '.join(COLLS)} (default all_reduce): one sweep and one JSON each")
-    ap.add_argument("--world", type=int, default=2, help="local ranks to start when not under torchrun")
+    ap.add_argument("--world", type=int, default=None,
+                    help="local ranks to start when not under torchrun (default 2, with --hosts H: 2H)")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="simulate H hosts on this machine (module doc 'Across hosts'): rank r on host r*H // world")
     ap.add_argument("--baseline", choices=("auto", "gloo", "nccl"), default="auto",
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--series", default="baseline,ringdp,ringdp-reg",
-                    help="comma list of baseline, ringdp, ringdp-reg (default: all)")
+    ap.add_argument("--series", default=None,
+                    help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat (default: baseline,ringdp,"
+                         "ringdp-reg; with --hosts: baseline,ringdp,ringdp-flat)")
     ap.add_argument("--out-dir", default=str(OUT_DIR),
                     help="where the JSON/PNG go (default bench/out, ignored by git; "
                          "bench/results holds the committed ones)")
@@ -769,10 +814,22 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None = None):
     ap = build_parser()
     args = ap.parse_args(argv)
+    if args.hosts < 1:
+        ap.error("--hosts must be >= 1")
+    if args.world is None:
+        args.world = 2 * args.hosts
+    if args.series is None:
+        args.series = "baseline,ringdp,ringdp-flat" if args.hosts > 1 else "baseline,ringdp,ringdp-reg"
     args.series = [s.strip() for s in args.series.split(",") if s.strip()]
-    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg"}
+    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat"}
     if bad:
         ap.error(f"unknown --series {sorted(bad)}")
+    if args.hosts > 1 and "ringdp-reg" in args.series:
+        ap.error("--hosts: ringdp-reg needs one host (ringdp.empty: registered memory is host-local)")
+    if "ringdp-flat" in args.series and args.hosts == 1:
+        ap.error("--series ringdp-flat needs --hosts (it is the inter-host engine)")
+    if "ringdp-flat" in args.series and "ringdp" not in args.series:
+        ap.error("--series ringdp-flat needs ringdp too (its communicator is made from ringdp's)")
     if args.no_baseline and "baseline" in args.series:
         args.series.remove("baseline")
     if args.algo is None:
@@ -784,6 +841,10 @@ def parse_args(argv: list[str] | None = None):
     args.colls = list(dict.fromkeys(x.strip() for x in args.coll.split(",") if x.strip()))
     if not args.colls or set(args.colls) - set(COLLS):
         ap.error(f"--coll takes a comma list of {', '.join(COLLS)}")
+    if args.hosts > 1 and (args.colls != ["all_reduce"] or args.device != "cpu"):
+        ap.error("--hosts: across hosts ringdp runs the CPU all_reduce only (--coll all_reduce, --device cpu)")
+    if args.hosts > args.world:
+        ap.error(f"--hosts {args.hosts} needs at least as many ranks (--world {args.world})")
     if args.factor <= 1.0:
         ap.error("--factor must be > 1")
     if args.min_bytes > args.max_bytes:
