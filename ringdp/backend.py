@@ -42,7 +42,7 @@ output tensors; DDP's comm hooks use it), every call asynchronous.
 One communicator per group: the backend creates it from the store/rank/size torch gives it,
 and ``ringdp.get_communicator(group)`` (so ``ringdp.all_reduce`` and ``RingDDP``) returns
 that one for the group. Failures (mismatch, dead peer, timeout) are ringdp's RingError,
-naming the rank, within the group's timeout.
+naming the rank, within the group's timeout (or the call's own, when its c10d options set one).
 """
 from __future__ import annotations
 
@@ -290,14 +290,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         return True
 
     # -- all-reduce -----------------------------------------------------------------------
-    def _all_reduce(self, t, reduce_op):
+    def _all_reduce(self, t, reduce_op, timeout=None):
         kind, factor = _op_of(reduce_op)
         if factor is not None:
             t.mul_(factor)
             code = _types.SUM
         else:
             code = _NATIVE_OPS[kind]
-        return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=True)
+        return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=True, timeout=timeout)
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
@@ -305,7 +305,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         opts = _options(opts, dist.AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
+        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,
                         cuda_devices=_devices(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
@@ -314,11 +314,11 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce_coalesced(tensors,
                                                             _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp) for t in tensors], tensors,
+        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,
                         cuda_devices=_devices(tensors))
 
     # -- reduce-scatter -------------------------------------------------------------------
-    def _reduce_scatter_flat(self, output, flat, reduce_op, keep):
+    def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None):
         """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`."""
         kind, factor = _op_of(reduce_op)
         native = getattr(self._comm, "reduce_scatter_tensor", None)
@@ -329,14 +329,15 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 flat.mul_(factor)
             op = _OP_NAMES[_types.SUM if factor is not None else _NATIVE_OPS[kind]]
             if output.is_contiguous():
-                return RingWork([native(output, flat, op=op, async_op=True)], [output])
+                return RingWork([native(output, flat, op=op, async_op=True, timeout=timeout)], [output])
             out = torch.empty_like(output, memory_format=torch.contiguous_format)
-            return RingWork([native(out, flat, op=op, async_op=True)], [output], lambda: output.copy_(out))
+            return RingWork([native(out, flat, op=op, async_op=True, timeout=timeout)], [output],
+                            lambda: output.copy_(out))
         # composition: all-reduce the whole input, keep this rank's chunk
         buf = flat.clone() if keep else flat
         n = output.numel()
         r = self._rank_
-        return RingWork([self._all_reduce(buf, reduce_op)], [output],
+        return RingWork([self._all_reduce(buf, reduce_op, timeout)], [output],
                         lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)),
                         cuda_devices=_devices([output]))
 
@@ -348,7 +349,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 input = input.clone()
             return self._inner([input])._reduce_scatter_base(output, input,
                                                               _premultiplied([input], opts, dist.ReduceScatterOptions))
-        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True)
+        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True, timeout=_timeout_s(opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
@@ -366,7 +367,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
             return self._inner([out]).reduce_scatter(output_tensors, input_tensor_lists, opts)
         flat = torch.cat([t.reshape(-1) for t in ins])
-        return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False)
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts))
 
     # -- all-gather -----------------------------------------------------------------------
     def _allgather_base(self, output, input, opts=None):
@@ -377,7 +378,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 or output.numel() != input.numel() * self._size_):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
             return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
-        return RingWork([native(output, input, async_op=True)], [output])
+        return RingWork([native(output, input, async_op=True, timeout=_timeout_s(opts))], [output])
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
@@ -400,7 +401,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
 
-        return RingWork([native(flat, inp.reshape(-1), async_op=True)], output_tensors, copy_out)
+        return RingWork([native(flat, inp.reshape(-1), async_op=True, timeout=_timeout_s(opts))], output_tensors,
+                        copy_out)
 
     # -- broadcast, barrier ---------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -410,7 +412,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         native = getattr(self._comm, "broadcast", None)
         if native is None or not self._native(tensors) or any(t.is_cuda for t in tensors):
             return self._inner(tensors).broadcast(tensors, opts)
-        return RingWork([native(t, opts.rootRank, async_op=True) for t in tensors], tensors)
+        return RingWork([native(t, opts.rootRank, async_op=True, timeout=_timeout_s(opts)) for t in tensors], tensors)
 
     # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
     # waits for completes after every ringdp collective issued so far (one ordered worker)
@@ -431,6 +433,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
 _OP_NAMES = {_types.SUM: dist.ReduceOp.SUM, _types.AVG: dist.ReduceOp.AVG, _types.MIN: dist.ReduceOp.MIN,
              _types.MAX: dist.ReduceOp.MAX}
+
+
+def _timeout_s(opts):
+    """The per-call timeout of c10d options in seconds, None when unset (c10d's kUnsetTimeout,
+    negative): the group's timeout applies."""
+    t = getattr(opts, "timeout", None)
+    s = t.total_seconds() if t is not None else -1.0
+    return s if s > 0 else None
 
 
 def _premultiplied(tensors, opts, options_type):

@@ -473,6 +473,40 @@ def test_dead_peer_names_rank():
         assert out["seconds"] < 20
 
 
+def case_call_timeout(rank, world):
+    """A native all-reduce whose c10d options carry a timeout (2 s) fails within it, naming
+    the rank, though the group's own timeout is 60 s; rank 1 never comes."""
+    from datetime import timedelta
+
+    from ringdp import RingError
+
+    if rank == 1:
+        time.sleep(8)
+        return {"error": None}
+    opts = dist.AllreduceOptions()
+    opts.timeout = timedelta(seconds=2)
+    t0 = time.monotonic()
+    try:
+        dist.group.WORLD.allreduce([torch.ones(1000)], opts).wait()
+        return {"error": None}
+    except RingError as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+
+
+def test_call_timeout_is_honoured():
+    from ringdp.backend import _timeout_s
+
+    assert _timeout_s(dist.AllreduceOptions()) is None  # unset: the group's timeout
+    o = dist.ReduceScatterOptions()
+    o.timeout = __import__("datetime").timedelta(seconds=3)
+    assert _timeout_s(o) == 3.0
+    res = run_ranks(case_call_timeout, 2, backend="cpu:ringdp", env={"RINGDP_TIMEOUT_S": "60"}, timeout=120)
+    status, out = res[0]
+    assert status == "ok", out
+    assert out["error"] is not None and "rank 1" in out["error"], out
+    assert out["seconds"] < 6, out
+
+
 def case_backend_strings(rank, world, ports):
     """init_process_group with each way of naming the backend, one after another (fresh
     ports), and RingDDP + ringdp.all_reduce on the resulting group."""
