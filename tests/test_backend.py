@@ -561,14 +561,14 @@ def case_native_methods(rank, world):
     comm = ringdp.get_communicator(g)
     calls = []
 
-    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None):
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None):
         calls.append("reduce_scatter_tensor")
         buf = input.clone()
         comm.all_reduce(buf, op=op)
         output.copy_(buf.view(world, -1)[rank].view_as(output))
         return comm.all_reduce(torch.zeros(1), async_op=async_op)
 
-    def all_gather_into_tensor(output, input, async_op=False, tag=None):
+    def all_gather_into_tensor(output, input, async_op=False, tag=None, timeout=None):
         calls.append("all_gather_into_tensor")
         buf = torch.zeros(output.numel(), dtype=output.dtype)
         buf.view(world, -1)[rank].copy_(input.reshape(-1))
@@ -576,7 +576,7 @@ def case_native_methods(rank, world):
         output.copy_(buf.view_as(output))
         return comm.all_reduce(torch.zeros(1), async_op=async_op)
 
-    def broadcast(tensor, src, async_op=False, tag=None):
+    def broadcast(tensor, src, async_op=False, tag=None, timeout=None):
         calls.append("broadcast")
         if rank != src:
             tensor.zero_()
