@@ -9,8 +9,9 @@ Set-up (collective, ringdp.init or the first collective of the group):
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
      A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
-     gloo subgroups across hosts for the CPU all-reduce (README "Across hosts",
-     _all_reduce_hosts); its other CPU collectives and ringdp.empty raise "spans N hosts".
+     gloo subgroups across hosts (README "Across hosts"): the CPU collectives run
+     hierarchically (_all_reduce_hosts, _reduce_scatter_hosts, ...); ringdp.empty raises
+     "spans N hosts".
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -266,9 +267,9 @@ class Communicator:
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
                 f"rank {self.rank}: the group spans {len(self.host_order)} hosts ({where}). Across hosts ringdp "
-                f"runs only all_reduce of CPU tensors (hierarchically: README 'Across hosts'"
+                f"runs the CPU collectives hierarchically (README 'Across hosts'"
                 f"{'' if backend is None else '; not for groups of the ringdp backend, which use gloo'}); "
-                f"reduce_scatter, all_gather, broadcast and registered memory (ringdp.empty) need one host; "
+                f"registered memory (ringdp.empty) needs one host; "
                 f"CUDA tensors across hosts use the NCCL transport.")
             if backend is None:  # the backend routes cross-host CPU collectives to its gloo group
                 self._setup_hosts(group)
@@ -489,7 +490,7 @@ class Communicator:
         ends with the same bytes: gloo gives its members the same result and the in-host
         steps copy it."""
         red = _types.SUM if code == _types.AVG else code
-        dop = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}[red]
+        dop = _GLOO_OPS[red]
         path, shm, n = self.cross_path, self._host_shm, tensor.numel()
 
         def run():
@@ -582,10 +583,10 @@ class Communicator:
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
             self._gloo_failed(e, timeout_s, shm, tag)
 
-    def _gloo_failed(self, e, timeout_s, shm, tag):
+    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce"):
         """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
         first = str(e).splitlines()[0] if str(e) else ""
-        msg = (f"rank {self.rank}: the all-reduce across hosts (gloo, ranks {self._cross_ranks} of the group) "
+        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {self._cross_ranks} of the group) "
                f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
                f"{type(e).__name__}: {first}")
         if shm is not None:
@@ -594,6 +595,93 @@ class Communicator:
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
         raise RingError(msg) from None
+
+    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "") -> None:
+        """Run one gloo collective across hosts: start() issues it (async_op=True) on this
+        rank's cross-host group; its failure is _gloo_failed's RingError."""
+        try:
+            start().wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._gloo_failed(e, timeout_s, shm, tag, what)
+
+    # ---- reduce_scatter, all_gather, broadcast across hosts ----------------------------------
+    # TWO_LEVEL (H hosts of L ranks): the cross-host group of local rank l holds, in host
+    # order, the rank with local rank l of every host, so its member k is host k's. Blocks
+    # are ordered "by local rank, then host" (l*H + k) for the in-host step, which then moves
+    # H blocks per rank, and the cross-host step 1 block per rank and host: both ring-optimal.
+    # FLAT (one rank per host, RINGDP_HIERARCHY=0): gloo on the whole group. LEADERS (uneven
+    # hosts): not yet (a RingError naming the layout); all_reduce runs there.
+    def _by_local_then_host(self) -> torch.Tensor:
+        """Position l*H + k -> the rank (of the group) with local rank l on host k."""
+        by_host = [[r for r, h in enumerate(self.hosts) if h == key] for key in self.host_order]
+        return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
+
+    def _hosts_path(self, what: str) -> str:
+        if self.cross_path == policy.LEADERS:
+            sizes = ", ".join(f"{h}: {n}" for h, n in zip(self.host_order, self.local_sizes))
+            raise RingError(f"rank {self.rank}: ringdp.{what} across hosts with different numbers of ranks "
+                            f"({sizes}) is not supported yet (all_reduce is); use torch.distributed's gloo")
+        return self.cross_path
+
+    def _reduce_scatter_hosts(self, output, input, code, forced, t, tag) -> None:
+        """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
+        rank then host, reduce-scattered inside the host (H blocks each: this local rank's
+        rank on every host, summed over this host), then reduce-scattered across hosts by the
+        gloo group of this local rank (block k: host k's). AVG: SUM, then / world size."""
+        red = _types.SUM if code == _types.AVG else code
+        dop = _GLOO_OPS[red]
+        n, out = output.numel(), output  # (contiguous: _check)
+        if n:
+            blocks = input.reshape(self.world, n)
+            if self._hosts_path("reduce_scatter_tensor") == policy.FLAT:
+                self._across("reduce_scatter", lambda: dist.reduce_scatter_tensor(
+                    out.view(-1), blocks.reshape(-1), op=dop, group=self._cross, async_op=True), t)
+            else:
+                ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
+                part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
+                self._host_shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
+                self._across("reduce_scatter", lambda: dist.reduce_scatter_tensor(
+                    out.view(-1), part, op=dop, group=self._cross, async_op=True), t, self._host_shm, tag)
+            if code == _types.AVG:
+                out.div_(self.world)
+
+    def _all_gather_hosts(self, output, input, forced, t, tag) -> None:
+        """all_gather_into_tensor across hosts. TWO_LEVEL: this rank's input all-gathered
+        across hosts by the gloo group of its local rank (one block per host), those H blocks
+        all-gathered inside the host, then put in rank order."""
+        n = input.numel()
+        if n == 0:
+            return
+        mine, out = input.reshape(-1), output  # (contiguous: _check)
+        if self._hosts_path("all_gather_into_tensor") == policy.FLAT:
+            self._across("all_gather", lambda: dist.all_gather_into_tensor(
+                out.view(-1), mine, group=self._cross, async_op=True), t)
+        else:
+            across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
+            self._across("all_gather", lambda: dist.all_gather_into_tensor(
+                across, mine, group=self._cross, async_op=True), t, self._host_shm, tag)
+            full = torch.empty(self.world * n, dtype=input.dtype)
+            self._host_shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
+            out.view(self.world, n).index_copy_(0, self._by_local_then_host(), full.view(self.world, n))
+
+    def _broadcast_hosts(self, tensor, src, forced, t, tag) -> None:
+        """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
+        from src's host to the rank with that local rank on every host, then each host
+        broadcasts from that rank inside the host."""
+        if tensor.numel() == 0:
+            return
+        buf = tensor  # (contiguous: _check)
+        if self._hosts_path("broadcast") == policy.FLAT:
+            self._across("broadcast", lambda: dist.broadcast(buf, group=self._cross, group_src=src, async_op=True), t)
+        else:
+            src_ranks = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]]
+            lr_src = src_ranks.index(src)
+            if self.local_rank == lr_src:
+                k = self.host_order.index(self.hosts[src])
+                self._across("broadcast", lambda: dist.broadcast(buf, group=self._cross, group_src=k,
+                                                                 async_op=True), t, self._host_shm, tag)
+            flat = buf.view(-1)
+            self._host_shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -605,6 +693,9 @@ class Communicator:
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag)
         self._cpu_only(output, "reduce_scatter_tensor")
+        if self.cross_path is not None:
+            return self._submit(lambda: self._reduce_scatter_hosts(output, input, code, forced, t, tag), async_op,
+                                outputs=[output])
         a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
                             outputs=[output])
@@ -617,6 +708,9 @@ class Communicator:
         t, _, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag)
         self._cpu_only(output, "all_gather_into_tensor")
+        if self.cross_path is not None:
+            return self._submit(lambda: self._all_gather_hosts(output, input, forced, t, tag), async_op,
+                                outputs=[output])
         a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output])
 
@@ -634,6 +728,9 @@ class Communicator:
 
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag)
         self._cpu_only(tensor, "broadcast")
+        if self.cross_path is not None:
+            return self._submit(lambda: self._broadcast_hosts(tensor, src, forced, t, tag), async_op,
+                                outputs=[tensor])
         a = self._shm_algo(tensor.numel() * tensor.element_size(), forced)
         return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
 
@@ -729,11 +826,12 @@ class Communicator:
         return code
 
     def _cpu_only(self, tensor, what: str) -> None:
-        """reduce_scatter, all_gather and broadcast run on the shared-memory transport only."""
+        """reduce_scatter, all_gather and broadcast run on CPU tensors only (on the shared-memory
+        transport, or across hosts on the paths of _reduce_scatter_hosts and the like)."""
         if tensor.is_cuda:
             raise RingError(f"rank {self.rank}: ringdp.{what} does not run on CUDA tensors yet (only all_reduce "
                             f"does); use torch.distributed's NCCL backend for it")
-        if self._shm_error:
+        if self._shm_error and self.cross_path is None:
             raise RingError(self._shm_error)
 
     def _reject(self, tensor, why: str, timeout_s: float) -> None:
@@ -846,6 +944,7 @@ def _on_stall(ref, report: str) -> None:
             log.warning("ringdp rank %d: flight record written to %s", c.rank, path)
 
 
+_GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 _comms: dict[str, Communicator] = {}
 _comms_lock = threading.Lock()
 

@@ -2,7 +2,9 @@
 RINGDP_HOST_ID per rank (set inside each rank before ringdp.init), against the closed forms
 of tests/_closed_form.py, each call twice, bitwise identical on every rank; the even path
 (a,a,b,b: two-level), the uneven one (a,a,a,b: leaders), RINGDP_HIERARCHY=0 (gloo on the
-whole group), RingDDP across two simulated hosts, and a whole host SIGKILLed."""
+whole group), RingDDP across two simulated hosts, and a whole host SIGKILLed; also
+reduce_scatter_tensor, all_gather_into_tensor and broadcast across hosts (tests/test_collectives.py's
+closed forms) and a host dying under them."""
 from __future__ import annotations
 
 import hashlib
@@ -62,10 +64,6 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None):
     # what still needs one host: a clear error, no hang
     errors = []
     try:
-        ringdp.reduce_scatter_tensor(torch.empty(2), torch.ones(2 * world))
-    except ringdp.RingError as e:
-        errors.append(str(e))
-    try:
         ringdp.empty(4)
     except ValueError as e:
         errors.append(str(e))
@@ -78,7 +76,7 @@ def _check_matrix(res, path, locals_):
         assert out["path"] == path, (r, out["path"])
         assert out["local"] == locals_[r]
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
-        assert len(out["errors"]) == 2 and all("spans 2 hosts" in e for e in out["errors"]), out["errors"]
+        assert len(out["errors"]) == 1 and all("spans 2 hosts" in e for e in out["errors"]), out["errors"]
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not bitwise equal to rank 0's"
     return res[0]["digests"]
 
@@ -109,6 +107,53 @@ def test_one_rank_per_host_is_gloo():
     _check_matrix(res, "flat", [(0, 1), (0, 1)])
 
 
+def case_collectives(rank, world, hosts, hierarchy=None):
+    """reduce_scatter_tensor, all_gather_into_tensor and broadcast across hosts: the closed
+    forms of tests/test_collectives.py (every rank's values depend on rank and index, every
+    call twice, broadcast from every rank in turn), then the same asynchronously."""
+    import test_collectives
+
+    import ringdp
+
+    c = _as_host(rank, hosts, hierarchy)
+    checked, bad = test_collectives._matrix(rank, world, [0, 1, 7, 4099], [torch.float32, torch.bfloat16, torch.int64],
+                                            registered_too=False)
+    k = 1001  # async, a 2-d output
+    out = torch.empty(7, 143)
+    ringdp.reduce_scatter_tensor(out, value(rank, world * k), async_op=True).wait()
+    if not torch.equal(out.view(-1), expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]):
+        bad.append(("rs async, 2-d output",))
+    gathered = torch.empty(world * k)
+    ringdp.all_gather_into_tensor(gathered, value(rank, k), async_op=True).wait()
+    if not torch.equal(gathered, torch.cat([value(q, k) for q in range(world)])):
+        bad.append(("ag async",))
+    return c.cross_path, checked, bad
+
+
+@pytest.mark.parametrize("hosts,path", [("aabb", "two_level"), ("abab", "two_level"), ("ab", "flat")])
+def test_collectives_across_hosts(hosts, path):
+    res = values(run_ranks(case_collectives, len(hosts), list(hosts), timeout=200))
+    for r, (p, checked, bad) in enumerate(res):
+        assert p == path and checked > 0
+        assert bad == [], f"rank {r}: {bad[:10]}"
+
+
+def case_uneven_collectives(rank, world):
+    import ringdp
+
+    _as_host(rank, ["a", "a", "a", "b"])
+    try:
+        ringdp.broadcast(torch.ones(3), 0)
+    except ringdp.RingError as e:
+        return str(e)
+    return None
+
+
+def test_collectives_on_uneven_hosts_are_a_clear_error():
+    for r, msg in enumerate(values(run_ranks(case_uneven_collectives, 4, timeout=120))):
+        assert msg is not None and "different numbers of ranks" in msg and "a: 3, b: 1" in msg, (r, msg)
+
+
 def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp
@@ -137,10 +182,15 @@ def test_ringddp_on_two_hosts():
     test_ddp._check_train(res, 1e-5)
 
 
-def case_host_dies(rank, world, hosts, victims):
+def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
     import ringdp
 
     _as_host(rank, hosts, timeout=20)
+    calls = {  # rank 3 (host b, local rank 1) is the broadcast's source: rank 1 waits across
+        "all_reduce": lambda: ringdp.all_reduce(value(rank, 4099)),  # hosts, rank 0 inside its host
+        "broadcast": lambda: ringdp.broadcast(value(rank, 4099), 3),
+        "all_gather": lambda: ringdp.all_gather_into_tensor(torch.empty(world * 4099), value(rank, 4099)),
+    }
     t = value(rank, 4099)
     ringdp.all_reduce(t)  # works once
     if rank in victims:
@@ -148,16 +198,18 @@ def case_host_dies(rank, world, hosts, victims):
     time.sleep(1.0)
     start = time.monotonic()
     try:
-        ringdp.all_reduce(value(rank, 4099))
+        calls[kind]()
     except ringdp.RingError as e:
         return str(e), time.monotonic() - start
     return None, time.monotonic() - start
 
 
-@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
-def test_whole_host_dies_is_a_ring_error(hosts):
+@pytest.mark.parametrize("hosts,kind", [("aabb", "all_reduce"), ("aaab", "all_reduce"), ("aabb", "broadcast"),
+                                        ("aabb", "all_gather")])
+def test_whole_host_dies_is_a_ring_error(hosts, kind):
+    hosts = list(hosts)
     victims = [r for r, h in enumerate(hosts) if h == "b"]
-    res = run_ranks(case_host_dies, 4, hosts, victims, timeout=120, allow_missing=victims)
+    res = run_ranks(case_host_dies, 4, hosts, victims, kind, timeout=120, allow_missing=victims)
     for r, out in enumerate(res):
         if r in victims:
             continue
