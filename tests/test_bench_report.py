@@ -235,6 +235,10 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
         stored = json.loads((RESULTS / first).read_text())["args"]
         if script == "bench/allreduce.py":
             parsed = vars(_allreduce().parse_args(rest))
+        elif script == "bench/cost_model.py":
+            import cost_model
+
+            parsed = vars(cost_model.parse_args(rest))
         elif script == "bench/fsdp_step.py":
             import fsdp_step
 

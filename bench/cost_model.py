@@ -1,0 +1,507 @@
+"""Alpha-beta cost model of ringdp's two-level all-reduce across hosts (issue 12, point 7;
+docs/hierarchy.md explains it).
+
+Run it
+    python bench/cost_model.py --out-dir bench/results
+
+It does three things, reading only committed benchmark JSONs (bench/allreduce.py's format):
+  fit        time = alpha + beta * S by least squares (weighted by 1/time, so every size
+             counts by its relative error) for each component measured on the 2-core box:
+             gloo all-reduce on 2 ranks, ringdp's shm reduce-scatter and all-gather on 2
+             ranks, flat gloo all-reduce on 4 ranks (the --hosts 2 run)
+  validate   predict the --hosts 2 run (2 simulated hosts x 2 ranks) from the components and
+             print predicted against measured. On that box nothing overlaps: gloo over
+             loopback TCP and the shm copies are all CPU work of 4 processes on 2 cores, so
+             the two-level time is a sequential sum (both hosts working at once). The
+             components were measured with 2 ranks alone on the box, the --hosts 2 run has
+             4: a contention factor scales them (nominal: 2 = 4 processes / 2 cores;
+             calibrated: shm copies by the ratio of the memcpy bandwidth per rank with all
+             ranks copying at once in the two files, gloo by flat gloo's 4-rank beta over
+             1.5 x its 2-rank beta)
+  project    flat ring over H x G GPUs against the two-level algorithm (in-host RS/AG at
+             NCCL's in-host ring busbw, inter-host all-reduce of 1/G of the data among H
+             ranks per local rank), H = 2..16 hosts of G = 8 GPUs, 400 Gb/s NICs (one per GPU,
+             or one per host), 1 MiB..1 GiB; pipelined in pieces as ringdp's _two_level
+             schedules them (rs 0, rs 1, ag 0, rs 2, ag 1, ...; the inter-host all-reduce of
+             piece i runs while piece i+1 is reduce-scattered) and unpipelined
+
+Writes <out-dir>/cost_model_projection.json (fits, validation, assumptions, grid) and
+<out-dir>/cost_model_projection.png (speedup of two-level over the flat ring against size,
+one line per H, one panel per NIC case). numpy and matplotlib only; no torch.
+
+Model (per step alpha, per byte beta; S = bytes of the tensor; n ranks):
+    ring all-reduce      2(n-1) alpha + 2(n-1)/n S beta
+    ring reduce-scatter   (n-1) alpha +  (n-1)/n S beta   (S = the input, the larger buffer)
+    ring all-gather       (n-1) alpha +  (n-1)/n S beta   (S = the output)
+    n = 1: 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+MiB = 1 << 20
+GB = 1e9
+
+# ----------------------------------------------------------------------------- projection defaults
+# Each with its source; docs/hierarchy.md lists them as assumptions.
+DEFAULTS = {
+    "gpus_per_host": 8,
+    "hosts": [2, 4, 8, 16],
+    "sizes": [MiB << k for k in range(11)],  # 1 MiB .. 1 GiB
+    # NCCL ring all-reduce busbw inside one host of 8 H100 (NVLink 4): 365-370 GB/s
+    # (nccl-tests issues 212, 272; /work/shared/REFERENCE.md). Used for RS and AG as well.
+    "nvlink_busbw_GBps": 370.0,
+    # 400 Gb/s NDR: "46-48 GB/s per NIC" (NVIDIA, nccl-tests issue 290)
+    "nic_GBps": 46.0,
+    # NCCL's own tuning model (src/graph/tuning.cc, Simple protocol, ring): per step
+    # 3.4 us on NVLink, 9.6 us on the network, 8.4 us base latency per collective
+    "alpha_nvlink_us": 3.4,
+    "alpha_net_us": 9.6,
+    "launch_us": 8.4,
+    "piece_bytes": 16 * MiB,  # RINGDP_HIER_PIECE_BYTES default
+}
+NIC_CASES = {"nic_per_gpu": "one 400 Gb/s NIC per GPU (DGX H100: 8 per host)",
+             "nic_per_host": "one 400 Gb/s NIC per host"}
+
+
+# ----------------------------------------------------------------------------- ring formulas
+def ring_allreduce(n: int, S: float, alpha: float, beta: float) -> float:
+    """Ring all-reduce of S bytes on n ranks: 2(n-1) steps of S/n each."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2 * (n - 1) / n * S * beta
+
+
+def ring_reduce_scatter(n: int, S: float, alpha: float, beta: float) -> float:
+    """Ring reduce-scatter of an S-byte input on n ranks (also the all-gather of an S-byte output)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * alpha + (n - 1) / n * S * beta
+
+
+ring_all_gather = ring_reduce_scatter
+
+
+# ----------------------------------------------------------------------------- fitting
+def fit_alpha_beta(x, t, relative: bool = True, alpha: float | None = None) -> dict:
+    """Least squares fit of t = alpha + beta * x. relative: minimise the relative errors
+    (each row weighted by 1/t), else the absolute ones. alpha given: only beta is fitted.
+    Returns alpha, beta, the rms and max relative error of the fit over its rows, and the
+    row count."""
+    x = np.asarray(x, float)
+    t = np.asarray(t, float)
+    if len(x) < (1 if alpha is not None else 2) or (alpha is None and len(set(x.tolist())) < 2):
+        raise ValueError("fit_alpha_beta needs at least two different sizes (one with alpha given)")
+    w = 1.0 / t if relative else np.ones_like(t)
+    if alpha is None:
+        A = np.stack([np.ones_like(x), x], 1) * w[:, None]
+        (alpha, beta), *_ = np.linalg.lstsq(A, t * w, rcond=None)
+    else:
+        xw, rw = x * w, (t - alpha) * w
+        beta = float(np.dot(xw, rw) / np.dot(xw, xw))
+    err = (alpha + beta * x - t) / t
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta),
+            "GBps": float(1 / beta / GB) if beta > 0 else None,
+            "rms_rel_err": float(np.sqrt(np.mean(err ** 2))), "max_rel_err": float(np.max(np.abs(err))),
+            "rows": int(len(x)), "min_bytes": int(x.min()), "max_bytes": int(x.max())}
+
+
+def predict(fit: dict, S) -> float:
+    return fit["alpha_s"] + fit["beta_s_per_byte"] * S
+
+
+# ----------------------------------------------------------------------------- the 2-core box
+# component -> (file, series, smallest size fitted, what it is)
+COMPONENTS = {
+    "gloo2": ("allreduce_cpu_w2_float32.json", "gloo", MiB,
+              "gloo all-reduce, 2 ranks alone on the box (S = tensor bytes)"),
+    "shm_rs": ("reduce_scatter_cpu_w2_float32.json", "ringdp", 16 * MiB,
+               "ringdp shm reduce-scatter, 2 ranks alone (S = input bytes)"),
+    "shm_ag": ("all_gather_cpu_w2_float32.json", "ringdp", 16 * MiB,
+               "ringdp shm all-gather, 2 ranks alone (S = output bytes)"),
+    "gloo4_flat": ("allreduce_cpu_w4_float32_hosts2.json", "gloo", MiB,
+                   "flat gloo all-reduce, 4 ranks on 2 cores (the --hosts 2 run)"),
+}
+FIT_RANGE_WHY = ("gloo rows from 1 MiB (below, gloo's times are noisy: mean 3x the median at 4 KiB); "
+                 "shm rows from 16 MiB, one pipeline piece (below, the copies run from cache and are up "
+                 "to 2x faster per byte than from DRAM, which a straight line cannot follow); where the "
+                 "line through those rows has alpha < 0 (both shm components), alpha is the time measured "
+                 "at the smallest size (4 KiB) and beta alone is fitted")
+
+
+def load(path: Path) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def series_rows(doc: dict, series: str) -> tuple[np.ndarray, np.ndarray]:
+    rows = [(r["size"], r["time_us"] * 1e-6) for r in doc["rows"] if r.get("series") == series]
+    if not rows:
+        raise ValueError(f"no rows of series {series!r}")
+    a = np.array(sorted(rows), float)
+    return a[:, 0], a[:, 1]
+
+
+def fit_components(results: Path) -> tuple[dict, dict]:
+    fits, docs = {}, {}
+    for name, (fname, series, min_bytes, what) in COMPONENTS.items():
+        doc = docs.setdefault(fname, load(results / fname))
+        x, t = series_rows(doc, series)
+        keep = x >= min_bytes
+        f = fit_alpha_beta(x[keep], t[keep])
+        if f["alpha_s"] < 0:  # the line through the DRAM regime crosses below 0: take the
+            # latency from the smallest size measured and fit beta alone
+            f = dict(fit_alpha_beta(x[keep], t[keep], alpha=float(t[0])), alpha_from=f"time at {int(x[0])} B")
+        allx = (f["alpha_s"] + f["beta_s_per_byte"] * x - t) / t
+        f.update(file=fname, series=series, what=what, rms_rel_err_all_sizes=float(np.sqrt(np.mean(allx ** 2))))
+        fits[name] = f
+    return fits, docs
+
+
+def contention_factors(fits: dict, docs: dict) -> dict:
+    """Nominal and calibrated factors by which the 2-rank components slow down in the
+    4-process --hosts 2 run."""
+    per_rank = {f: d["memcpy"]["all_ranks_at_once_GBps_per_rank"] for f, d in docs.items()}
+    hosts2 = per_rank[COMPONENTS["gloo4_flat"][0]]
+    shm_file = COMPONENTS["shm_rs"][0]
+    return {
+        "nominal": {"shm": 2.0, "gloo": 2.0,
+                    "why": "4 processes share 2 cores, each gets half a core (assumed)"},
+        "calibrated": {
+            "shm": per_rank[shm_file] / hosts2,
+            "gloo": fits["gloo4_flat"]["beta_s_per_byte"] / (1.5 * fits["gloo2"]["beta_s_per_byte"]),
+            "why": (f"shm: memcpy GB/s per rank with all ranks copying at once, {per_rank[shm_file]:.1f} in "
+                    f"{shm_file} (2 ranks) / {hosts2:.1f} in the --hosts 2 run (4 ranks); gloo: flat gloo's "
+                    "4-rank beta / (1.5 x its 2-rank beta): a 4-rank ring moves 1.5 S per rank, a 2-rank one S"),
+        },
+    }
+
+
+def box_two_level(S: float, fits: dict, c_shm: float, c_gloo: float, piece_bytes: int, local: int = 2) -> dict:
+    """Two-level all-reduce on the box, 2 hosts x `local` ranks, nothing overlapping: per
+    piece of p bytes the shm reduce-scatter and all-gather of p on `local` ranks and the gloo
+    all-reduce of p/local on 2 ranks (both pairs at once), each scaled by its contention
+    factor; summed over the pieces (each pays its alphas)."""
+    assert local == 2, "the components were measured on 2 ranks"
+    pieces = _pieces(S, piece_bytes)
+    shm = sum(predict(fits["shm_rs"], p) + predict(fits["shm_ag"], p) for p in pieces)
+    gloo = sum(predict(fits["gloo2"], p / local) for p in pieces)
+    return {"total_s": c_shm * shm + c_gloo * gloo, "shm_s": c_shm * shm, "gloo_s": c_gloo * gloo,
+            "pieces": len(pieces)}
+
+
+def box_flat_gloo(S: float, fits: dict, c_gloo: float, n: int = 4) -> float:
+    """Flat gloo ring over n ranks from the 2-rank fit: 2(n-1) steps of alpha_2/2 each and
+    2(n-1)/n S bytes per rank (the 2-rank ring moves S), times the contention factor."""
+    g = fits["gloo2"]
+    return c_gloo * ring_allreduce(n, S, g["alpha_s"] / 2, g["beta_s_per_byte"])
+
+
+def validate(docs: dict, fits: dict, factors: dict, piece_bytes: int) -> list[dict]:
+    doc = docs[COMPONENTS["gloo4_flat"][0]]
+    measured = {}
+    for r in doc["rows"]:
+        measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
+    out = []
+    for S in sorted(measured):
+        if S < MiB:
+            continue
+        row = {"size": int(S)}
+        for kind in ("nominal", "calibrated"):
+            c = factors[kind]
+            tl = box_two_level(S, fits, c["shm"], c["gloo"], piece_bytes)
+            row[f"two_level_pred_{kind}_s"] = tl["total_s"]
+            row[f"two_level_gloo_part_{kind}_s"] = tl["gloo_s"]
+            row[f"two_level_shm_part_{kind}_s"] = tl["shm_s"]
+            row[f"flat_gloo_pred_{kind}_s"] = box_flat_gloo(S, fits, c["gloo"])
+        for series, key in (("ringdp", "two_level"), ("gloo", "flat_gloo"), ("ringdp-flat", "ringdp_flat")):
+            if series in measured[S]:
+                row[f"{key}_measured_s"] = measured[S][series]
+        for kind in ("nominal", "calibrated"):
+            if "two_level_measured_s" in row:
+                row[f"two_level_err_{kind}"] = row[f"two_level_pred_{kind}_s"] / row["two_level_measured_s"] - 1
+            if "flat_gloo_measured_s" in row:
+                row[f"flat_gloo_err_{kind}"] = row[f"flat_gloo_pred_{kind}_s"] / row["flat_gloo_measured_s"] - 1
+        out.append(row)
+    return out
+
+
+# ----------------------------------------------------------------------------- projection
+def _pieces(S: float, piece_bytes: float | None) -> list[float]:
+    if not piece_bytes or piece_bytes >= S:
+        return [float(S)]
+    n, rest = divmod(S, piece_bytes)
+    return [float(piece_bytes)] * int(n) + ([float(rest)] if rest else [])
+
+
+def hw_params(nic_case: str, G: int = 8, **over) -> dict:
+    """Machine parameters in seconds and bytes/s. nic_case: nic_per_gpu (G NICs per host)
+    or nic_per_host (one)."""
+    p = {k: DEFAULTS[k] for k in ("nvlink_busbw_GBps", "nic_GBps", "alpha_nvlink_us", "alpha_net_us", "launch_us")}
+    p.update({k: v for k, v in over.items() if v is not None})
+    return {"G": G, "nics": G if nic_case == "nic_per_gpu" else 1, "b_nv": p["nvlink_busbw_GBps"] * GB,
+            "b_nic": p["nic_GBps"] * GB, "a_nv": p["alpha_nvlink_us"] * 1e-6, "a_net": p["alpha_net_us"] * 1e-6,
+            "launch": p["launch_us"] * 1e-6}
+
+
+def flat_ring(S: float, H: int, hw: dict) -> float:
+    """NCCL-style flat ring over N = H x G GPUs, laid out host by host, its channels spread
+    over the host's NICs. Latency as NCCL's tuning model: 2(N-1) steps of which 2(H-1) cross
+    the network. Bandwidth: every GPU sends 2(N-1)/N S; on one host a ring stays on NVLink
+    (b_nv per GPU); across hosts (G-1)/G of it goes on NVLink and each host sends
+    2(N-1)/N S out over its `nics` NICs; the slower of the two sets the time."""
+    G = hw["G"]
+    N = H * G
+    if N <= 1:
+        return 0.0
+    lat = hw["launch"] + 2 * (N - H) * hw["a_nv"] + 2 * (H - 1) * hw["a_net"]
+    vol = 2 * (N - 1) / N * S
+    if H == 1:
+        return lat + vol / hw["b_nv"]
+    return lat + vol * max((G - 1) / G / hw["b_nv"], 1 / (hw["nics"] * hw["b_nic"]))
+
+
+def _stages(p: float, H: int, hw: dict) -> tuple[float, float, float]:
+    """Times of one piece of p bytes: in-host reduce-scatter, inter-host all-reduce of the
+    local rank's p/G block among H ranks (G/nics local ranks share a NIC), in-host all-gather."""
+    G = hw["G"]
+    rs = (hw["launch"] + ring_reduce_scatter(G, p, hw["a_nv"], 1 / hw["b_nv"])) if G > 1 else 0.0
+    per_rank_nic = hw["nics"] * hw["b_nic"] / G
+    ar = (hw["launch"] + ring_allreduce(H, p / G, hw["a_net"], 1 / per_rank_nic)) if H > 1 else 0.0
+    return rs, ar, rs
+
+
+def schedule(stages: list[tuple[float, float, float]]) -> float:
+    """End time of ringdp's _two_level schedule: one in-host stream running rs 0, rs 1,
+    ag 0, rs 2, ag 1, ..., ag P-1; the inter-host all-reduces one after the other, piece i's
+    starting when its reduce-scatter is done; ag i waits for all-reduce i."""
+    host = net = 0.0
+    done = []
+    for i, (rs, ar, _) in enumerate(stages):
+        host += rs
+        net = max(host, net) + ar
+        done.append(net)
+        if i > 0:
+            host = max(host, done[i - 1]) + stages[i - 1][2]
+    return max(host, done[-1]) + stages[-1][2]
+
+
+def two_level(S: float, H: int, hw: dict, piece_bytes: float | None = None) -> float:
+    """Two-level all-reduce of S bytes on H hosts x G GPUs. piece_bytes None: not pipelined
+    (RS of S, all-reduce of S/G, AG of S, one after the other); else pieces of piece_bytes
+    scheduled as ringdp does (stages on different resources overlap: NVLink for RS/AG, the
+    NIC for the all-reduce; assumed independent)."""
+    if H * hw["G"] <= 1:
+        return 0.0
+    return schedule([_stages(p, H, hw) for p in _pieces(S, piece_bytes)])
+
+
+PIECE_CHOICES = [MiB << k for k in range(0, 9)]  # 1 MiB .. 256 MiB
+
+
+def best_piece(S: float, H: int, hw: dict) -> tuple[float, int]:
+    best = (two_level(S, H, hw, None), int(S))
+    for p in PIECE_CHOICES:
+        if p < S:
+            t = two_level(S, H, hw, p)
+            if t < best[0]:
+                best = (t, p)
+    return best
+
+
+def project(args) -> dict:
+    grid = []
+    for case in NIC_CASES:
+        hw = hw_params(case, args.gpus_per_host, nvlink_busbw_GBps=args.nvlink_busbw, nic_GBps=args.nic_GBps,
+                       alpha_nvlink_us=args.alpha_nvlink_us, alpha_net_us=args.alpha_net_us,
+                       launch_us=args.launch_us)
+        for H in args.hosts:
+            for S in DEFAULTS["sizes"]:
+                flat = flat_ring(S, H, hw)
+                unp = two_level(S, H, hw, None)
+                pip = two_level(S, H, hw, args.piece_bytes)
+                bt, bp = best_piece(S, H, hw)
+                N = H * hw["G"]
+                grid.append({"nic_case": case, "hosts": H, "gpus": N, "size": int(S),
+                             "flat_us": flat * 1e6, "two_level_us": pip * 1e6, "two_level_unpipelined_us": unp * 1e6,
+                             "two_level_best_piece_us": bt * 1e6, "best_piece_bytes": bp,
+                             "speedup": flat / pip, "speedup_unpipelined": flat / unp, "speedup_best_piece": flat / bt,
+                             "flat_busbw_GBps": 2 * (N - 1) / N * S / flat / GB,
+                             "two_level_busbw_GBps": 2 * (N - 1) / N * S / pip / GB})
+    return {"grid": grid}
+
+
+def assumptions(args) -> dict:
+    return {
+        "gpus_per_host": args.gpus_per_host,
+        "in_host_busbw_GBps": args.nvlink_busbw,
+        "in_host_busbw_source": "NCCL ring all-reduce, 8x H100 SXM (nccl-tests issues 212, 272); assumed the "
+                                "same for reduce-scatter and all-gather",
+        "nic_GBps": args.nic_GBps,
+        "nic_source": "400 Gb/s NDR gives 46-48 GB/s per NIC (NVIDIA in nccl-tests issue 290)",
+        "nic_cases": NIC_CASES,
+        "alpha_nvlink_us": args.alpha_nvlink_us, "alpha_net_us": args.alpha_net_us, "launch_us": args.launch_us,
+        "alpha_source": "NCCL src/graph/tuning.cc, ring, Simple protocol: hwLat NVLink 3.4 us, NET 9.6 us, "
+                        "baseLat 8.4 us; a flat ring's latency = base + (2(N-1) - 2(H-1)) x NVLink + 2(H-1) x NET",
+        "flat_ring": "channels spread over the host's NICs: each host sends 2(N-1)/N S over its NICs, each GPU "
+                     "(G-1)/G of its 2(N-1)/N S over NVLink; time = latency + the slower of the two",
+        "two_level": "RS and AG at the in-host busbw, inter-host ring all-reduce of S/G among H ranks at "
+                     "nics x nic_GBps / G per local rank; pipelined by ringdp's schedule, NVLink and NIC work "
+                     "overlap fully (assumed: GPUDirect RDMA, no SM or memory contention), RS/AG serialised "
+                     "on one in-host stream; every collective pays launch_us",
+        "not_modelled": "NCCL tree, NVLS, SHARP/CollNet and PAT (NCCL picks them for small messages or at "
+                        "scale; this compares against the ring only); congestion in the network fabric",
+        "piece_bytes": args.piece_bytes,
+    }
+
+
+# ----------------------------------------------------------------------------- output
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms"
+
+
+def size_name(S: int) -> str:
+    return f"{S >> 30} GiB" if S >= 1 << 30 else f"{S >> 20} MiB"
+
+
+def print_report(out: dict, file=sys.stdout) -> None:
+    p = lambda s="": print(s, file=file)  # noqa: E731
+    p("## fits on the 2-core box: time = alpha + beta * S (least squares on relative errors)")
+    p(f"({FIT_RANGE_WHY})")
+    p("| component | rows | alpha | beta (GB/s) | rms / max rel. err | rms all sizes |")
+    p("|---|---|---|---|---|---|")
+    for name, f in out["fits"].items():
+        p(f"| {name}: {f['what']} | {size_name(f['min_bytes'])}-{size_name(f['max_bytes'])} ({f['rows']}) | "
+          f"{f['alpha_s'] * 1e6:.1f} us | {f['beta_s_per_byte'] * 1e9:.3f} ns/B ({f['GBps']:.2f}) | "
+          f"{f['rms_rel_err']:.0%} / {f['max_rel_err']:.0%} | {f['rms_rel_err_all_sizes']:.0%} |")
+    c = out["contention"]
+    p()
+    p(f"contention factors (4 processes on 2 cores vs the 2-rank runs): nominal shm {c['nominal']['shm']:.2f}, "
+      f"gloo {c['nominal']['gloo']:.2f}; calibrated shm {c['calibrated']['shm']:.2f}, "
+      f"gloo {c['calibrated']['gloo']:.2f}")
+    p()
+    p("## predicted vs measured, allreduce_cpu_w4_float32_hosts2.json (2 hosts x 2 ranks, no overlap)")
+    p("| size | two-level measured | predicted, nominal (err) | predicted, calibrated (err) | of which gloo "
+      "| flat gloo measured | predicted, nominal (err) |")
+    p("|---|---|---|---|---|---|---|")
+    for r in out["validation"]:
+        p(f"| {size_name(r['size'])} | {fmt_ms(r['two_level_measured_s'])} | {fmt_ms(r['two_level_pred_nominal_s'])} "
+          f"({r['two_level_err_nominal']:+.0%}) | {fmt_ms(r['two_level_pred_calibrated_s'])} "
+          f"({r['two_level_err_calibrated']:+.0%}) | {fmt_ms(r['two_level_gloo_part_calibrated_s'])} | "
+          f"{fmt_ms(r['flat_gloo_measured_s'])} | {fmt_ms(r['flat_gloo_pred_nominal_s'])} "
+          f"({r['flat_gloo_err_nominal']:+.0%}) |")
+    s = out["validation_summary"]
+    p()
+    p(f"two-level, 16 MiB-256 MiB: calibrated within {s['two_level_calibrated_max_abs_err']:.0%}, nominal within "
+      f"{s['two_level_nominal_max_abs_err']:.0%}")
+    piece = out["args"]["piece_bytes"]
+    for case, what in NIC_CASES.items():
+        p()
+        p(f"## projection, {what}: time of flat ring / two-level (pieces of {size_name(piece)}), speedup; "
+          "unpipelined speedup; best piece")
+        hosts = out["args"]["hosts"]
+        p("| size | " + " | ".join(f"H={H} ({H * out['args']['gpus_per_host']} GPUs)" for H in hosts) + " |")
+        p("|---|" + "---|" * len(hosts))
+        for S in DEFAULTS["sizes"][::2]:
+            cells = []
+            for H in hosts:
+                g = next(x for x in out["grid"] if x["nic_case"] == case and x["hosts"] == H and x["size"] == S)
+                cells.append(f"{g['flat_us'] / 1e3:.2f} / {g['two_level_us'] / 1e3:.2f} ms, **{g['speedup']:.2f}x**; "
+                             f"{g['speedup_unpipelined']:.2f}x; {size_name(g['best_piece_bytes'])} "
+                             f"{g['speedup_best_piece']:.2f}x")
+            p(f"| {size_name(S)} | " + " | ".join(cells) + " |")
+
+
+def plot(out: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.6), sharey=True)
+    for ax, (case, what) in zip(axes, NIC_CASES.items()):
+        for i, H in enumerate(out["args"]["hosts"]):
+            rows = sorted((x for x in out["grid"] if x["nic_case"] == case and x["hosts"] == H),
+                          key=lambda x: x["size"])
+            xs = [x["size"] / MiB for x in rows]
+            line, = ax.plot(xs, [x["speedup"] for x in rows], marker="o", label=f"H={H}, pipelined")
+            ax.plot(xs, [x["speedup_unpipelined"] for x in rows], ls="--", color=line.get_color(), alpha=0.6,
+                    label=f"H={H}, unpipelined")
+            ax.plot(xs, [x["speedup_best_piece"] for x in rows], ls=":", color=line.get_color(),
+                    label=f"H={H}, best piece")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("all-reduce size (MiB)")
+        ax.set_title(what, fontsize=10)
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("speedup of two-level over flat ring")
+    axes[1].legend(fontsize=6.5, ncol=2)
+    fig.suptitle(f"Model: {out['args']['gpus_per_host']} H100 per host, in-host {out['args']['nvlink_busbw']:g} GB/s, "
+                 f"NIC {out['args']['nic_GBps']:g} GB/s, pieces {size_name(out['args']['piece_bytes'])} "
+                 "(bench/cost_model.py)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default="bench/results",
+                    help="folder of the benchmark JSONs read (relative to the repository root)")
+    ap.add_argument("--out-dir", default="bench/out", help="where the JSON and PNG go")
+    ap.add_argument("--piece-bytes", type=int, default=DEFAULTS["piece_bytes"], help="pipeline piece")
+    ap.add_argument("--gpus-per-host", type=int, default=DEFAULTS["gpus_per_host"])
+    ap.add_argument("--hosts", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULTS["hosts"])
+    ap.add_argument("--nvlink-busbw", type=float, default=DEFAULTS["nvlink_busbw_GBps"], help="GB/s")
+    ap.add_argument("--nic-GBps", type=float, default=DEFAULTS["nic_GBps"])
+    ap.add_argument("--alpha-nvlink-us", type=float, default=DEFAULTS["alpha_nvlink_us"])
+    ap.add_argument("--alpha-net-us", type=float, default=DEFAULTS["alpha_net_us"])
+    ap.add_argument("--launch-us", type=float, default=DEFAULTS["launch_us"])
+    ap.add_argument("--no-plot", action="store_true")
+    return ap.parse_args(argv)
+
+
+def run(args) -> dict:
+    results = Path(args.results)
+    if not results.is_absolute():
+        results = ROOT / results
+    fits, docs = fit_components(results)
+    factors = contention_factors(fits, docs)
+    val = validate(docs, fits, factors, args.piece_bytes)
+    big = [r for r in val if 16 * MiB <= r["size"] <= 256 * MiB]
+    summary = {f"two_level_{k}_max_abs_err": max(abs(r[f"two_level_err_{k}"]) for r in big)
+               for k in ("nominal", "calibrated")}
+    summary.update({f"flat_gloo_{k}_max_abs_err": max(abs(r[f"flat_gloo_err_{k}"]) for r in big)
+                    for k in ("nominal", "calibrated")})
+    out = {"benchmark": "cost_model", "args": vars(args), "fits": fits, "fit_ranges": FIT_RANGE_WHY,
+           "contention": factors, "validation": val, "validation_summary": summary,
+           "assumptions": assumptions(args)}
+    out.update(project(args))
+    return out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = run(args)
+    od = Path(args.out_dir)
+    od.mkdir(parents=True, exist_ok=True)
+    print_report(out)
+    (od / "cost_model_projection.json").write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {od / 'cost_model_projection.json'}")
+    if not args.no_plot:
+        plot(out, od / "cost_model_projection.png")
+        print(f"wrote {od / 'cost_model_projection.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""bench/cost_model.py: the alpha-beta formulas against closed forms, the fit on synthetic
+data, the schedule of the pipelined two-level algorithm, and the script end to end on the
+committed results (no torch needed)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import cost_model as cm  # noqa: E402
+
+MiB = 1 << 20
+
+
+def test_ring_formulas_closed_form():
+    a, b = 5e-6, 1e-9
+    assert cm.ring_allreduce(1, 1e9, a, b) == 0.0
+    assert cm.ring_reduce_scatter(1, 1e9, a, b) == 0.0
+    assert cm.ring_allreduce(2, 1000, a, b) == pytest.approx(2 * a + 1000 * b)
+    assert cm.ring_allreduce(8, 8000, a, b) == pytest.approx(14 * a + 14000 * b)
+    # all-reduce = reduce-scatter + all-gather of the same S
+    assert cm.ring_allreduce(5, 12345, a, b) == pytest.approx(
+        cm.ring_reduce_scatter(5, 12345, a, b) + cm.ring_all_gather(5, 12345, a, b))
+
+
+@pytest.mark.parametrize("relative", [True, False])
+def test_fit_recovers_alpha_beta(relative):
+    import numpy as np
+
+    x = np.array([1, 4, 16, 64, 256], float) * MiB
+    alpha, beta = 1.5e-3, 0.8e-9
+    f = cm.fit_alpha_beta(x, alpha + beta * x, relative=relative)
+    assert f["alpha_s"] == pytest.approx(alpha, rel=1e-6)
+    assert f["beta_s_per_byte"] == pytest.approx(beta, rel=1e-6)
+    assert f["rms_rel_err"] < 1e-9 and f["rows"] == 5
+    # noisy data: the fit is close, and its error is reported
+    noise = 1 + 0.05 * np.array([1, -1, 1, -1, 1])
+    g = cm.fit_alpha_beta(x, (alpha + beta * x) * noise)
+    assert g["beta_s_per_byte"] == pytest.approx(beta, rel=0.1)
+    assert 0.02 < g["rms_rel_err"] < 0.08
+    # alpha given: beta alone
+    h = cm.fit_alpha_beta(x, 2e-3 + beta * x, alpha=2e-3)
+    assert h["alpha_s"] == 2e-3 and h["beta_s_per_byte"] == pytest.approx(beta)
+    with pytest.raises(ValueError):
+        cm.fit_alpha_beta([MiB, MiB], [1.0, 2.0])
+
+
+def _hw(case="nic_per_gpu", G=8, launch=0.0):
+    return cm.hw_params(case, G, launch_us=launch)
+
+
+@pytest.mark.parametrize("case", list(cm.NIC_CASES))
+@pytest.mark.parametrize("S", [MiB, 64 * MiB, 1 << 30])
+def test_two_level_one_host_is_the_in_host_allreduce(case, S):
+    hw = _hw(case)
+    want = cm.ring_allreduce(8, S, hw["a_nv"], 1 / hw["b_nv"])
+    assert cm.two_level(S, 1, hw) == pytest.approx(want)
+    assert cm.flat_ring(S, 1, hw) == pytest.approx(want)
+    # every collective pays the launch: RS + AG is one more than one all-reduce
+    hw = _hw(case, launch=8.4)
+    assert cm.two_level(S, 1, hw) == pytest.approx(cm.flat_ring(S, 1, hw) + 8.4e-6)
+
+
+@pytest.mark.parametrize("H", [2, 4, 16])
+@pytest.mark.parametrize("case", list(cm.NIC_CASES))
+def test_two_level_one_gpu_per_host_is_the_flat_inter_host_ring(H, case):
+    hw = _hw(case, G=1, launch=8.4)
+    S = 256 * MiB
+    want = 8.4e-6 + cm.ring_allreduce(H, S, hw["a_net"], 1 / hw["b_nic"])
+    assert cm.flat_ring(S, H, hw) == pytest.approx(want)
+    assert cm.two_level(S, H, hw) == pytest.approx(want)
+
+
+def test_flat_ring_closed_form():
+    hw = _hw("nic_per_host", launch=8.4)
+    H, G, S = 4, 8, 1 << 30
+    N = H * G
+    lat = 8.4e-6 + (2 * (N - 1) - 2 * (H - 1)) * 3.4e-6 + 2 * (H - 1) * 9.6e-6
+    assert cm.flat_ring(S, H, hw) == pytest.approx(lat + 2 * (N - 1) / N * S / 46e9)  # the one NIC bounds it
+    hw8 = _hw("nic_per_gpu", launch=8.4)  # 8 x 46 GB/s: NIC-bound at 368 GB/s busbw
+    assert cm.flat_ring(S, H, hw8) == pytest.approx(lat + 2 * (N - 1) / N * S / (8 * 46e9))
+
+
+def test_unpipelined_is_the_sum_and_pipelining_hides_the_smaller_stage():
+    hw = _hw("nic_per_host")
+    H, S = 2, 1 << 30
+    rs = cm.ring_reduce_scatter(8, S, hw["a_nv"], 1 / hw["b_nv"])
+    ar = cm.ring_allreduce(H, S / 8, hw["a_net"], 8 / hw["b_nic"])  # 8 local ranks share one NIC
+    assert cm.two_level(S, H, hw) == pytest.approx(2 * rs + ar)
+    pip = cm.two_level(S, H, hw, 16 * MiB)
+    assert ar < pip < 2 * rs + ar  # the network stage bounds it, the in-host work mostly hidden
+    # 64 pieces, network bound (rs + ag of a piece < its all-reduce): the first piece's rs,
+    # 64 all-reduces back to back (each paying its own 2(H-1) alpha), the last piece's ag
+    p = 16 * MiB
+    rs_p = cm.ring_reduce_scatter(8, p, hw["a_nv"], 1 / hw["b_nv"])
+    ar_p = cm.ring_allreduce(H, p / 8, hw["a_net"], 8 / hw["b_nic"])
+    assert 2 * rs_p < ar_p
+    assert pip == pytest.approx(rs_p + 64 * ar_p + rs_p)
+
+
+def test_schedule_closed_forms():
+    # in-host stages only: rs and ag of every piece, one after the other
+    assert cm.schedule([(1.0, 0.0, 2.0)] * 3) == pytest.approx(9.0)
+    # network bound: rs0, then the all-reduces back to back, then the last ag
+    assert cm.schedule([(1.0, 10.0, 1.0)] * 4) == pytest.approx(1 + 4 * 10 + 1)
+    # one piece: the plain sum
+    assert cm.schedule([(1.0, 2.0, 3.0)]) == pytest.approx(6.0)
+
+
+def test_pieces():
+    assert cm._pieces(10, None) == [10.0]
+    assert cm._pieces(10, 4) == [4.0, 4.0, 2.0]
+    assert cm._pieces(8, 4) == [4.0, 4.0]
+    assert cm._pieces(3, 4) == [3.0]
+
+
+def test_script_end_to_end(tmp_path):
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "cost_model.py"), "--out-dir", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "predicted vs measured" in r.stdout and "projection" in r.stdout
+    out = json.loads((tmp_path / "cost_model_projection.json").read_text())
+    png = (tmp_path / "cost_model_projection.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert set(out["fits"]) == {"gloo2", "shm_rs", "shm_ag", "gloo4_flat"}
+    for f in out["fits"].values():
+        assert f["alpha_s"] >= 0 and f["beta_s_per_byte"] > 0
+    # the committed measurements: the calibrated two-level prediction within 30% from 16 MiB
+    assert out["validation_summary"]["two_level_calibrated_max_abs_err"] < 0.3
+    sizes = {r["size"] for r in out["validation"]}
+    assert {16 * MiB, 64 * MiB, 256 * MiB} <= sizes
+    grid = out["grid"]
+    assert len(grid) == 2 * 4 * 11
+    for g in grid:
+        assert g["flat_us"] > 0 and g["two_level_us"] > 0
+        assert g["speedup"] == pytest.approx(g["flat_us"] / g["two_level_us"])
+        assert g["two_level_best_piece_us"] <= min(g["two_level_us"], g["two_level_unpipelined_us"]) + 1e-9
+    # one NIC per host, 2 hosts, 1 GiB: the hierarchy's bound (1 - 1/N) / (1 - 1/H) = 1.875
+    g = next(x for x in grid if x["nic_case"] == "nic_per_host" and x["hosts"] == 2 and x["size"] == 1 << 30)
+    assert 1.5 < g["speedup_best_piece"] < 1.875
+    assert out["assumptions"]["nic_GBps"] == 46.0
