@@ -239,6 +239,8 @@ smoke)
   cuda_test 45 "test_stream_ordering[nccl]"
   cuda_test 45 "test_cuda_work_semantics[nccl]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[nccl]"
+  cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:ringdp]"
+  cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
   ;;
 # ------------------------------------------------------------------ mps
 mps)

@@ -109,6 +109,20 @@ def test_gpu_check_syntax():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
 
 
+def test_gpu_check_test_ids_exist():
+    """Every `cuda_test LIMIT ID` of gpu_check.sh names a test that pytest collects in
+    tests/test_cuda.py (a typo would cost a GPU session a step that runs nothing)."""
+    import re
+
+    ids = re.findall(r'^\s*cuda_test \d+ "?([^"\n]+?)"?\s*$', (BENCH / "gpu_check.sh").read_text(), re.M)
+    assert len(ids) > 20
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "tests/test_cuda.py"], capture_output=True, text=True, cwd=BENCH.parent, timeout=120)
+    collected = {line.split("::", 1)[1] for line in r.stdout.splitlines() if "::" in line}
+    missing = [i for i in ids if i not in collected]
+    assert not missing, f"gpu_check.sh runs tests that do not exist: {missing}"
+
+
 def test_gpu_check_usage():
     r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "nonsense", "/nonexistent"], capture_output=True,
                        text=True, timeout=30)

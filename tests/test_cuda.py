@@ -390,6 +390,59 @@ def _ddp_entry(rank, world, steps):
     return _ddp_case(rank, world, steps)
 
 
+# ============================================================== the backend on CUDA (issue 11)
+def _backend_ddp(rank, world, steps, spec):
+    """Stock torch DDP on a CUDA model in a default group of ringdp's backend (`spec`):
+    with "cuda:ringdp" its gradient all-reduces run on ringdp's CUDA transport (the
+    communicator's CUDA endpoint exists afterwards), with "cuda:nccl" on the inner NCCL
+    group (no endpoint); both equal one process on the full batch."""
+    import torch.distributed as dist
+    from torch import nn
+
+    import ringdp
+
+    _nccl_env(rank)  # broadcasts (DDP's start) go to the inner NCCL group in both cases
+    _setup(rank)
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    ref.load_state_dict(net.state_dict())
+    model = nn.parallel.DistributedDataParallel(net, device_ids=[0], bucket_cap_mb=0.01)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.05), torch.optim.SGD(ref.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(99)
+    per = 8
+    for _ in range(steps):
+        x, y = torch.randn(world * per, 32, generator=g).cuda(), torch.randn(world * per, 8, generator=g).cuda()
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        ref_opt.step()
+    worst = max((a - b).abs().max().item() for a, b in zip(net.parameters(), ref.parameters()))
+    digest = hashlib.sha1(b"".join(p.detach().cpu().numpy().tobytes() for p in net.parameters())).hexdigest()
+    endpoint = ringdp.get_communicator(dist.group.WORLD)._cuda is not None
+    t = torch.full((1000,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)  # and a plain all_reduce through the backend
+    ok = bool((t == world * (world + 1) / 2).all().item())
+    dist.barrier()
+    return worst, digest, endpoint, ok
+
+
+@needs_cuda
+@pytest.mark.parametrize("spec", ["cpu:ringdp,cuda:ringdp", "cpu:ringdp,cuda:nccl"])
+def test_backend_stock_ddp_cuda(spec):
+    _skip_without_nccl()
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "16",
+           "RINGDP_TEST_NCCL_HOSTID": "1"}
+    res = values(run_ranks(_backend_ddp, 2, 4, spec, env=env, timeout=600, backend=spec))
+    for r, (worst, _, endpoint, ok) in enumerate(res):
+        assert worst < 1e-5, f"rank {r}: stock DDP on {spec} differs from one process by {worst}"
+        assert endpoint == (spec.endswith("cuda:ringdp")), f"rank {r}: ringdp's CUDA path ran: {endpoint} ({spec})"
+        assert ok, f"rank {r}: dist.all_reduce on {spec} gave a wrong sum"
+    assert res[0][1] == res[1][1], "ranks ended with different parameters"
+
+
 # ============================================================== large tensors, dead peers, memory
 def _large(rank, world, count):
     """Each dtype/op twice on a tensor of `count` elements (256 MiB of float32 at 1 << 26)."""
