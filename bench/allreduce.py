@@ -101,8 +101,8 @@ Across hosts (--hosts H, CPU all_reduce only): the ranks are H simulated hosts o
 machine, rank r on host r*H // world (RINGDP_HOST_ID sim0, sim1, ...; world defaults to
 2H). The series are then gloo (flat, the whole group over loopback TCP), ringdp (the
 hierarchical all-reduce policy.cross_host_path chooses: two_level, or leaders on uneven
-hosts; column algo) and ringdp-flat. ringdp-reg is left out (registered memory needs one
-host). No roofline: the "network" is loopback TCP on the same cores. For real hosts run
+hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
+steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
 it under torchrun on each host without --hosts: ringdp finds the hosts itself.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
@@ -801,7 +801,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--series", default=None,
                     help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat (default: baseline,ringdp,"
-                         "ringdp-reg; with --hosts: baseline,ringdp,ringdp-flat)")
+                         "ringdp-reg; with --hosts: all four)")
     ap.add_argument("--out-dir", default=str(OUT_DIR),
                     help="where the JSON/PNG go (default bench/out, ignored by git; "
                          "bench/results holds the committed ones)")
@@ -819,13 +819,11 @@ def parse_args(argv: list[str] | None = None):
     if args.world is None:
         args.world = 2 * args.hosts
     if args.series is None:
-        args.series = "baseline,ringdp,ringdp-flat" if args.hosts > 1 else "baseline,ringdp,ringdp-reg"
+        args.series = "baseline,ringdp,ringdp-reg,ringdp-flat" if args.hosts > 1 else "baseline,ringdp,ringdp-reg"
     args.series = [s.strip() for s in args.series.split(",") if s.strip()]
     bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat"}
     if bad:
         ap.error(f"unknown --series {sorted(bad)}")
-    if args.hosts > 1 and "ringdp-reg" in args.series:
-        ap.error("--hosts: ringdp-reg needs one host (ringdp.empty: registered memory is host-local)")
     if "ringdp-flat" in args.series and args.hosts == 1:
         ap.error("--series ringdp-flat needs --hosts (it is the inter-host engine)")
     if "ringdp-flat" in args.series and "ringdp" not in args.series:

@@ -269,7 +269,8 @@ class Communicator:
                 f"rank {self.rank}: the group spans {len(self.host_order)} hosts ({where}). Across hosts ringdp "
                 f"runs the CPU collectives hierarchically (README 'Across hosts'"
                 f"{'' if backend is None else '; not for groups of the ringdp backend, which use gloo'}); "
-                f"registered memory (ringdp.empty) needs one host; "
+                f"registered memory (ringdp.empty) needs an in-host step (not with RINGDP_HIERARCHY=0 "
+                f"or one rank per host); "
                 f"CUDA tensors across hosts use the NCCL transport.")
             if backend is None:  # the backend routes cross-host CPU collectives to its gloo group
                 self._setup_hosts(group)
@@ -855,14 +856,24 @@ class Communicator:
                 raise ValueError(str(e)) from None
         if device.type != "cpu":
             raise ValueError(f"ringdp.empty: device {device} is not supported")
-        if self._shm_error:
+        shm = self._cpu_arena()
+        if shm is None and self.cross_path == policy.LEADERS and self.local_size == 1:
+            return torch.empty(sizes, dtype=dtype)  # alone on its host: nothing in-host to register for
+        if shm is None:
             raise ValueError(self._shm_error)
-        return self._shm.empty(sizes, dtype)
+        return shm.empty(sizes, dtype)
+
+    def _cpu_arena(self):
+        """The endpoint whose arena registered CPU tensors come from: the group's (one host),
+        else this host's (a group that spans hosts: its in-host steps then run in place);
+        None on the flat path across hosts (nothing in-host) or once closed."""
+        return self._shm if self._shm is not None else self._host_shm
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:
             return self._cuda is not None and bool(self._cuda.native.is_registered(tensor))
-        return tensor.device.type == "cpu" and self._shm is not None and bool(self._shm.is_registered(tensor))
+        shm = self._cpu_arena()
+        return tensor.device.type == "cpu" and shm is not None and bool(shm.is_registered(tensor))
 
     def synchronize(self):
         """Wait for queued collectives (and, on CUDA, for ringdp's stream); raise failures."""

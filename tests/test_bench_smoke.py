@@ -66,8 +66,9 @@ def test_bench_forced_algorithms(tmp_path):
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_hosts(tmp_path):
-    """--hosts 2: four ranks as two simulated hosts; the hierarchical series runs two_level,
-    ringdp-flat the inter-host engine on the whole group, both exact, beside flat gloo."""
+    """--hosts 2: four ranks as two simulated hosts; the hierarchical series (ordinary and
+    registered tensors) run two_level, ringdp-flat the inter-host engine on the whole group,
+    all exact, beside flat gloo."""
     cmd = [sys.executable, str(BENCH), "--hosts", "2", "-b", "4K", "-e", "64K", "--iters", "2",
            "--warmup", "1", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -76,15 +77,16 @@ def test_bench_hosts(tmp_path):
     assert payload["hosts"] == ["sim0", "sim0", "sim1", "sim1"] and payload["cross_path"] == "two_level"
     assert payload["machine"]["world_size"] == 4 and payload["args"]["world"] == 4
     rows = payload["rows"]
-    assert {(r["series"], r["algo"]) for r in rows} == {("gloo", "-"), ("ringdp", "two_level"), ("ringdp-flat", "flat")}
+    assert {(r["series"], r["algo"]) for r in rows} == {("gloo", "-"), ("ringdp", "two_level"),
+                                                         ("ringdp-reg", "two_level"), ("ringdp-flat", "flat")}
     assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["roof_us"] is None for r in rows)
-    assert len(rows) == 3 * 3  # 4K, 16K, 64K
+    assert len(rows) == 4 * 3  # 4K, 16K, 64K
 
 
 def test_bench_hosts_rejects_what_needs_one_host():
     """--hosts with a collective, device or series that needs one host: a clear usage error."""
     for extra, why in ((["--coll", "reduce_scatter"], "CPU all_reduce only"),
-                       (["--series", "baseline,ringdp-reg"], "ringdp-reg needs one host"),
+                       (["--series", "baseline,ringdp-flat"], "ringdp-flat needs ringdp too"),
                        (["--world", "1"], "at least as many ranks")):
         proc = subprocess.run([sys.executable, str(BENCH), "--hosts", "2", *extra], cwd=REPO,
                               capture_output=True, text=True, timeout=120)

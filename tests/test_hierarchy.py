@@ -61,14 +61,23 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None):
     ringdp.all_reduce(t)
     if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
         bad.append(("2-d", "SUM", 21))
-    # what still needs one host: a clear error, no hang
-    errors = []
+    # registered memory: this host's arena on the hierarchical paths (the all-reduce of it
+    # then runs its in-host steps in place), a clear error on the flat one
+    registered = None
     try:
-        ringdp.empty(4)
+        t = ringdp.empty(4099)
     except ValueError as e:
-        errors.append(str(e))
+        registered = str(e)
+    else:
+        alone = c.local_size == 1  # (uneven hosts: a rank alone on its host gets ordinary memory)
+        ok = ringdp.is_registered(t) != alone and not ringdp.is_registered(torch.empty(4099))
+        for _ in range(2):
+            t.copy_(value(rank, 4099))
+            ringdp.all_reduce(t)
+            ok = ok and torch.equal(t, expected("SUM", world, 4099, torch.float32))
+        registered = ok
     return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
-            "errors": errors}
+            "registered": registered}
 
 
 def _check_matrix(res, path, locals_):
@@ -76,7 +85,10 @@ def _check_matrix(res, path, locals_):
         assert out["path"] == path, (r, out["path"])
         assert out["local"] == locals_[r]
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
-        assert len(out["errors"]) == 1 and all("spans 2 hosts" in e for e in out["errors"]), out["errors"]
+        if path == "flat":
+            assert isinstance(out["registered"], str) and "spans 2 hosts" in out["registered"], out["registered"]
+        else:
+            assert out["registered"] is True, f"rank {r}: registered memory across hosts: {out['registered']}"
         assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not bitwise equal to rank 0's"
     return res[0]["digests"]
 
