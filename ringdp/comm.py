@@ -10,7 +10,8 @@ Set-up (collective, ringdp.init or the first collective of the group):
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
      A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
      gloo subgroups across hosts for the CPU all-reduce (README "Across hosts",
-     _all_reduce_hosts); its other CPU collectives and ringdp.empty raise "spans N hosts".
+     _setup_hosts, _all_reduce_hosts; a group of ringdp's backend too, its gloo subgroups
+     made from its store); its other CPU collectives and ringdp.empty raise "spans N hosts".
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -52,6 +53,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types, cuda_comm, policy
 from ._native import RingError, _C
@@ -266,12 +268,11 @@ class Communicator:
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
                 f"rank {self.rank}: the group spans {len(self.host_order)} hosts ({where}). Across hosts ringdp "
-                f"runs only all_reduce of CPU tensors (hierarchically: README 'Across hosts'"
-                f"{'' if backend is None else '; not for groups of the ringdp backend, which use gloo'}); "
-                f"reduce_scatter, all_gather, broadcast and registered memory (ringdp.empty) need one host; "
+                f"runs only all_reduce of CPU tensors (hierarchically: README 'Across hosts'); "
+                f"reduce_scatter, all_gather, broadcast and registered memory (ringdp.empty) need one host"
+                f"{'' if backend is None else ' (the ringdp backend runs them on its inner gloo group)'}; "
                 f"CUDA tensors across hosts use the NCCL transport.")
-            if backend is None:  # the backend routes cross-host CPU collectives to its gloo group
-                self._setup_hosts(group)
+            self._setup_hosts(group)
         else:
             self._shm = self._connect_shm()
 
@@ -319,27 +320,43 @@ class Communicator:
     def _setup_hosts(self, group) -> None:
         """Set the cross-host all-reduce up (collective, every rank of the group): the path,
         this host's shared-memory endpoint (its ranks only) and the gloo group(s) across hosts,
-        made with use_local_synchronization (only their members call new_group), each with
-        ringdp's timeout."""
+        each with ringdp's timeout; a rank that is in none (a non-leader on the uneven path)
+        gets none.
+
+        A group of any backend: the gloo groups are torch.distributed groups made with
+        dist.new_group(use_local_synchronization=True) (only their members call it). A group
+        of ringdp's backend sets up inside init_process_group/new_group, where new_group cannot
+        run (the group being made is not registered yet): its gloo groups are ProcessGroupGloo
+        objects made directly on the backend's store under a prefix of this communicator's
+        and the subgroup's (as the backend's inner gloo group is), their ranks numbered as in
+        the backend's group. Both kinds are called the same way (_gloo_start). They are never
+        the backend's inner gloo group: the cross-host steps run on ringdp's worker thread and
+        would interleave with the inner group's calls differently on different ranks."""
         path = policy.cross_host_path(self.local_sizes, self.config.hierarchy)
         self.cross_path = path
         by_host = [[r for r, h in enumerate(self.hosts) if h == k] for k in self.host_order]
         if path == policy.FLAT:
-            members = list(range(self.world))
+            members, name = list(range(self.world)), "flat"
         elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
-            members = [ranks[self.local_rank] for ranks in by_host]
+            members, name = [ranks[self.local_rank] for ranks in by_host], f"local{self.local_rank}"
         else:  # LEADERS: the first rank of every host
-            members = [ranks[0] for ranks in by_host] if self.local_rank == 0 else []
+            members, name = ([ranks[0] for ranks in by_host] if self.local_rank == 0 else []), "leaders"
         if path != policy.FLAT and self.local_size > 1:
             k = self.host_order.index(self.host_key)
             rdv = Rendezvous(f"{self.rendezvous._prefix}host{k}/", self.local_rank, self.local_size, self.timeout,
                              store=self._store)
             self._host_shm = self._connect_shm(rdv)
-        if members:
+        if not members:
+            return
+        self._cross_ranks = members
+        timeout = timedelta(seconds=self.timeout)
+        if self._backend:
+            store = dist.PrefixStore(f"{self.rendezvous._prefix}cross-{name}/", self._store())
+            self._cross = ProcessGroupGloo(store, members.index(self.rank), len(members), timeout=timeout)
+        else:
             granks = list(range(self.world)) if self._world_group else dist.get_process_group_ranks(self.group)
-            self._cross_ranks = members
-            self._cross = dist.new_group([granks[r] for r in members], backend="gloo",
-                                         timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
+            self._cross = dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
+                                         use_local_synchronization=True)
 
     def _connect_shm(self, rdv: Rendezvous | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3).
@@ -568,8 +585,10 @@ class Communicator:
 
     def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
         """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
-        try:
-            return dist.all_reduce(tensor, op=dop, group=self._cross, async_op=True)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dop
+        try:  # the group's own method: a ProcessGroupGloo of the backend's is no registered group
+            return self._cross.allreduce([tensor], opts)
         except Exception as e:  # noqa: BLE001
             self._gloo_failed(e, timeout_s, shm, tag)
 
@@ -822,6 +841,7 @@ class Communicator:
         # Registered tensors still alive keep the native object (and its mapping) alive.
         self._shm = self._host_shm = None
         self.cross_path = None
+        self._cross = None  # a backend's ProcessGroupGloo across hosts holds the store: let it go
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
 
