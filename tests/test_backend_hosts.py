@@ -63,7 +63,7 @@ def _host_calls(comm) -> int:
 
 
 def _calls_per_all_reduce(comm, n: int) -> int:
-    """In-host calls one all-reduce of n (> 0, one piece) elements makes on this rank:
+    """In-host calls one all-reduce of n (> 0) elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
     with several); flat or alone on a host: none."""
     if n == 0 or comm._host_shm is None:
@@ -72,6 +72,7 @@ def _calls_per_all_reduce(comm, n: int) -> int:
 
 
 def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = str(64 << 20)  # every call one piece: 2 in-host calls
     pg, comm, _store = _ringdp_world(rank, world, hosts, hierarchy=hierarchy)
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
