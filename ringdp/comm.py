@@ -9,9 +9,10 @@ Set-up (collective, ringdp.init or the first collective of the group):
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
      A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
-     gloo subgroups across hosts (README "Across hosts"): the CPU collectives run
-     hierarchically (_all_reduce_hosts, _reduce_scatter_hosts, ...); ringdp.empty raises
-     "spans N hosts".
+     gloo subgroups across hosts (README "Across hosts", _setup_hosts; for a group of
+     ringdp's backend too, its gloo subgroups made from its store): the CPU collectives run
+     hierarchically (_all_reduce_hosts, _reduce_scatter_hosts, ...); ringdp.empty comes from
+     this host's arena.
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -53,6 +54,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions, ReduceScatterOptions
+from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types, cuda_comm, policy
 from ._native import RingError, _C
@@ -267,13 +270,10 @@ class Communicator:
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
                 f"rank {self.rank}: the group spans {len(self.host_order)} hosts ({where}). Across hosts ringdp "
-                f"runs the CPU collectives hierarchically (README 'Across hosts'"
-                f"{'' if backend is None else '; not for groups of the ringdp backend, which use gloo'}); "
-                f"registered memory (ringdp.empty) needs an in-host step (not with RINGDP_HIERARCHY=0 "
-                f"or one rank per host); "
+                f"runs the CPU collectives hierarchically (README 'Across hosts'); registered memory "
+                f"(ringdp.empty) needs an in-host step (not with RINGDP_HIERARCHY=0 or one rank per host); "
                 f"CUDA tensors across hosts use the NCCL transport.")
-            if backend is None:  # the backend routes cross-host CPU collectives to its gloo group
-                self._setup_hosts(group)
+            self._setup_hosts(group)
         else:
             self._shm = self._connect_shm()
 
@@ -321,27 +321,43 @@ class Communicator:
     def _setup_hosts(self, group) -> None:
         """Set the cross-host all-reduce up (collective, every rank of the group): the path,
         this host's shared-memory endpoint (its ranks only) and the gloo group(s) across hosts,
-        made with use_local_synchronization (only their members call new_group), each with
-        ringdp's timeout."""
+        each with ringdp's timeout; a rank that is in none (a non-leader on the uneven path)
+        gets none.
+
+        A group of any backend: the gloo groups are torch.distributed groups made with
+        dist.new_group(use_local_synchronization=True) (only their members call it). A group
+        of ringdp's backend sets up inside init_process_group/new_group, where new_group cannot
+        run (the group being made is not registered yet): its gloo groups are ProcessGroupGloo
+        objects made directly on the backend's store under a prefix of this communicator's
+        and the subgroup's (as the backend's inner gloo group is), their ranks numbered as in
+        the backend's group. Both kinds are called the same way (_gloo_start). They are never
+        the backend's inner gloo group: the cross-host steps run on ringdp's worker thread and
+        would interleave with the inner group's calls differently on different ranks."""
         path = policy.cross_host_path(self.local_sizes, self.config.hierarchy)
         self.cross_path = path
         by_host = [[r for r, h in enumerate(self.hosts) if h == k] for k in self.host_order]
         if path == policy.FLAT:
-            members = list(range(self.world))
+            members, name = list(range(self.world)), "flat"
         elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
-            members = [ranks[self.local_rank] for ranks in by_host]
+            members, name = [ranks[self.local_rank] for ranks in by_host], f"local{self.local_rank}"
         else:  # LEADERS: the first rank of every host
-            members = [ranks[0] for ranks in by_host] if self.local_rank == 0 else []
+            members, name = ([ranks[0] for ranks in by_host] if self.local_rank == 0 else []), "leaders"
         if path != policy.FLAT and self.local_size > 1:
             k = self.host_order.index(self.host_key)
             rdv = Rendezvous(f"{self.rendezvous._prefix}host{k}/", self.local_rank, self.local_size, self.timeout,
                              store=self._store)
             self._host_shm = self._connect_shm(rdv)
-        if members:
+        if not members:
+            return
+        self._cross_ranks = members
+        timeout = timedelta(seconds=self.timeout)
+        if self._backend:
+            store = dist.PrefixStore(f"{self.rendezvous._prefix}cross-{name}/", self._store())
+            self._cross = ProcessGroupGloo(store, members.index(self.rank), len(members), timeout=timeout)
+        else:
             granks = list(range(self.world)) if self._world_group else dist.get_process_group_ranks(self.group)
-            self._cross_ranks = members
-            self._cross = dist.new_group([granks[r] for r in members], backend="gloo",
-                                         timeout=timedelta(seconds=self.timeout), use_local_synchronization=True)
+            self._cross = dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
+                                         use_local_synchronization=True)
 
     def _connect_shm(self, rdv: Rendezvous | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3).
@@ -570,8 +586,10 @@ class Communicator:
 
     def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
         """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
-        try:
-            return dist.all_reduce(tensor, op=dop, group=self._cross, async_op=True)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dop
+        try:  # the group's own method: a ProcessGroupGloo of the backend's is no registered group
+            return self._cross.allreduce([tensor], opts)
         except Exception as e:  # noqa: BLE001
             self._gloo_failed(e, timeout_s, shm, tag)
 
@@ -598,8 +616,9 @@ class Communicator:
         raise RingError(msg) from None
 
     def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "") -> None:
-        """Run one gloo collective across hosts: start() issues it (async_op=True) on this
-        rank's cross-host group; its failure is _gloo_failed's RingError."""
+        """Run one gloo collective across hosts: start() issues it on this rank's cross-host
+        group through the group's own method (as _gloo_start: a backend's ProcessGroupGloo is
+        no registered group) and returns its Work; a failure is _gloo_failed's RingError."""
         try:
             start().wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
@@ -635,14 +654,14 @@ class Communicator:
         if n:
             blocks = input.reshape(self.world, n)
             if self._hosts_path("reduce_scatter_tensor") == policy.FLAT:
-                self._across("reduce_scatter", lambda: dist.reduce_scatter_tensor(
-                    out.view(-1), blocks.reshape(-1), op=dop, group=self._cross, async_op=True), t)
+                self._across("reduce_scatter", lambda: self._cross._reduce_scatter_base(
+                    out.view(-1), blocks.reshape(-1), _gloo_opts(ReduceScatterOptions, reduceOp=dop)), t)
             else:
                 ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
                 part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
                 self._host_shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
-                self._across("reduce_scatter", lambda: dist.reduce_scatter_tensor(
-                    out.view(-1), part, op=dop, group=self._cross, async_op=True), t, self._host_shm, tag)
+                self._across("reduce_scatter", lambda: self._cross._reduce_scatter_base(
+                    out.view(-1), part, _gloo_opts(ReduceScatterOptions, reduceOp=dop)), t, self._host_shm, tag)
             if code == _types.AVG:
                 out.div_(self.world)
 
@@ -655,12 +674,12 @@ class Communicator:
             return
         mine, out = input.reshape(-1), output  # (contiguous: _check)
         if self._hosts_path("all_gather_into_tensor") == policy.FLAT:
-            self._across("all_gather", lambda: dist.all_gather_into_tensor(
-                out.view(-1), mine, group=self._cross, async_op=True), t)
+            self._across("all_gather", lambda: self._cross._allgather_base(
+                out.view(-1), mine, _gloo_opts(AllgatherOptions)), t)
         else:
             across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
-            self._across("all_gather", lambda: dist.all_gather_into_tensor(
-                across, mine, group=self._cross, async_op=True), t, self._host_shm, tag)
+            self._across("all_gather", lambda: self._cross._allgather_base(
+                across, mine, _gloo_opts(AllgatherOptions)), t, self._host_shm, tag)
             full = torch.empty(self.world * n, dtype=input.dtype)
             self._host_shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
             out.view(self.world, n).index_copy_(0, self._by_local_then_host(), full.view(self.world, n))
@@ -673,14 +692,14 @@ class Communicator:
             return
         buf = tensor  # (contiguous: _check)
         if self._hosts_path("broadcast") == policy.FLAT:
-            self._across("broadcast", lambda: dist.broadcast(buf, group=self._cross, group_src=src, async_op=True), t)
+            self._across("broadcast", lambda: self._cross.broadcast([buf], _gloo_opts(BroadcastOptions, rootRank=src)), t)
         else:
             src_ranks = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]]
             lr_src = src_ranks.index(src)
             if self.local_rank == lr_src:
                 k = self.host_order.index(self.hosts[src])
-                self._across("broadcast", lambda: dist.broadcast(buf, group=self._cross, group_src=k,
-                                                                 async_op=True), t, self._host_shm, tag)
+                self._across("broadcast", lambda: self._cross.broadcast([buf], _gloo_opts(BroadcastOptions, rootRank=k)),
+                             t, self._host_shm, tag)
             flat = buf.view(-1)
             self._host_shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
@@ -931,6 +950,7 @@ class Communicator:
         # Registered tensors still alive keep the native object (and its mapping) alive.
         self._shm = self._host_shm = None
         self.cross_path = None
+        self._cross = None  # a backend's ProcessGroupGloo across hosts holds the store: let it go
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
 
@@ -953,6 +973,14 @@ def _on_stall(ref, report: str) -> None:
         path = c.dump_flight_record("stall", report)
         if path:
             log.warning("ringdp rank %d: flight record written to %s", c.rank, path)
+
+
+def _gloo_opts(cls, **fields):
+    """c10d options for a call on a cross-host gloo group: `cls()` with `fields` set."""
+    opts = cls()
+    for k, v in fields.items():
+        setattr(opts, k, v)
+    return opts
 
 
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}

@@ -1,0 +1,288 @@
+"""ringdp's torch.distributed backend on a group that spans hosts (issue 12 point 3): its
+all-reduce runs ringdp's hierarchical path (Communicator._all_reduce_hosts), not its inner
+gloo group. Hosts simulated on one machine with RINGDP_HOST_ID per rank, set before
+init_process_group("cpu:ringdp") (each rank leaves run_ranks' gloo group for a ringdp default
+group on the same store: the backend's communicator sets up inside init_process_group).
+
+Checked: dist.all_reduce of every dtype, op and size against tests/_closed_form.py, each
+call twice, bitwise identical on every rank (sha256 through all_gather_object), a,a,b,b
+(two_level) and a,a,a,b (leaders), RINGDP_HIERARCHY=0 (flat); that the hierarchical path ran
+(the host-local shared-memory endpoint counted exactly its calls, and the cross-host gloo
+group is the communicator's, not the backend's inner one); stock DDP across two simulated
+hosts against one process; a whole host SIGKILLed; reduce_scatter_tensor,
+all_gather_into_tensor and broadcast: hierarchical on even hosts, the inner gloo group on
+uneven ones."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _closed_form import expected, ops_for, value
+from _dist import run_ranks, values
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32]
+SIZES = [0, 1, 7, 4099, 300007]
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _ringdp_world(rank, world, hosts, timeout=60, hierarchy=None):
+    """This rank as host hosts[rank], in a default group of ringdp's backend (made on the store
+    of run_ranks' gloo group, which is destroyed first); returns the backend's communicator."""
+    os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    if hierarchy is not None:
+        os.environ["RINGDP_HIERARCHY"] = hierarchy
+    import ringdp
+
+    store = dist.distributed_c10d._get_default_store()  # rank 0 serves it while we hold it
+    dist.destroy_process_group()
+    dist.init_process_group("cpu:ringdp", store=dist.PrefixStore("backend-hosts/", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=timeout))
+    pg = dist.distributed_c10d._get_default_group()
+    assert isinstance(pg, ringdp.ProcessGroupRingdp), type(pg)
+    comm = ringdp.get_communicator()
+    assert comm is pg.communicator
+    return pg, comm, store
+
+
+def _host_calls(comm) -> int:
+    """Calls made so far on this rank's host-local shared-memory endpoint (0: none)."""
+    shm = comm._host_shm
+    if shm is None:
+        return 0
+    calls = shm.calls
+    return calls() if callable(calls) else calls
+
+
+def _calls_per_all_reduce(comm, n: int) -> int:
+    """In-host calls one all-reduce of n (> 0) elements makes on this rank, in one piece (case_matrix):
+    two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
+    with several); flat or alone on a host: none."""
+    if n == 0 or comm._host_shm is None:
+        return 0
+    return 2
+
+
+def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = str(64 << 20)  # every call one piece: 2 in-host calls
+    pg, comm, _store = _ringdp_world(rank, world, hosts, hierarchy=hierarchy)
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    bad, digests = [], {}
+    calls0, want_calls, n_calls = _host_calls(comm), 0, 0
+    for dtype in DTYPES:
+        for op in ops_for(dtype):
+            for count in sizes:
+                want = expected(op, world, count, dtype)
+                for rep in range(2):
+                    t = value(rank, count, dtype)
+                    if rep == 1 and count == 4099:  # the second call asynchronous
+                        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), async_op=True).wait()
+                    else:
+                        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                    want_calls += _calls_per_all_reduce(comm, count)
+                    n_calls += 1
+                    if not torch.equal(t, want):
+                        bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
+                    digests[f"{dtype} {op} {count} {rep}"] = _digest(t)
+    matrix_calls = _host_calls(comm) - calls0
+
+    # the other all-reduce forms the backend runs hierarchically: coalesced, PREMUL_SUM, 2-d
+    ts = [value(rank, 5), value(rank, 4099, torch.float64)]
+    pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
+    for t, (n, dt) in zip(ts, [(5, torch.float32), (4099, torch.float64)]):
+        if not torch.equal(t, expected("SUM", world, n, dt)):
+            bad.append(("coalesced", n))
+    t = value(rank, 4099)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
+    if not torch.equal(t, expected("SUM", world, 4099, torch.float32) * 0.5):
+        bad.append(("premul", 4099))
+    t = value(rank, 21).reshape(7, 3)  # not a multiple of the local size
+    dist.all_reduce(t)
+    if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
+        bad.append(("2-d", 21))
+    dist.barrier()  # its all-reduce runs on the communicator too (it raised across hosts before)
+    extra_calls = _host_calls(comm) - calls0 - matrix_calls
+
+    # every rank's digests, compared on every rank (all_gather_object: the inner gloo group)
+    mine = hashlib.sha256(repr(sorted(digests.items())).encode()).hexdigest()
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    cross = comm._cross
+    out = {"path": comm.cross_path, "local": (comm.local_rank, comm.local_size), "bad": bad,
+           "digests": digests, "same_everywhere": all(d == mine for d in everyone),
+           "host_shm": comm._host_shm is not None, "matrix_calls": matrix_calls, "want_calls": want_calls,
+           "extra_calls": extra_calls, "shm": comm.shm is not None,
+           "cross": None if cross is None else (type(cross).__name__, comm._cross_ranks,
+                                                cross is not pg._gloo and isinstance(cross, ProcessGroupGloo))}
+    dist.destroy_process_group()
+    return out
+
+
+def _check_matrix(res, path, locals_, cross):
+    for r, out in enumerate(res):
+        assert out["path"] == path, (r, out["path"])
+        assert out["local"] == locals_[r]
+        assert not out["shm"]  # a group across hosts has no whole-group shared-memory endpoint
+        assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
+        assert out["same_everywhere"], f"rank {r}: some rank's results are not bitwise equal to this one's"
+        assert out["digests"] == res[0]["digests"], f"rank {r}'s results are not bitwise equal to rank 0's"
+        # the hierarchical path ran: the in-host steps of every call on the host-local endpoint
+        # (the inner gloo group would have made none), across hosts the communicator's own gloo group
+        assert out["host_shm"] == (path != "flat" and locals_[r][1] > 1), (r, out["host_shm"])
+        assert out["matrix_calls"] == out["want_calls"], (r, out["matrix_calls"], out["want_calls"])
+        if out["host_shm"]:
+            assert out["matrix_calls"] > 0 and out["extra_calls"] >= 8, (r, out["extra_calls"])
+        assert out["cross"] == cross[r], (r, out["cross"])
+
+
+def test_even_hosts_two_level():
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], timeout=240))
+    g = "ProcessGroupGloo"
+    _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)],
+                  [(g, [0, 2], True), (g, [1, 3], True), (g, [0, 2], True), (g, [1, 3], True)])
+
+
+def test_uneven_hosts_leaders():
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "a", "b"], timeout=240))
+    g = "ProcessGroupGloo"
+    _check_matrix(res, "leaders", [(0, 3), (1, 3), (2, 3), (0, 1)], [(g, [0, 3], True), None, None,
+                                                                     (g, [0, 3], True)])
+
+
+def test_hierarchy_off_is_flat_gloo_of_the_communicator():
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], "0", [0, 7, 4099], timeout=240))
+    flat = ("ProcessGroupGloo", [0, 1, 2, 3], True)
+    _check_matrix(res, "flat", [(0, 2), (1, 2), (0, 2), (1, 2)], [flat] * 4)
+
+
+# ------------------------------------------------------------------ stock DDP
+def case_ddp(rank, world, hosts, steps):
+    import test_backend
+
+    pg, comm, _store = _ringdp_world(rank, world, hosts)
+    before = _host_calls(comm)
+    params = test_backend.train_ddp(rank, world, dist.group.WORLD, "plain", steps=steps)
+    out = {"params": params, "host_calls": _host_calls(comm) - before, "path": comm.cross_path,
+           "ref": test_backend.reference(world, "plain", steps=steps)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_stock_ddp_on_two_hosts():
+    import test_backend
+
+    steps = 3
+    res = values(run_ranks(case_ddp, 4, ["a", "a", "b", "b"], steps, timeout=240))
+    for r, out in enumerate(res):
+        assert out["path"] == "two_level"
+        assert out["host_calls"] >= 2 * steps, f"rank {r}: DDP's buckets did not run on the hierarchical path"
+        for a, b in zip(out["params"], out["ref"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {r} vs one process: {m}")
+        for a, b in zip(out["params"], res[0]["params"]):
+            assert torch.equal(a, b), f"rank {r}'s parameters differ from rank 0's"
+    init = test_backend.params(test_backend.build(test_backend.MLP, 0))
+    assert max((a - b).abs().max().item() for a, b in zip(res[0]["params"], init)) > 1e-3  # it trained
+
+
+# ------------------------------------------------------------------ a host dies
+def case_host_dies(rank, world, hosts, victims):
+    import ringdp
+
+    _pg, comm, _store = _ringdp_world(rank, world, hosts, timeout=20)
+    t = value(rank, 4099)
+    dist.all_reduce(t)  # works once
+    ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
+    if rank in victims:
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(value(rank, 4099))
+    except ringdp.RingError as e:
+        return ok, comm.cross_path, str(e), time.monotonic() - start
+    except Exception as e:  # noqa: BLE001 -- e.g. gloo's own error: not ringdp's guarantee
+        return ok, comm.cross_path, f"not a RingError: {type(e).__name__}: {e}", time.monotonic() - start
+    return ok, comm.cross_path, None, time.monotonic() - start
+
+
+@pytest.mark.parametrize("hosts,path", [(["a", "a", "b", "b"], "two_level"), (["a", "a", "a", "b"], "leaders")])
+def test_whole_host_dies_is_a_ring_error(hosts, path):
+    victims = [r for r, h in enumerate(hosts) if h == "b"]
+    res = run_ranks(case_host_dies, 4, hosts, victims, timeout=120, allow_missing=victims)
+    for r, out in enumerate(res):
+        if r in victims:
+            continue
+        assert out is not None and out[0] == "ok", (r, out)
+        ok, got_path, msg, took = out[1]
+        assert ok and got_path == path, (r, ok, got_path)
+        assert msg is not None, f"rank {r}: no error after host b died"
+        assert not msg.startswith("not a RingError"), (r, msg)
+        assert took < 25, (r, took)
+        # it names the ranks of the failed cross-host step, a rank of the dead host among them
+        assert "across hosts" in msg and "ranks [" in msg, (r, msg)
+        named = msg.split("ranks [", 1)[1].split("]", 1)[0]
+        assert any(str(v) in named.split(", ") for v in victims), (r, msg)
+
+
+# ------------------------------------------------------------------ the other collectives
+def case_other_collectives(rank, world, hosts):
+    import ringdp
+
+    pg, comm, _store = _ringdp_world(rank, world, hosts)
+    out = {}
+    calls0 = _host_calls(comm)
+    for dtype in (torch.float32, torch.int32):
+        n = 4099
+        inp = torch.cat([value(rank, n, dtype) + q for q in range(world)])  # block q: v(rank, i) + q
+        o = torch.empty(n, dtype=dtype)
+        dist.reduce_scatter_tensor(o, inp)
+        out[f"reduce_scatter_tensor {dtype}"] = (o, expected("SUM", world, n, dtype) + world * rank)
+        g = torch.empty(world * n, dtype=dtype)
+        dist.all_gather_into_tensor(g, value(rank, n, dtype))
+        out[f"all_gather_into_tensor {dtype}"] = (g, torch.cat([value(q, n, dtype) for q in range(world)]))
+        for src in (0, world - 1):
+            b = value(rank, n, dtype)
+            dist.broadcast(b, src=src)
+            out[f"broadcast {dtype} from {src}"] = (b, value(src, n, dtype))
+    host_calls = _host_calls(comm) - calls0
+    # ringdp's own call: hierarchical on even hosts, a RingError naming the layout on uneven ones
+    try:
+        o = torch.empty(2)
+        ringdp.reduce_scatter_tensor(o, torch.ones(2 * world))
+        refused = None if torch.equal(o, torch.full((2,), float(world))) else f"wrong result {o}"
+    except ringdp.RingError as e:
+        refused = str(e)
+    t = value(rank, 7)
+    dist.all_reduce(t)  # the hierarchical all-reduce after them: still in step
+    out["all_reduce after"] = (t, expected("SUM", world, 7, torch.float32))
+    dist.destroy_process_group()
+    released = comm._cross is None and comm.cross_path is None  # shutdown() closed the communicator
+    return {"results": out, "refused": refused, "released": released, "host_calls": host_calls}
+
+
+@pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])
+def test_other_collectives(hosts):
+    """reduce_scatter_tensor, all_gather_into_tensor and broadcast on a backend group across
+    hosts: hierarchical on even hosts (the in-host endpoint makes calls for them), the inner
+    gloo group on uneven ones (it makes none); exact either way."""
+    even = hosts == ["a", "a", "b", "b"]
+    for r, res in enumerate(values(run_ranks(case_other_collectives, 4, hosts, timeout=180))):
+        for name, (got, want) in res["results"].items():
+            assert torch.equal(got, want), f"rank {r} {name}: {got[:8]} != {want[:8]}"
+        if even:
+            assert res["host_calls"] >= 2 * 4, (r, res["host_calls"])  # 2 dtypes x (rs, ag, 2 broadcasts)
+            assert res["refused"] is None, res["refused"]
+        else:
+            assert res["host_calls"] == 0, (r, res["host_calls"])
+            assert res["refused"] and "different numbers of ranks" in res["refused"], res["refused"]
+        assert res["released"], f"rank {r}: the destroyed group's communicator kept its cross-host gloo group"
