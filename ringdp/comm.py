@@ -237,9 +237,14 @@ class Communicator:
         self.rank = dist.get_rank(group) if backend is None else backend.rank()
         self.world = dist.get_world_size(group) if backend is None else backend.size()
         self.timeout = self.config.timeout_s
-        key = _group_key(group) if backend is None else "backend"  # the backend's store is the group's own
-        gen = _generation.get(key, 0)
-        _generation[key] = gen + 1
+        if backend is None:  # the default store: a prefix per group and generation, counted per process
+            key = _group_key(group)
+            gen = _generation.get(key, 0)
+            _generation[key] = gen + 1
+        else:  # the group's own store (torch prefixes it per group): its ranks count there, so that
+            # ranks outside another ringdp group made before (new_group of some ranks) agree
+            key = "backend"
+            gen = (backend._ringdp_store().add("ringdp/backend/generation", 1) - 1) // self.world
         self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout, store=self._store)
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None

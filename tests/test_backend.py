@@ -473,6 +473,30 @@ def test_dead_peer_names_rank():
         assert out["seconds"] < 20
 
 
+def case_subgroup_then_all(rank, world):
+    """A ringdp group of some ranks, then one of all: every rank sets the second one up with
+    the same rendezvous prefix (counted in each group's own store), and both work."""
+    from datetime import timedelta
+
+    import ringdp  # noqa: F401 -- registers the backend
+
+    g1 = dist.new_group([0, 1], backend="cpu:ringdp", timeout=timedelta(seconds=20))
+    g2 = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=20))
+    t = torch.full((5,), float(rank + 1))
+    dist.all_reduce(t, group=g2)
+    u = torch.full((3,), float(rank + 1))
+    if rank < 2:
+        dist.all_reduce(u, group=g1)
+    return t.tolist(), u.tolist()
+
+
+def test_ringdp_subgroup_then_whole_group():
+    world = 4
+    for r, (t, u) in enumerate(values(run_ranks(case_subgroup_then_all, world, timeout=120))):
+        assert t == [world * (world + 1) / 2] * 5, (r, t)
+        assert u == ([3.0] * 3 if r < 2 else [r + 1.0] * 3), (r, u)
+
+
 def case_call_timeout(rank, world):
     """A native all-reduce whose c10d options carry a timeout (2 s) fails within it, naming
     the rank, though the group's own timeout is 60 s; rank 1 never comes."""
