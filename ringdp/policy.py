@@ -119,7 +119,7 @@ TWO_LEVEL = "two_level"  # even hosts: in-host reduce_scatter, cross-host all_re
 # k=4 1.035 / 1.64, k=8 1.070 / 1.93, fixed 16 MiB pieces 1.177 / 3.08. Two pieces fit best
 # and stay best (or within 0.01 of S/3) with alpha_net 5 or 20 us, launch 25 us, in-host
 # 250 GB/s or a 23 GB/s NIC. Where two pieces lose, the best is one piece (32-64 MiB at 8-16
-# hosts: up to 1.31x slower) or S/4-S/8 (0.5-1 GiB: up to 1.16x); S/4 loses up to 1.64x at
+# hosts: up to 1.31x slower) or S/4-S/16 (256 MiB-1 GiB: up to 1.16x); S/4 loses up to 1.64x at
 # 64 MiB on 16 hosts (4 x 16 MiB pieces, each paying the network latency). The 2-core box,
 # where the simulated hosts share the cores and nothing overlaps, agrees: 2x2 hosts, 16 / 64 /
 # 256 MiB: 4 MiB pieces 25-28 / 87-88 / 321 ms, 16 MiB pieces 17.5-22 / 81-87 / 297 ms, one
@@ -141,9 +141,10 @@ def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
 
 def two_level_piece_bytes(nbytes: int, min_piece_bytes: int, max_pieces: int | None = None) -> int:
     """Bytes per piece of a two-level all-reduce of `nbytes`: at most `max_pieces` pieces
-    (None: HIER_MAX_PIECES, read at each call), each at least `min_piece_bytes` (RINGDP_HIER_PIECE_BYTES), i.e.
-    max(min_piece_bytes, ceil(nbytes / max_pieces)); a tensor up to the minimum goes in one
-    piece. Rounding to whole elements (and to the local size) is the caller's business.
+    (None: HIER_MAX_PIECES, read at each call), each at least `min_piece_bytes`
+    (RINGDP_HIER_PIECE_BYTES), i.e. max(min_piece_bytes, ceil(nbytes / max_pieces)), so
+    that a tensor up to the minimum goes in one piece. Rounding to whole elements (and to
+    the local size) is the caller's business.
     No torch here: bench/cost_model.py imports it."""
     if max_pieces is None:
         max_pieces = HIER_MAX_PIECES
