@@ -702,7 +702,8 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
     out.line("# bytes per rank / S: " + ", ".join(f"{k} {v:.2f}" for k, v in factors.items()))
     if c.cross_path is not None:
         out.line(f"# hosts: {', '.join(f'rank {r} on {h}' for r, h in enumerate(c.host_keys))}; ringdp runs "
-                 f"{c.cross_path} (RINGDP_HIER_PIECE_BYTES {c.comm.config.hier_piece_bytes}), ringdp-flat gloo "
+                 f"{c.cross_path} (at most {ringdp.policy.HIER_MAX_PIECES} pieces of at least RINGDP_HIER_PIECE_BYTES "
+                 f"{c.comm.config.hier_piece_bytes}), ringdp-flat gloo "
                  "on the whole group; no roofline")
     elif c.comm is not None:
         out.line(f"# one-shot up to {threshold} bytes (algo auto)")
@@ -724,6 +725,9 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             "transport": c.transport,
             "hosts": c.host_keys,
             "cross_path": c.cross_path,
+            # the two-level pieces (policy.two_level_piece_bytes): bench/cost_model.py validates with them
+            "hier_pieces": ({"min_piece_bytes": c.comm.config.hier_piece_bytes,
+                             "max_pieces": ringdp.policy.HIER_MAX_PIECES} if c.cross_path == "two_level" else None),
             "memcpy": memcpy,
             "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
             "oneshot_max_bytes": threshold,

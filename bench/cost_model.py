@@ -17,17 +17,24 @@ It does three things, reading only committed benchmark JSONs (bench/allreduce.py
              4: a contention factor scales them (nominal: 2 = 4 processes / 2 cores;
              calibrated: shm copies by the ratio of the memcpy bandwidth per rank with all
              ranks copying at once in the two files, gloo by flat gloo's 4-rank beta over
-             1.5 x its 2-rank beta)
+             1.5 x its 2-rank beta). The pieces are those the run was measured with:
+             the file's "hier_pieces" (at most max_pieces of at least min_piece_bytes,
+             policy.two_level_piece_bytes), or fixed 16 MiB pieces for files written before
+             it (ringdp's rule until then)
   project    flat ring over H x G GPUs against the two-level algorithm (in-host RS/AG at
              NCCL's in-host ring busbw, inter-host all-reduce of 1/G of the data among H
              ranks per local rank), H = 2..16 hosts of G = 8 GPUs, 400 Gb/s NICs (one per GPU,
              or one per host), 1 MiB..1 GiB; pipelined in pieces as ringdp's _two_level
              schedules them (rs 0, rs 1, ag 0, rs 2, ag 1, ...; the inter-host all-reduce of
-             piece i runs while piece i+1 is reduce-scattered) and unpipelined
+             piece i runs while piece i+1 is reduce-scattered): ringdp's default pieces
+             (ringdp/policy.py two_level_piece_bytes, imported: at most HIER_MAX_PIECES pieces
+             of at least RINGDP_HIER_PIECE_BYTES), fixed 16 MiB pieces (ringdp's rule before
+             it), the best piece of a grid, and unpipelined
 
 Writes <out-dir>/cost_model_projection.json (fits, validation, assumptions, grid) and
 <out-dir>/cost_model_projection.png (speedup of two-level over the flat ring against size,
-one line per H, one panel per NIC case). numpy and matplotlib only; no torch.
+one line per H, one panel per NIC case). numpy and matplotlib only; no torch (ringdp/policy.py
+is loaded from its file, not through the ringdp package, which imports torch).
 
 Model (per step alpha, per byte beta; S = bytes of the tensor; n ranks):
     ring all-reduce      2(n-1) alpha + 2(n-1)/n S beta
@@ -38,6 +45,7 @@ Model (per step alpha, per byte beta; S = bytes of the tensor; n ranks):
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import sys
@@ -46,6 +54,17 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load_policy():
+    """ringdp/policy.py by its path: the rule ringdp runs, without importing torch."""
+    spec = importlib.util.spec_from_file_location("_ringdp_policy", ROOT / "ringdp" / "policy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+policy = _load_policy()
 MiB = 1 << 20
 GB = 1e9
 
@@ -65,7 +84,9 @@ DEFAULTS = {
     "alpha_nvlink_us": 3.4,
     "alpha_net_us": 9.6,
     "launch_us": 8.4,
-    "piece_bytes": 16 * MiB,  # RINGDP_HIER_PIECE_BYTES default
+    "min_piece_bytes": policy.HIER_PIECE_BYTES,  # RINGDP_HIER_PIECE_BYTES default: the minimum piece
+    "max_pieces": policy.HIER_MAX_PIECES,
+    "fixed_piece_bytes": 16 * MiB,  # the rule before policy.two_level_piece_bytes: fixed 16 MiB pieces
 }
 NIC_CASES = {"nic_per_gpu": "one 400 Gb/s NIC per GPU (DGX H100: 8 per host)",
              "nic_per_host": "one 400 Gb/s NIC per host"}
@@ -203,8 +224,20 @@ def box_flat_gloo(S: float, fits: dict, c_gloo: float, n: int = 4) -> float:
     return c_gloo * ring_allreduce(n, S, g["alpha_s"] / 2, g["beta_s_per_byte"])
 
 
-def validate(docs: dict, fits: dict, factors: dict, piece_bytes: int) -> list[dict]:
+def measured_pieces(doc: dict):
+    """The piece rule a --hosts run was measured with: bytes -> piece bytes. The file's
+    "hier_pieces" (policy.two_level_piece_bytes with its minimum and count), else fixed 16 MiB
+    pieces (files written before that rule; RINGDP_HIER_PIECE_BYTES if it was set)."""
+    hp = doc.get("hier_pieces")
+    if hp:
+        return lambda S: policy.two_level_piece_bytes(int(S), hp["min_piece_bytes"], hp["max_pieces"])
+    fixed = int(doc.get("env", {}).get("RINGDP_HIER_PIECE_BYTES", DEFAULTS["fixed_piece_bytes"]))
+    return lambda S: fixed
+
+
+def validate(docs: dict, fits: dict, factors: dict) -> list[dict]:
     doc = docs[COMPONENTS["gloo4_flat"][0]]
+    piece_of = measured_pieces(doc)
     measured = {}
     for r in doc["rows"]:
         measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
@@ -212,10 +245,10 @@ def validate(docs: dict, fits: dict, factors: dict, piece_bytes: int) -> list[di
     for S in sorted(measured):
         if S < MiB:
             continue
-        row = {"size": int(S)}
+        row = {"size": int(S), "piece_bytes": int(min(S, piece_of(S)))}
         for kind in ("nominal", "calibrated"):
             c = factors[kind]
-            tl = box_two_level(S, fits, c["shm"], c["gloo"], piece_bytes)
+            tl = box_two_level(S, fits, c["shm"], c["gloo"], piece_of(S))
             row[f"two_level_pred_{kind}_s"] = tl["total_s"]
             row[f"two_level_gloo_part_{kind}_s"] = tl["gloo_s"]
             row[f"two_level_shm_part_{kind}_s"] = tl["shm_s"]
@@ -315,6 +348,11 @@ def best_piece(S: float, H: int, hw: dict) -> tuple[float, int]:
     return best
 
 
+def ringdp_piece(S: float, args) -> int:
+    """The piece ringdp's two-level all-reduce uses for S bytes (policy.two_level_piece_bytes)."""
+    return policy.two_level_piece_bytes(int(S), args.min_piece_bytes, args.max_pieces)
+
+
 def project(args) -> dict:
     grid = []
     for case in NIC_CASES:
@@ -325,16 +363,53 @@ def project(args) -> dict:
             for S in DEFAULTS["sizes"]:
                 flat = flat_ring(S, H, hw)
                 unp = two_level(S, H, hw, None)
-                pip = two_level(S, H, hw, args.piece_bytes)
+                piece = ringdp_piece(S, args)
+                pip = two_level(S, H, hw, piece)
+                fixed = two_level(S, H, hw, args.fixed_piece_bytes)
                 bt, bp = best_piece(S, H, hw)
                 N = H * hw["G"]
                 grid.append({"nic_case": case, "hosts": H, "gpus": N, "size": int(S),
-                             "flat_us": flat * 1e6, "two_level_us": pip * 1e6, "two_level_unpipelined_us": unp * 1e6,
+                             "piece_bytes": int(min(S, piece)), "pieces": len(_pieces(S, piece)),
+                             "flat_us": flat * 1e6, "two_level_us": pip * 1e6, "two_level_fixed_piece_us": fixed * 1e6,
+                             "two_level_unpipelined_us": unp * 1e6,
                              "two_level_best_piece_us": bt * 1e6, "best_piece_bytes": bp,
-                             "speedup": flat / pip, "speedup_unpipelined": flat / unp, "speedup_best_piece": flat / bt,
+                             "speedup": flat / pip, "speedup_fixed_piece": flat / fixed,
+                             "speedup_unpipelined": flat / unp, "speedup_best_piece": flat / bt,
                              "flat_busbw_GBps": 2 * (N - 1) / N * S / flat / GB,
                              "two_level_busbw_GBps": 2 * (N - 1) / N * S / pip / GB})
     return {"grid": grid}
+
+
+PIECE_COUNTS = [1, 2, 3, 4, 8]
+
+
+def compare_piece_rules(args, hosts=range(2, 17)) -> list[dict]:
+    """How close each rule comes to the model's best piece: max(minimum, ceil(S / k)) for k in
+    PIECE_COUNTS, and fixed pieces, over H = 2..16 hosts, both NIC cases and every size of the
+    grid; time with the rule / time with the best piece: geometric mean, worst, and the share
+    of cells within 5%. policy.HIER_MAX_PIECES is chosen from this."""
+    rules = [(f"max({size_name(args.min_piece_bytes)}, S/{k})", k,
+              lambda S, k=k: policy.two_level_piece_bytes(int(S), args.min_piece_bytes, k)) for k in PIECE_COUNTS]
+    rules.append((f"fixed {size_name(args.fixed_piece_bytes)}", None, lambda S: args.fixed_piece_bytes))
+    ratios = {name: [] for name, _, _ in rules}
+    worst_at = {}
+    for case in NIC_CASES:
+        hw = hw_params(case, args.gpus_per_host, nvlink_busbw_GBps=args.nvlink_busbw, nic_GBps=args.nic_GBps,
+                       alpha_nvlink_us=args.alpha_nvlink_us, alpha_net_us=args.alpha_net_us,
+                       launch_us=args.launch_us)
+        for H in hosts:
+            for S in DEFAULTS["sizes"]:
+                bt, _ = best_piece(S, H, hw)
+                for name, _, rule in rules:
+                    r = two_level(S, H, hw, rule(S)) / bt
+                    ratios[name].append(r)
+                    if r >= max(ratios[name]):
+                        worst_at[name] = {"nic_case": case, "hosts": H, "size": int(S)}
+    return [{"rule": name, "max_pieces": k, "cells": len(ratios[name]),
+             "geomean_vs_best": float(np.exp(np.mean(np.log(ratios[name])))),
+             "worst_vs_best": float(max(ratios[name])), "worst_at": worst_at[name],
+             "within_5pct": float(np.mean(np.array(ratios[name]) <= 1.05)),
+             "is_ringdp_default": k == args.max_pieces} for name, k, _ in rules]
 
 
 def assumptions(args) -> dict:
@@ -357,7 +432,9 @@ def assumptions(args) -> dict:
                      "on one in-host stream; every collective pays launch_us",
         "not_modelled": "NCCL tree, NVLS, SHARP/CollNet and PAT (NCCL picks them for small messages or at "
                         "scale; this compares against the ring only); congestion in the network fabric",
-        "piece_bytes": args.piece_bytes,
+        "pieces": f"ringdp's default: policy.two_level_piece_bytes (at most {args.max_pieces} pieces of at least "
+                  f"{size_name(args.min_piece_bytes)}); for comparison fixed {size_name(args.fixed_piece_bytes)} "
+                  "pieces (the rule before), the best piece of 1 MiB..256 MiB or one piece, and unpipelined",
     }
 
 
@@ -387,11 +464,12 @@ def print_report(out: dict, file=sys.stdout) -> None:
       f"gloo {c['calibrated']['gloo']:.2f}")
     p()
     p("## predicted vs measured, allreduce_cpu_w4_float32_hosts2.json (2 hosts x 2 ranks, no overlap)")
-    p("| size | two-level measured | predicted, nominal (err) | predicted, calibrated (err) | of which gloo "
+    p("| size (piece) | two-level measured | predicted, nominal (err) | predicted, calibrated (err) | of which gloo "
       "| flat gloo measured | predicted, nominal (err) |")
     p("|---|---|---|---|---|---|---|")
     for r in out["validation"]:
-        p(f"| {size_name(r['size'])} | {fmt_ms(r['two_level_measured_s'])} | {fmt_ms(r['two_level_pred_nominal_s'])} "
+        p(f"| {size_name(r['size'])} ({size_name(r['piece_bytes'])}) | {fmt_ms(r['two_level_measured_s'])} | "
+          f"{fmt_ms(r['two_level_pred_nominal_s'])} "
           f"({r['two_level_err_nominal']:+.0%}) | {fmt_ms(r['two_level_pred_calibrated_s'])} "
           f"({r['two_level_err_calibrated']:+.0%}) | {fmt_ms(r['two_level_gloo_part_calibrated_s'])} | "
           f"{fmt_ms(r['flat_gloo_measured_s'])} | {fmt_ms(r['flat_gloo_pred_nominal_s'])} "
@@ -400,22 +478,35 @@ def print_report(out: dict, file=sys.stdout) -> None:
     p()
     p(f"two-level, 16 MiB-256 MiB: calibrated within {s['two_level_calibrated_max_abs_err']:.0%}, nominal within "
       f"{s['two_level_nominal_max_abs_err']:.0%}")
-    piece = out["args"]["piece_bytes"]
+    a = out["args"]
+    fixed = size_name(a["fixed_piece_bytes"])
     for case, what in NIC_CASES.items():
         p()
-        p(f"## projection, {what}: time of flat ring / two-level (pieces of {size_name(piece)}), speedup; "
-          "unpipelined speedup; best piece")
-        hosts = out["args"]["hosts"]
-        p("| size | " + " | ".join(f"H={H} ({H * out['args']['gpus_per_host']} GPUs)" for H in hosts) + " |")
+        p(f"## projection, {what}: flat ring / two-level with ringdp's pieces (at most {a['max_pieces']} of at "
+          f"least {size_name(a['min_piece_bytes'])}) (ms), **speedup**; [with {fixed} pieces; with the best "
+          "piece (size)]")
+        hosts = a["hosts"]
+        p("| size (ringdp's piece) | " + " | ".join(f"H={H} ({H * a['gpus_per_host']} GPUs)" for H in hosts) + " |")
         p("|---|" + "---|" * len(hosts))
         for S in DEFAULTS["sizes"][::2]:
             cells = []
             for H in hosts:
                 g = next(x for x in out["grid"] if x["nic_case"] == case and x["hosts"] == H and x["size"] == S)
-                cells.append(f"{g['flat_us'] / 1e3:.2f} / {g['two_level_us'] / 1e3:.2f} ms, **{g['speedup']:.2f}x**; "
-                             f"{g['speedup_unpipelined']:.2f}x; {size_name(g['best_piece_bytes'])} "
-                             f"{g['speedup_best_piece']:.2f}x")
-            p(f"| {size_name(S)} | " + " | ".join(cells) + " |")
+                cells.append(f"{g['flat_us'] / 1e3:.2f} / {g['two_level_us'] / 1e3:.2f}, **{g['speedup']:.2f}x** "
+                             f"[{g['speedup_fixed_piece']:.2f}x; {g['speedup_best_piece']:.2f}x, "
+                             f"{size_name(g['best_piece_bytes'])}]")
+            g = next(x for x in out["grid"] if x["nic_case"] == case and x["size"] == S)
+            p(f"| {size_name(S)} ({g['pieces']} x {size_name(g['piece_bytes'])}) | " + " | ".join(cells) + " |")
+    p()
+    p("## piece rules against the model's best piece, H = 2..16, both NIC cases, 1 MiB-1 GiB: time with the rule / "
+      "time with the best piece")
+    p("| rule | geometric mean | worst (where) | cells within 5% |")
+    p("|---|---|---|---|")
+    for r in out["piece_rules"]:
+        w = r["worst_at"]
+        p(f"| {r['rule']}{' (ringdp)' if r['is_ringdp_default'] else ''} | {r['geomean_vs_best']:.3f} | "
+          f"{r['worst_vs_best']:.2f} ({size_name(w['size'])}, H={w['hosts']}, {w['nic_case']}) | "
+          f"{r['within_5pct']:.0%} |")
 
 
 def plot(out: dict, path: Path) -> None:
@@ -430,9 +521,9 @@ def plot(out: dict, path: Path) -> None:
             rows = sorted((x for x in out["grid"] if x["nic_case"] == case and x["hosts"] == H),
                           key=lambda x: x["size"])
             xs = [x["size"] / MiB for x in rows]
-            line, = ax.plot(xs, [x["speedup"] for x in rows], marker="o", label=f"H={H}, pipelined")
-            ax.plot(xs, [x["speedup_unpipelined"] for x in rows], ls="--", color=line.get_color(), alpha=0.6,
-                    label=f"H={H}, unpipelined")
+            line, = ax.plot(xs, [x["speedup"] for x in rows], marker="o", label=f"H={H}, ringdp default")
+            ax.plot(xs, [x["speedup_fixed_piece"] for x in rows], ls="--", color=line.get_color(), alpha=0.5,
+                    label=f"H={H}, {size_name(out['args']['fixed_piece_bytes'])} pieces")
             ax.plot(xs, [x["speedup_best_piece"] for x in rows], ls=":", color=line.get_color(),
                     label=f"H={H}, best piece")
         ax.axhline(1.0, color="k", lw=0.8)
@@ -445,7 +536,8 @@ def plot(out: dict, path: Path) -> None:
     axes[0].set_ylabel("speedup of two-level over flat ring")
     axes[1].legend(fontsize=6.5, ncol=2)
     fig.suptitle(f"Model: {out['args']['gpus_per_host']} H100 per host, in-host {out['args']['nvlink_busbw']:g} GB/s, "
-                 f"NIC {out['args']['nic_GBps']:g} GB/s, pieces {size_name(out['args']['piece_bytes'])} "
+                 f"NIC {out['args']['nic_GBps']:g} GB/s, ringdp's pieces: at most {out['args']['max_pieces']} of at least "
+                 f"{size_name(out['args']['min_piece_bytes'])} "
                  "(bench/cost_model.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -458,7 +550,12 @@ def parse_args(argv=None):
     ap.add_argument("--results", default="bench/results",
                     help="folder of the benchmark JSONs read (relative to the repository root)")
     ap.add_argument("--out-dir", default="bench/out", help="where the JSON and PNG go")
-    ap.add_argument("--piece-bytes", type=int, default=DEFAULTS["piece_bytes"], help="pipeline piece")
+    ap.add_argument("--min-piece-bytes", type=int, default=DEFAULTS["min_piece_bytes"],
+                    help="ringdp's minimum piece (RINGDP_HIER_PIECE_BYTES; default policy.HIER_PIECE_BYTES)")
+    ap.add_argument("--max-pieces", type=int, default=DEFAULTS["max_pieces"],
+                    help="ringdp's piece count (default policy.HIER_MAX_PIECES)")
+    ap.add_argument("--fixed-piece-bytes", type=int, default=DEFAULTS["fixed_piece_bytes"],
+                    help="the fixed piece compared against (the rule before policy.two_level_piece_bytes)")
     ap.add_argument("--gpus-per-host", type=int, default=DEFAULTS["gpus_per_host"])
     ap.add_argument("--hosts", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULTS["hosts"])
     ap.add_argument("--nvlink-busbw", type=float, default=DEFAULTS["nvlink_busbw_GBps"], help="GB/s")
@@ -476,7 +573,7 @@ def run(args) -> dict:
         results = ROOT / results
     fits, docs = fit_components(results)
     factors = contention_factors(fits, docs)
-    val = validate(docs, fits, factors, args.piece_bytes)
+    val = validate(docs, fits, factors)
     big = [r for r in val if 16 * MiB <= r["size"] <= 256 * MiB]
     summary = {f"two_level_{k}_max_abs_err": max(abs(r[f"two_level_err_{k}"]) for r in big)
                for k in ("nominal", "calibrated")}
@@ -486,6 +583,7 @@ def run(args) -> dict:
            "contention": factors, "validation": val, "validation_summary": summary,
            "assumptions": assumptions(args)}
     out.update(project(args))
+    out["piece_rules"] = compare_piece_rules(args)
     return out
 
 

@@ -552,7 +552,7 @@ class Communicator:
 
     def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
         """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
-        by pieces of about RINGDP_HIER_PIECE_BYTES (local size x m elements each): the in-host
+        by pieces of policy.two_level_piece_bytes (local size x m elements each): the in-host
         reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
         position) reduced over the host, in place; gloo all-reduces that block across hosts
         while the next piece is reduce-scattered; the piece is then all-gathered inside the
@@ -560,7 +560,9 @@ class Communicator:
         (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
         come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
         L, lr = self.local_size, self.local_rank
-        per = max(1, self.config.hier_piece_bytes // (L * full.element_size()))  # block elements per piece
+        # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
+        per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
+                        // (L * full.element_size())))
         pending = None
         for off in range(0, blk, per):
             m = min(per, blk - off)

@@ -6,7 +6,8 @@ functions are the decisions, each made in one place for every transport:
 * choose_algo: ring or one-shot for one all-reduce (shared memory, CUDA IPC, NCCL alike);
 * oneshot_threshold: up to which size `auto` picks one-shot, per transport and world size;
 * transport_for: which CUDA transport (IPC inside a host, NCCL across hosts);
-* spin_ns, timeout_s: how long to spin before sleeping, how long to wait for peers.
+* spin_ns, timeout_s: how long to spin before sleeping, how long to wait for peers;
+* cross_host_path, two_level_piece_bytes: the CPU all-reduce across hosts and its pieces.
 
 ONESHOT_MAX_BYTES comes from `python bench/allreduce.py --algo ring,oneshot` on the 2-core CI
 machine (world 2 and 4, float32); see README.md "Choosing the algorithm".
@@ -106,13 +107,25 @@ def spin_ns(world: int, cfg) -> int:
 LOCAL = "local"  # one host: the shared-memory engine alone (today's path)
 FLAT = "flat"  # gloo all_reduce on the whole group (RINGDP_HIERARCHY=0, or one rank per host)
 TWO_LEVEL = "two_level"  # even hosts: in-host reduce_scatter, cross-host all_reduce per shard, in-host all_gather
-# Two-level path: the tensor goes in pieces of about this many bytes, the inter-host
-# all-reduce of one piece overlapping the in-host reduce-scatter of the next. Each piece
-# costs fixed synchronisation (a gloo call, two in-host calls); on the 2-core box, where the
-# simulated hosts share the cores and nothing overlaps, 16 MiB pieces beat 4 MiB ones
-# (2x2 hosts, 16 and 64 MiB: 17.5-22 / 81-87 ms against 25-28 / 87-88 ms). Real hosts, where
-# the network and the in-host copies use different resources: docs/hierarchy.md.
+# Two-level path: the tensor goes in at most HIER_MAX_PIECES pieces of at least
+# HIER_PIECE_BYTES (RINGDP_HIER_PIECE_BYTES, the *minimum* piece), the inter-host all-reduce
+# of one piece overlapping the in-host reduce-scatter of the next (two_level_piece_bytes).
+# Each piece pays fixed synchronisation: a gloo call and two in-host calls on the box; on real
+# hosts 3 launches and 2(H-1) network latencies (~300 us at 16 hosts). The count comes from
+# the cost model (bench/cost_model.py, docs/hierarchy.md "Piece size"): over H = 2..16 hosts
+# of 8 H100, one NIC per GPU and one per host, 1 MiB-1 GiB (330 cells), the time with
+# max(16 MiB, S/k) pieces against the model's best piece (1 MiB..256 MiB or one piece) is,
+# geometric mean / worst: k=1 1.064 / 1.59, k=2 1.022 / 1.31, k=3 1.023 / 1.37,
+# k=4 1.035 / 1.64, k=8 1.070 / 1.93, fixed 16 MiB pieces 1.177 / 3.08. Two pieces fit best
+# and stay best (or within 0.01 of S/3) with alpha_net 5 or 20 us, launch 25 us, in-host
+# 250 GB/s or a 23 GB/s NIC. Where two pieces lose, the best is one piece (32-64 MiB at 8-16
+# hosts: up to 1.31x slower) or S/4-S/16 (256 MiB-1 GiB: up to 1.16x); S/4 loses up to 1.64x at
+# 64 MiB on 16 hosts (4 x 16 MiB pieces, each paying the network latency). The 2-core box,
+# where the simulated hosts share the cores and nothing overlaps, agrees: 2x2 hosts, 16 / 64 /
+# 256 MiB: 4 MiB pieces 25-28 / 87-88 / 321 ms, 16 MiB pieces 17.5-22 / 81-87 / 297 ms, one
+# piece 19-20 / 65-76 / 293 ms.
 HIER_PIECE_BYTES = 16 << 20
+HIER_MAX_PIECES = 2
 LEADERS = "leaders"  # uneven hosts: in-host all_reduce, leaders' all_reduce across hosts, in-host broadcast
 
 
@@ -124,3 +137,18 @@ def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
     if not hierarchy or max(local_sizes) == 1:
         return FLAT
     return TWO_LEVEL if len(set(local_sizes)) == 1 else LEADERS
+
+
+def two_level_piece_bytes(nbytes: int, min_piece_bytes: int, max_pieces: int | None = None) -> int:
+    """Bytes per piece of a two-level all-reduce of `nbytes`: at most `max_pieces` pieces
+    (None: HIER_MAX_PIECES, read at each call), each at least `min_piece_bytes`
+    (RINGDP_HIER_PIECE_BYTES), i.e. max(min_piece_bytes, ceil(nbytes / max_pieces)), so
+    that a tensor up to the minimum goes in one piece. Rounding to whole elements (and to
+    the local size) is the caller's business.
+    No torch here: bench/cost_model.py imports it."""
+    if max_pieces is None:
+        max_pieces = HIER_MAX_PIECES
+    if nbytes < 0 or min_piece_bytes < 1 or max_pieces < 1:
+        raise ValueError(f"two_level_piece_bytes: nbytes {nbytes} must be >= 0, min_piece_bytes "
+                         f"{min_piece_bytes} and max_pieces {max_pieces} >= 1")
+    return max(min_piece_bytes, -(-nbytes // max_pieces))

@@ -145,3 +145,66 @@ def test_script_end_to_end(tmp_path):
     g = next(x for x in grid if x["nic_case"] == "nic_per_host" and x["hosts"] == 2 and x["size"] == 1 << 30)
     assert 1.5 < g["speedup_best_piece"] < 1.875
     assert out["assumptions"]["nic_GBps"] == 46.0
+    # the solid line is ringdp's policy: pieces of policy.two_level_piece_bytes
+    for g in grid:
+        p = cm.policy.two_level_piece_bytes(g["size"], cm.policy.HIER_PIECE_BYTES)
+        assert g["piece_bytes"] == min(p, g["size"]) and g["pieces"] == -(-g["size"] // p)
+        assert g["pieces"] <= cm.policy.HIER_MAX_PIECES
+    rules = {r["max_pieces"]: r for r in out["piece_rules"]}
+    assert rules[cm.policy.HIER_MAX_PIECES]["is_ringdp_default"]
+    for r in out["piece_rules"]:
+        assert r["cells"] == 2 * 15 * 11 and r["geomean_vs_best"] >= 1 - 1e-12 and r["worst_vs_best"] >= 1 - 1e-12
+
+
+def _load_real_policy():
+    """ringdp/policy.py as the package has it (without importing torch through ringdp)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_policy_check", ROOT / "ringdp" / "policy.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_model_uses_ringdps_policy():
+    pol = _load_real_policy()
+    assert Path(cm.policy.__file__).resolve() == (ROOT / "ringdp" / "policy.py").resolve()
+    assert cm.policy.__name__ == "_ringdp_policy"  # loaded by path, not through the package (torch)
+    assert cm.DEFAULTS["min_piece_bytes"] == pol.HIER_PIECE_BYTES
+    assert cm.DEFAULTS["max_pieces"] == pol.HIER_MAX_PIECES
+    args = cm.parse_args([])
+    hw = cm.hw_params("nic_per_gpu")
+    for S in cm.DEFAULTS["sizes"]:
+        p = pol.two_level_piece_bytes(S, pol.HIER_PIECE_BYTES)
+        assert cm.ringdp_piece(S, args) == p
+        assert cm.two_level(S, 4, hw, cm.ringdp_piece(S, args)) == cm.two_level(S, 4, hw, p)
+    # closed forms of the pieces the model schedules: one up to the minimum, then HIER_MAX_PIECES
+    k = pol.HIER_MAX_PIECES
+    assert cm._pieces(MiB, cm.ringdp_piece(MiB, args)) == [float(MiB)]
+    assert cm._pieces(16 * MiB, cm.ringdp_piece(16 * MiB, args)) == [16.0 * MiB]
+    assert cm._pieces(1 << 30, cm.ringdp_piece(1 << 30, args)) == [float((1 << 30) // k)] * k
+
+
+def test_piece_rule_is_near_the_models_best():
+    """HIER_MAX_PIECES is the count whose rule comes closest to the model's best piece (what
+    policy.py's comment says): the best geometric mean of the rules compared, and far better
+    than fixed 16 MiB pieces at large sizes across many hosts."""
+    args = cm.parse_args([])
+    rules = cm.compare_piece_rules(args, hosts=[2, 4, 8, 16])
+    ours = next(r for r in rules if r["is_ringdp_default"])
+    assert ours["geomean_vs_best"] == min(r["geomean_vs_best"] for r in rules)
+    fixed = next(r for r in rules if r["max_pieces"] is None)
+    assert ours["worst_vs_best"] < 1.35 < 2.5 < fixed["worst_vs_best"]
+    assert fixed["geomean_vs_best"] > ours["geomean_vs_best"] + 0.1
+    hw = cm.hw_params("nic_per_gpu")
+    S = 1 << 30
+    assert cm.flat_ring(S, 16, hw) / cm.two_level(S, 16, hw, cm.ringdp_piece(S, args)) > 0.75
+    assert cm.flat_ring(S, 16, hw) / cm.two_level(S, 16, hw, 16 * MiB) < 0.3
+
+
+def test_validation_uses_the_pieces_the_file_was_measured_with():
+    old = cm.measured_pieces({"env": {}})
+    assert old(256 * MiB) == 16 * MiB  # files before policy.two_level_piece_bytes: fixed 16 MiB
+    assert cm.measured_pieces({"env": {"RINGDP_HIER_PIECE_BYTES": str(1 << 40)}})(256 * MiB) == 1 << 40
+    new = cm.measured_pieces({"hier_pieces": {"min_piece_bytes": 16 * MiB, "max_pieces": 2}})
+    assert new(256 * MiB) == 128 * MiB and new(16 * MiB) == 16 * MiB and new(20 * MiB) == 16 * MiB

@@ -36,11 +36,13 @@ def _as_host(rank, hosts, hierarchy=None, timeout=60):
     return ringdp.init(timeout=timeout)
 
 
-def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None):
+def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces=None):
     import ringdp
 
     if piece_bytes is not None:
         os.environ["RINGDP_HIER_PIECE_BYTES"] = str(piece_bytes)
+    if max_pieces is not None:  # this process only (run_ranks: fresh processes)
+        ringdp.policy.HIER_MAX_PIECES = max_pieces
 
     c = _as_host(rank, hosts, hierarchy)
     bad, digests = [], {}
@@ -93,9 +95,11 @@ def _check_matrix(res, path, locals_):
     return res[0]["digests"]
 
 
-@pytest.mark.parametrize("piece_bytes", [None, 8192])  # 8 KiB pieces: 3 to 300 pieces per call
-def test_even_hosts_two_level(piece_bytes):
-    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, timeout=200))
+# default: one piece; 8 KiB minimum: 2 pieces (policy.HIER_MAX_PIECES) from 8 KiB, of whole
+# elements (4099 bfloat16 padded to 2 x 2050: pieces of 2 x 2048 and 2 x 2); no cap: 3 to 300
+@pytest.mark.parametrize("piece_bytes,max_pieces", [(None, None), (8192, None), (8192, 10 ** 6)])
+def test_even_hosts_two_level(piece_bytes, max_pieces):
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, max_pieces, timeout=200))
     _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
 
 

@@ -69,3 +69,58 @@ def test_parser_values_and_unknown_names():
     assert cfg.ddp_in_grad_min_bytes == -1 and cfg.trace is None  # empty means unset
     with pytest.warns(UserWarning, match="RINGDP_TIMEOUTS"):
         Config.from_env({"RINGDP_TIMEOUTS": "5"})  # a typo is reported, not silently ignored
+
+
+MiB = 1 << 20
+
+
+def test_two_level_piece_bytes_closed_forms():
+    f, k = policy.two_level_piece_bytes, policy.HIER_MAX_PIECES
+    mn = policy.HIER_PIECE_BYTES
+    assert mn == 16 * MiB and k == 2 and Config.from_env({}).hier_piece_bytes == mn
+    # small tensors: one piece (the minimum is at least the tensor)
+    for n in (0, 1, 4096, mn - 1, mn):
+        assert f(n, mn) == mn and -(-max(n, 1) // f(n, mn)) == 1
+    # up to k x the minimum: pieces of the minimum, ceil(n / min) of them
+    assert f(mn + 1, mn) == mn and f(k * mn, mn) == mn
+    # large tensors: exactly k pieces of ceil(n / k)
+    for n in (k * mn + 1, 64 * MiB, 256 * MiB + 3, 1 << 30):
+        p = f(n, mn)
+        assert p == -(-n // k) and p >= mn and -(-n // p) == k and (k - 1) * p < n
+    assert f(1 << 30, mn) == 512 * MiB
+    # the minimum honoured whatever the size; an explicit count
+    assert f(100 * MiB, 64 * MiB) == 64 * MiB
+    assert f(100 * MiB, 8 * MiB, max_pieces=4) == 25 * MiB
+    assert f(10, 1, max_pieces=4) == 3
+    assert f(10, 1, max_pieces=1) == 10
+    # HIER_MAX_PIECES is read at each call (tests/test_hierarchy.py lifts it in a rank)
+    old = policy.HIER_MAX_PIECES
+    try:
+        policy.HIER_MAX_PIECES = 8
+        assert f(1 << 30, mn) == 128 * MiB
+    finally:
+        policy.HIER_MAX_PIECES = old
+    for bad in ((-1, mn), (10, 0), (10, 1, 0)):
+        with pytest.raises(ValueError):
+            f(*bad)
+
+
+def test_hier_piece_bytes_env_is_the_minimum():
+    cfg = Config.from_env({"RINGDP_HIER_PIECE_BYTES": str(4 * MiB)})
+    assert policy.two_level_piece_bytes(6 * MiB, cfg.hier_piece_bytes) == 4 * MiB  # 2 pieces: 4 + 2 MiB
+    assert policy.two_level_piece_bytes(64 * MiB, cfg.hier_piece_bytes) == 32 * MiB
+    cfg = Config.from_env({"RINGDP_HIER_PIECE_BYTES": str(1 << 40)})  # one piece always
+    assert policy.two_level_piece_bytes(1 << 30, cfg.hier_piece_bytes) == 1 << 40
+    with pytest.raises(ValueError, match="RINGDP_HIER_PIECE_BYTES"):
+        Config.from_env({"RINGDP_HIER_PIECE_BYTES": "0"})
+
+
+def test_policy_is_torch_free():
+    """bench/cost_model.py imports policy.py by path, without torch."""
+    import ast
+    import pathlib
+
+    tree = ast.parse(pathlib.Path(policy.__file__).read_text())
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= {"os", "__future__"}, mods
