@@ -201,13 +201,13 @@ def test_no_shm_left_behind(how):
     assert names and not (set(names) & _shm_names())
 
 
-def test_different_hosts_all_reduce_works_and_the_rest_is_a_clear_error():
-    # Ranks on two hosts (hostnames differ): a CPU all_reduce runs across hosts (one rank per
-    # host: gloo; tests/test_hierarchy.py has the rest); what needs one host says so clearly.
-    for ok, msgs in values(run_ranks(_fake_host, 2)):
-        assert ok
-        assert len(msgs) == 3
-        assert all("spans 2 hosts" in m and "NCCL" in m for m in msgs), msgs
+def test_different_hosts_collectives_work_and_registered_memory_is_a_clear_error():
+    # Ranks on two hosts (hostnames differ), one rank each (the flat path: gloo on the whole
+    # group; tests/test_hierarchy.py has the rest): the CPU collectives run; registered
+    # memory, which needs ranks sharing a host, says so clearly.
+    for ok, msg in values(run_ranks(_fake_host, 2)):
+        assert ok == [True] * 4, ok
+        assert msg is not None and "spans 2 hosts" in msg and "RINGDP_HIERARCHY" in msg, msg
 
 
 def _fake_host(rank, world):
@@ -219,12 +219,19 @@ def _fake_host(rank, world):
     ringdp.init(timeout=20)
     t = torch.arange(5.0) + rank
     ringdp.all_reduce(t)
-    msgs = []
-    for call in (lambda: ringdp.reduce_scatter_tensor(torch.empty(1), torch.ones(2)),
-                 lambda: ringdp.all_gather_into_tensor(torch.empty(2), torch.ones(1)),
-                 lambda: ringdp.broadcast(torch.ones(2), 0)):
-        try:
-            call()
-        except ringdp.RingError as e:
-            msgs.append(str(e))
-    return torch.equal(t, 2 * torch.arange(5.0) + 1), msgs
+    ok = [torch.equal(t, 2 * torch.arange(5.0) + 1)]
+    out = torch.empty(2)
+    ringdp.reduce_scatter_tensor(out, torch.arange(4.0) + rank)
+    ok.append(torch.equal(out, 2 * torch.arange(2.0 * rank, 2.0 * rank + 2) + 1))
+    g = torch.empty(4)
+    ringdp.all_gather_into_tensor(g, torch.full((2,), float(rank)))
+    ok.append(torch.equal(g, torch.tensor([0.0, 0.0, 1.0, 1.0])))
+    b = torch.full((3,), float(rank))
+    ringdp.broadcast(b, 1)
+    ok.append(torch.equal(b, torch.ones(3)))
+    try:
+        ringdp.empty(4)
+        msg = None
+    except ValueError as e:
+        msg = str(e)
+    return ok, msg
