@@ -27,7 +27,7 @@ Routing (``ProcessGroupRingdp``):
   * a group whose ranks are on several hosts: its CPU collectives above run on the
     communicator's hierarchical paths (README "Across hosts": two-level, flat gloo with
     RINGDP_HIERARCHY=0 or one rank per host; its cross-host gloo groups are made here, in
-    the constructor, from the store: Communicator._setup_hosts); on uneven hosts only the
+    the constructor, from the store: hosts.CrossHost.create); on uneven hosts only the
     all-reduces (leaders path), the others go to the inner gloo group (PREMUL_SUM:
     multiplied here, summed there).
   * CUDA tensors: ringdp's CUDA all-reduce when the extension has CUDA and the group was

@@ -9,10 +9,9 @@ Set-up (collective, ringdp.init or the first collective of the group):
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
      A group that spans hosts: a host-local shared-memory endpoint (this host's ranks) and
-     gloo subgroups across hosts (README "Across hosts", _setup_hosts; for a group of
+     gloo subgroups across hosts (ringdp/hosts.py, README "Across hosts"; for a group of
      ringdp's backend too, its gloo subgroups made from its store): the CPU collectives run
-     hierarchically (_all_reduce_hosts, _reduce_scatter_hosts, ...); ringdp.empty comes from
-     this host's arena.
+     hierarchically there; ringdp.empty comes from this host's arena.
 
 Fingerprints: every collective carries a tag (the caller's name for it: ``tag=``, else the
 thread's ``collective_tag`` block, else empty) beside its call number and kind; ranks that
@@ -50,14 +49,11 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions, ReduceScatterOptions
-from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from . import _types, cuda_comm, policy
+from . import _types, cuda_comm, hosts, policy
 from ._native import RingError, _C
 from .config import ALGOS, Config, trace_path
 from .rendezvous import Rendezvous
@@ -263,14 +259,7 @@ class Communicator:
         self._shm = None  # the shared-memory endpoint (ranks of one host)
         self._shm_error: str | None = None  # why there is none
         self._cuda: cuda_comm.CudaEndpoint | None = None
-        # Across hosts (CPU all_reduce only): the path (policy.cross_host_path), the host-local
-        # shared-memory endpoint (None with one rank on this host) and the gloo group across hosts
-        # this rank takes part in (None: none, e.g. a non-leader on the uneven path).
-        self.cross_path: str | None = None
-        self._host_shm = None
-        self._cross = None
-        self._cross_ranks: list[int] = []
-        self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
+        self.across: hosts.CrossHost | None = None  # a group that spans hosts: its CPU collectives
         if len(self.host_order) > 1:  # CUDA tensors use NCCL; CPU all_reduce runs hierarchically
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
             self._shm_error = (
@@ -278,11 +267,16 @@ class Communicator:
                 f"runs the CPU collectives hierarchically (README 'Across hosts'); registered memory "
                 f"(ringdp.empty) needs an in-host step (not with RINGDP_HIERARCHY=0 or one rank per host); "
                 f"CUDA tensors across hosts use the NCCL transport.")
-            self._setup_hosts(group)
+            self.across = hosts.CrossHost.create(self, group)
         else:
             self._shm = self._connect_shm()
 
     # ---- lifetime -----------------------------------------------------------------------
+    @property
+    def cross_path(self) -> str | None:
+        """Across hosts: the path of the CPU collectives (policy.cross_host_path); else None."""
+        return self.across.path if self.across is not None else None
+
     @property
     def group(self):
         """The process group (None for the default group's communicator)."""
@@ -322,47 +316,6 @@ class Communicator:
     def _topology(self) -> list[str]:
         """Every rank's host key (RINGDP_HOST_ID, else hostname and boot id), by rank."""
         return [h.decode() for h in self.rendezvous.exchange("host", self.host_key, "the host records")]
-
-    def _setup_hosts(self, group) -> None:
-        """Set the cross-host all-reduce up (collective, every rank of the group): the path,
-        this host's shared-memory endpoint (its ranks only) and the gloo group(s) across hosts,
-        each with ringdp's timeout; a rank that is in none (a non-leader on the uneven path)
-        gets none.
-
-        A group of any backend: the gloo groups are torch.distributed groups made with
-        dist.new_group(use_local_synchronization=True) (only their members call it). A group
-        of ringdp's backend sets up inside init_process_group/new_group, where new_group cannot
-        run (the group being made is not registered yet): its gloo groups are ProcessGroupGloo
-        objects made directly on the backend's store under a prefix of this communicator's
-        and the subgroup's (as the backend's inner gloo group is), their ranks numbered as in
-        the backend's group. Both kinds are called the same way (_gloo_start). They are never
-        the backend's inner gloo group: the cross-host steps run on ringdp's worker thread and
-        would interleave with the inner group's calls differently on different ranks."""
-        path = policy.cross_host_path(self.local_sizes, self.config.hierarchy)
-        self.cross_path = path
-        by_host = [[r for r, h in enumerate(self.hosts) if h == k] for k in self.host_order]
-        if path == policy.FLAT:
-            members, name = list(range(self.world)), "flat"
-        elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
-            members, name = [ranks[self.local_rank] for ranks in by_host], f"local{self.local_rank}"
-        else:  # LEADERS: the first rank of every host
-            members, name = ([ranks[0] for ranks in by_host] if self.local_rank == 0 else []), "leaders"
-        if path != policy.FLAT and self.local_size > 1:
-            k = self.host_order.index(self.host_key)
-            rdv = Rendezvous(f"{self.rendezvous._prefix}host{k}/", self.local_rank, self.local_size, self.timeout,
-                             store=self._store)
-            self._host_shm = self._connect_shm(rdv)
-        if not members:
-            return
-        self._cross_ranks = members
-        timeout = timedelta(seconds=self.timeout)
-        if self._backend:
-            store = dist.PrefixStore(f"{self.rendezvous._prefix}cross-{name}/", self._store())
-            self._cross = ProcessGroupGloo(store, members.index(self.rank), len(members), timeout=timeout)
-        else:
-            granks = list(range(self.world)) if self._world_group else dist.get_process_group_ranks(self.group)
-            self._cross = dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
-                                         use_local_synchronization=True)
 
     def _connect_shm(self, rdv: Rendezvous | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3).
@@ -493,222 +446,13 @@ class Communicator:
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
             return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t)
-        if self.cross_path is not None:
-            return self._all_reduce_hosts(tensor, code, forced, async_op, t, tag)
+        if self.across is not None:
+            return self._submit(lambda: self.across.all_reduce(tensor, code, forced, t, tag), async_op,
+                                outputs=[tensor])
         if self._shm_error:
             raise RingError(self._shm_error)
         a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
-
-    def _all_reduce_hosts(self, tensor, code, forced, async_op, t, tag):
-        """A CPU all-reduce across hosts, on the path policy.cross_host_path chose:
-        TWO_LEVEL (as many ranks on every host): the tensor, padded to a multiple of the
-        local size, is reduce-scattered inside the host (shared memory), each shard
-        all-reduced across hosts by the gloo group of the ranks with this local rank, then
-        all-gathered inside the host, piece by piece, pipelined (_two_level). LEADERS
-        (uneven hosts): all-reduce inside the host, the hosts' first ranks all-reduce across
-        hosts, broadcast inside the host. FLAT:
-        gloo on the whole group. AVG: SUM, then one division by the world size. Every rank
-        ends with the same bytes: gloo gives its members the same result and the in-host
-        steps copy it."""
-        red = _types.SUM if code == _types.AVG else code
-        dop = _GLOO_OPS[red]
-        path, shm, n = self.cross_path, self._host_shm, tensor.numel()
-
-        def run():
-            if n == 0:
-                return
-            flat = tensor.view(-1)
-            if path == policy.TWO_LEVEL:
-                blk = -(-n // self.local_size)
-                full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
-                self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
-                if full is not flat:
-                    flat.copy_(full[:n])
-                return
-            if path == policy.LEADERS:
-                if shm is not None:
-                    shm.all_reduce(flat, red, self._host_algo(flat, forced), t, tag)
-                if self._cross is not None:
-                    self._gloo(flat, dop, t, shm, tag)
-                if shm is not None:
-                    shm.broadcast(flat, 0, self._host_algo(flat, forced), t, tag)
-            else:
-                self._gloo(flat, dop, t)
-            if code == _types.AVG:
-                flat.div_(self.world)
-
-        return self._submit(run, async_op, outputs=[tensor])
-
-    def _padded(self, flat, size: int):
-        """`flat` copied into the first elements of a reused buffer of `size`, the rest zero
-        (its values never reach the result: each rank keeps only its first n elements)."""
-        if self._pad.numel() < size or self._pad.dtype != flat.dtype:
-            self._pad = torch.empty(size, dtype=flat.dtype)
-        full = self._pad[:size]
-        full[:flat.numel()].copy_(flat)
-        full[flat.numel():].zero_()
-        return full
-
-    def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
-        """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
-        by pieces of policy.two_level_piece_bytes (local size x m elements each): the in-host
-        reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
-        position) reduced over the host, in place; gloo all-reduces that block across hosts
-        while the next piece is reduce-scattered; the piece is then all-gathered inside the
-        host from each rank's block, in place. No copy beyond the transports' own, no buffer
-        (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
-        come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
-        L, lr = self.local_size, self.local_rank
-        # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
-        per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
-                        // (L * full.element_size())))
-        pending = None
-        for off in range(0, blk, per):
-            m = min(per, blk - off)
-            piece = full[off * L:(off + m) * L]
-            mine = piece[lr * m:(lr + 1) * m]
-            self._host_shm.reduce_scatter(mine, piece, red, self._host_algo(piece, forced), t, tag)
-            work = self._gloo_start(mine, dop, t, self._host_shm, tag)
-            if pending is not None:
-                self._gather_piece(*pending, avg, forced, t, tag)
-            pending = (work, mine, piece)
-        self._gather_piece(*pending, avg, forced, t, tag)
-
-    def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
-        self._gloo_wait(work, t, self._host_shm, tag)
-        if avg:
-            mine.div_(self.world)
-        self._host_shm.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
-
-    def _host_algo(self, tensor, forced: str) -> int:
-        """The algorithm code of one collective of `tensor` on this host's endpoint."""
-        cap = self._host_shm.oneshot_bytes
-        threshold = policy.oneshot_threshold("shm", self.local_size, self.config, cap)
-        return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
-
-    def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
-        """All-reduce `tensor` on this rank's gloo group across hosts (failures: _gloo_wait)."""
-        self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
-
-    def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
-        """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dop
-        try:  # the group's own method: a ProcessGroupGloo of the backend's is no registered group
-            return self._cross.allreduce([tensor], opts)
-        except Exception as e:  # noqa: BLE001
-            self._gloo_failed(e, timeout_s, shm, tag)
-
-    def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
-        """Wait for a gloo all-reduce across hosts; a failure (a peer host died, a timeout) is
-        a RingError naming the group's ranks, and this host's peers (`shm`, waiting in the
-        next in-host step) are told at once by a rejected call."""
-        try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag)
-
-    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce"):
-        """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
-        first = str(e).splitlines()[0] if str(e) else ""
-        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {self._cross_ranks} of the group) "
-               f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
-               f"{type(e).__name__}: {first}")
-        if shm is not None:
-            try:
-                shm.reject(msg[:400], timeout_s, tag)
-            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
-                pass
-        raise RingError(msg) from None
-
-    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "") -> None:
-        """Run one gloo collective across hosts: start() issues it on this rank's cross-host
-        group through the group's own method (as _gloo_start: a backend's ProcessGroupGloo is
-        no registered group) and returns its Work; a failure is _gloo_failed's RingError."""
-        try:
-            start().wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag, what)
-
-    # ---- reduce_scatter, all_gather, broadcast across hosts ----------------------------------
-    # TWO_LEVEL (H hosts of L ranks): the cross-host group of local rank l holds, in host
-    # order, the rank with local rank l of every host, so its member k is host k's. Blocks
-    # are ordered "by local rank, then host" (l*H + k) for the in-host step, which then moves
-    # H blocks per rank, and the cross-host step 1 block per rank and host: both ring-optimal.
-    # FLAT (one rank per host, RINGDP_HIERARCHY=0): gloo on the whole group. LEADERS (uneven
-    # hosts): not yet (a RingError naming the layout); all_reduce runs there.
-    def _by_local_then_host(self) -> torch.Tensor:
-        """Position l*H + k -> the rank (of the group) with local rank l on host k."""
-        by_host = [[r for r, h in enumerate(self.hosts) if h == key] for key in self.host_order]
-        return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
-
-    def _hosts_path(self, what: str) -> str:
-        if self.cross_path == policy.LEADERS:
-            sizes = ", ".join(f"{h}: {n}" for h, n in zip(self.host_order, self.local_sizes))
-            raise RingError(f"rank {self.rank}: ringdp.{what} across hosts with different numbers of ranks "
-                            f"({sizes}) is not supported yet (all_reduce is); use torch.distributed's gloo")
-        return self.cross_path
-
-    def _reduce_scatter_hosts(self, output, input, code, forced, t, tag) -> None:
-        """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
-        rank then host, reduce-scattered inside the host (H blocks each: this local rank's
-        rank on every host, summed over this host), then reduce-scattered across hosts by the
-        gloo group of this local rank (block k: host k's). AVG: SUM, then / world size."""
-        red = _types.SUM if code == _types.AVG else code
-        dop = _GLOO_OPS[red]
-        n, out = output.numel(), output  # (contiguous: _check)
-        if n:
-            blocks = input.reshape(self.world, n)
-            if self._hosts_path("reduce_scatter_tensor") == policy.FLAT:
-                self._across("reduce_scatter", lambda: self._cross._reduce_scatter_base(
-                    out.view(-1), blocks.reshape(-1), _gloo_opts(ReduceScatterOptions, reduceOp=dop)), t)
-            else:
-                ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
-                part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
-                self._host_shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
-                self._across("reduce_scatter", lambda: self._cross._reduce_scatter_base(
-                    out.view(-1), part, _gloo_opts(ReduceScatterOptions, reduceOp=dop)), t, self._host_shm, tag)
-            if code == _types.AVG:
-                out.div_(self.world)
-
-    def _all_gather_hosts(self, output, input, forced, t, tag) -> None:
-        """all_gather_into_tensor across hosts. TWO_LEVEL: this rank's input all-gathered
-        across hosts by the gloo group of its local rank (one block per host), those H blocks
-        all-gathered inside the host, then put in rank order."""
-        n = input.numel()
-        if n == 0:
-            return
-        mine, out = input.reshape(-1), output  # (contiguous: _check)
-        if self._hosts_path("all_gather_into_tensor") == policy.FLAT:
-            self._across("all_gather", lambda: self._cross._allgather_base(
-                out.view(-1), mine, _gloo_opts(AllgatherOptions)), t)
-        else:
-            across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
-            self._across("all_gather", lambda: self._cross._allgather_base(
-                across, mine, _gloo_opts(AllgatherOptions)), t, self._host_shm, tag)
-            full = torch.empty(self.world * n, dtype=input.dtype)
-            self._host_shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
-            out.view(self.world, n).index_copy_(0, self._by_local_then_host(), full.view(self.world, n))
-
-    def _broadcast_hosts(self, tensor, src, forced, t, tag) -> None:
-        """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
-        from src's host to the rank with that local rank on every host, then each host
-        broadcasts from that rank inside the host."""
-        if tensor.numel() == 0:
-            return
-        buf = tensor  # (contiguous: _check)
-        if self._hosts_path("broadcast") == policy.FLAT:
-            self._across("broadcast", lambda: self._cross.broadcast([buf], _gloo_opts(BroadcastOptions, rootRank=src)), t)
-        else:
-            src_ranks = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]]
-            lr_src = src_ranks.index(src)
-            if self.local_rank == lr_src:
-                k = self.host_order.index(self.hosts[src])
-                self._across("broadcast", lambda: self._cross.broadcast([buf], _gloo_opts(BroadcastOptions, rootRank=k)),
-                             t, self._host_shm, tag)
-            flat = buf.view(-1)
-            self._host_shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -720,8 +464,8 @@ class Communicator:
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag)
         self._cpu_only(output, "reduce_scatter_tensor")
-        if self.cross_path is not None:
-            return self._submit(lambda: self._reduce_scatter_hosts(output, input, code, forced, t, tag), async_op,
+        if self.across is not None:
+            return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
                                 outputs=[output])
         a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
@@ -735,8 +479,8 @@ class Communicator:
         t, _, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag)
         self._cpu_only(output, "all_gather_into_tensor")
-        if self.cross_path is not None:
-            return self._submit(lambda: self._all_gather_hosts(output, input, forced, t, tag), async_op,
+        if self.across is not None:
+            return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
                                 outputs=[output])
         a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output])
@@ -755,8 +499,8 @@ class Communicator:
 
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag)
         self._cpu_only(tensor, "broadcast")
-        if self.cross_path is not None:
-            return self._submit(lambda: self._broadcast_hosts(tensor, src, forced, t, tag), async_op,
+        if self.across is not None:
+            return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
                                 outputs=[tensor])
         a = self._shm_algo(tensor.numel() * tensor.element_size(), forced)
         return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
@@ -854,11 +598,11 @@ class Communicator:
 
     def _cpu_only(self, tensor, what: str) -> None:
         """reduce_scatter, all_gather and broadcast run on CPU tensors only (on the shared-memory
-        transport, or across hosts on the paths of _reduce_scatter_hosts and the like)."""
+        transport, or across hosts: ringdp/hosts.py)."""
         if tensor.is_cuda:
             raise RingError(f"rank {self.rank}: ringdp.{what} does not run on CUDA tensors yet (only all_reduce "
                             f"does); use torch.distributed's NCCL backend for it")
-        if self._shm_error and self.cross_path is None:
+        if self._shm_error and self.across is None:
             raise RingError(self._shm_error)
 
     def _reject(self, tensor, why: str, timeout_s: float) -> None:
@@ -893,7 +637,9 @@ class Communicator:
         """The endpoint whose arena registered CPU tensors come from: the group's (one host),
         else this host's (a group that spans hosts: its in-host steps then run in place);
         None on the flat path across hosts (nothing in-host) or once closed."""
-        return self._shm if self._shm is not None else self._host_shm
+        if self._shm is not None:
+            return self._shm
+        return self.across.shm if self.across is not None else None
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:
@@ -912,7 +658,7 @@ class Communicator:
         """This rank's last collectives on the shared-memory transport, oldest first: seq,
         kind, count, dtype, op, algo, tag, status (running, ok, failed), start and end
         (microseconds since the epoch; end 0 while running)."""
-        shm = self._shm if self._shm is not None else self._host_shm
+        shm = self._cpu_arena()
         if shm is None:
             return []
         names = {code: name for name, code in policy.ALGO_CODES.items()}
@@ -955,9 +701,10 @@ class Communicator:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)
         # Registered tensors still alive keep the native object (and its mapping) alive.
-        self._shm = self._host_shm = None
-        self.cross_path = None
-        self._cross = None  # a backend's ProcessGroupGloo across hosts holds the store: let it go
+        self._shm = None
+        if self.across is not None:
+            self.across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
+            self.across = None
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
 
@@ -982,15 +729,6 @@ def _on_stall(ref, report: str) -> None:
             log.warning("ringdp rank %d: flight record written to %s", c.rank, path)
 
 
-def _gloo_opts(cls, **fields):
-    """c10d options for a call on a cross-host gloo group: `cls()` with `fields` set."""
-    opts = cls()
-    for k, v in fields.items():
-        setattr(opts, k, v)
-    return opts
-
-
-_GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 _comms: dict[str, Communicator] = {}
 _comms_lock = threading.Lock()
 

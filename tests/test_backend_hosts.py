@@ -1,5 +1,5 @@
 """ringdp's torch.distributed backend on a group that spans hosts (issue 12 point 3): its
-all-reduce runs ringdp's hierarchical path (Communicator._all_reduce_hosts), not its inner
+all-reduce runs ringdp's hierarchical path (ringdp/hosts.py CrossHost.all_reduce), not its inner
 gloo group. Hosts simulated on one machine with RINGDP_HOST_ID per rank, set before
 init_process_group("cpu:ringdp") (each rank leaves run_ranks' gloo group for a ringdp default
 group on the same store: the backend's communicator sets up inside init_process_group).
@@ -56,7 +56,7 @@ def _ringdp_world(rank, world, hosts, timeout=60, hierarchy=None):
 
 def _host_calls(comm) -> int:
     """Calls made so far on this rank's host-local shared-memory endpoint (0: none)."""
-    shm = comm._host_shm
+    shm = comm.across.shm if comm.across is not None else None
     if shm is None:
         return 0
     calls = shm.calls
@@ -67,7 +67,7 @@ def _calls_per_all_reduce(comm, n: int) -> int:
     """In-host calls one all-reduce of n (> 0) elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
     with several); flat or alone on a host: none."""
-    if n == 0 or comm._host_shm is None:
+    if n == 0 or comm.across is None or comm.across.shm is None:
         return 0
     return 2
 
@@ -117,12 +117,13 @@ def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
     mine = hashlib.sha256(repr(sorted(digests.items())).encode()).hexdigest()
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    cross = comm._cross
+    cross = comm.across.cross if comm.across is not None else None
     out = {"path": comm.cross_path, "local": (comm.local_rank, comm.local_size), "bad": bad,
            "digests": digests, "same_everywhere": all(d == mine for d in everyone),
-           "host_shm": comm._host_shm is not None, "matrix_calls": matrix_calls, "want_calls": want_calls,
+           "host_shm": comm.across is not None and comm.across.shm is not None,
+           "matrix_calls": matrix_calls, "want_calls": want_calls,
            "extra_calls": extra_calls, "shm": comm.shm is not None,
-           "cross": None if cross is None else (type(cross).__name__, comm._cross_ranks,
+           "cross": None if cross is None else (type(cross).__name__, comm.across.cross_ranks,
                                                 cross is not pg._gloo and isinstance(cross, ProcessGroupGloo))}
     dist.destroy_process_group()
     return out
@@ -266,7 +267,7 @@ def case_other_collectives(rank, world, hosts):
     dist.all_reduce(t)  # the hierarchical all-reduce after them: still in step
     out["all_reduce after"] = (t, expected("SUM", world, 7, torch.float32))
     dist.destroy_process_group()
-    released = comm._cross is None and comm.cross_path is None  # shutdown() closed the communicator
+    released = comm.across is None and comm.cross_path is None  # shutdown() closed the communicator
     return {"results": out, "refused": refused, "released": released, "host_calls": host_calls}
 
 

@@ -1,0 +1,297 @@
+"""Across hosts: the CPU collectives of a communicator whose group spans hosts (README
+"Across hosts", docs/hierarchy.md).
+
+A ``CrossHost`` is made by the Communicator at set-up (collective) when its ranks sit on
+more than one host, and holds what the hierarchy needs: the path (policy.cross_host_path),
+this host's shared-memory endpoint (its ranks only; None on the flat path or for a rank
+alone on its host) and the gloo group of this rank's cross-host step (None for a rank in
+none: a non-leader on the uneven path). Its collectives run where the Communicator runs
+every collective (inline or on its worker thread, under its lock):
+
+    path        all_reduce                 reduce_scatter / all_gather / broadcast
+    TWO_LEVEL   in-host RS, gloo AR of     blocks ordered by local rank, then host: in-host
+    (even)      each block, in-host AG,    step over H blocks, cross-host step one block per
+                pipelined in pieces        host (RS: in-host first; AG: across first;
+                                           broadcast: across to src's local rank, then in-host)
+    LEADERS     in-host AR, leaders' gloo  a RingError naming the layout (not yet)
+    (uneven)    AR, in-host broadcast
+    FLAT        gloo on the whole group    gloo on the whole group
+
+Every rank ends with the same bytes: gloo gives its members one result and the in-host
+steps copy it. AVG is SUM, then one division by the world size. A failed cross-host step
+(a host died, a timeout) is a RingError naming the gloo group's ranks, and this host's
+peers, waiting in the next in-host step, are told at once (a rejected call).
+
+The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
+these steps run on ringdp's worker thread and would interleave with the inner group's
+calls differently on different ranks. They are called through the group's own methods,
+since a backend's group is a bare ProcessGroupGloo that torch.distributed does not know.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions, ReduceScatterOptions
+from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+from . import _types, policy
+from ._native import RingError
+from .rendezvous import Rendezvous
+
+_GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
+
+
+def _gloo_opts(cls, **fields):
+    """c10d options for a call on a cross-host gloo group: `cls()` with `fields` set."""
+    opts = cls()
+    for k, v in fields.items():
+        setattr(opts, k, v)
+    return opts
+
+
+class CrossHost:
+    """The cross-host part of one communicator (module doc)."""
+
+    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int]):
+        self.rank, self.world, self.config = comm.rank, comm.world, comm.config
+        self.hosts, self.host_order = comm.hosts, comm.host_order  # every rank's host key; hosts by first rank
+        self.local_rank, self.local_size, self.local_sizes = comm.local_rank, comm.local_size, comm.local_sizes
+        self.path = path
+        self.shm = shm  # this host's shared-memory endpoint
+        self.cross = cross  # the gloo group of this rank's cross-host step
+        self.cross_ranks = cross_ranks  # its members (ranks of the communicator's group)
+        self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
+
+    @classmethod
+    def create(cls, comm, group) -> "CrossHost":
+        """Set the cross-host collectives up (collective, every rank of the group): the path,
+        this host's shared-memory endpoint (through the communicator's own set-up) and the
+        gloo group(s) across hosts, each with ringdp's timeout.
+
+        A group of any backend: the gloo groups are torch.distributed groups made with
+        dist.new_group(use_local_synchronization=True) (only their members call it). A group
+        of ringdp's backend sets up inside init_process_group/new_group, where new_group cannot
+        run (the group being made is not registered yet): its gloo groups are ProcessGroupGloo
+        objects made directly on the backend's store under a prefix of the communicator's and
+        the subgroup's (as the backend's inner gloo group is), ranks numbered as in its group."""
+        path = policy.cross_host_path(comm.local_sizes, comm.config.hierarchy)
+        by_host = [[r for r, h in enumerate(comm.hosts) if h == k] for k in comm.host_order]
+        if path == policy.FLAT:
+            members, name = list(range(comm.world)), "flat"
+        elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
+            members, name = [ranks[comm.local_rank] for ranks in by_host], f"local{comm.local_rank}"
+        else:  # LEADERS: the first rank of every host
+            members, name = ([ranks[0] for ranks in by_host] if comm.local_rank == 0 else []), "leaders"
+        shm = None
+        if path != policy.FLAT and comm.local_size > 1:
+            k = comm.host_order.index(comm.host_key)
+            rdv = Rendezvous(f"{comm.rendezvous._prefix}host{k}/", comm.local_rank, comm.local_size, comm.timeout,
+                             store=comm._store)
+            shm = comm._connect_shm(rdv)
+        cross = None
+        if members:
+            timeout = timedelta(seconds=comm.timeout)
+            if comm._backend:
+                store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", comm._store())
+                cross = ProcessGroupGloo(store, members.index(comm.rank), len(members), timeout=timeout)
+            else:
+                granks = list(range(comm.world)) if comm._world_group else dist.get_process_group_ranks(group)
+                cross = dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
+                                       use_local_synchronization=True)
+        return cls(comm, path, shm, cross, members if members else [])
+
+    def close(self) -> None:
+        """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
+        self.shm = self.cross = None
+
+    # ---- all_reduce ------------------------------------------------------------------------
+    def all_reduce(self, tensor, code, forced, t, tag) -> None:
+        """All-reduce `tensor` across hosts on this communicator's path (module doc)."""
+        n = tensor.numel()
+        if n == 0:
+            return
+        red = _types.SUM if code == _types.AVG else code
+        dop = _GLOO_OPS[red]
+        flat = tensor.view(-1)
+        if self.path == policy.TWO_LEVEL:
+            blk = -(-n // self.local_size)
+            full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
+            self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
+            if full is not flat:
+                flat.copy_(full[:n])
+            return
+        if self.path == policy.LEADERS:
+            if self.shm is not None:
+                self.shm.all_reduce(flat, red, self._host_algo(flat, forced), t, tag)
+            if self.cross is not None:
+                self._gloo(flat, dop, t, self.shm, tag)
+            if self.shm is not None:
+                self.shm.broadcast(flat, 0, self._host_algo(flat, forced), t, tag)
+        else:
+            self._gloo(flat, dop, t)
+        if code == _types.AVG:
+            flat.div_(self.world)
+
+    def _padded(self, flat, size: int):
+        """`flat` copied into the first elements of a reused buffer of `size`, the rest zero
+        (its values never reach the result: each rank keeps only its first n elements)."""
+        if self._pad.numel() < size or self._pad.dtype != flat.dtype:
+            self._pad = torch.empty(size, dtype=flat.dtype)
+        full = self._pad[:size]
+        full[:flat.numel()].copy_(flat)
+        full[flat.numel():].zero_()
+        return full
+
+    def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
+        """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
+        by pieces of policy.two_level_piece_bytes (local size x m elements each): the in-host
+        reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
+        position) reduced over the host, in place; gloo all-reduces that block across hosts
+        while the next piece is reduce-scattered; the piece is then all-gathered inside the
+        host from each rank's block, in place. No copy beyond the transports' own, no buffer
+        (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
+        come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
+        L, lr = self.local_size, self.local_rank
+        # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
+        per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
+                        // (L * full.element_size())))
+        pending = None
+        for off in range(0, blk, per):
+            m = min(per, blk - off)
+            piece = full[off * L:(off + m) * L]
+            mine = piece[lr * m:(lr + 1) * m]
+            self.shm.reduce_scatter(mine, piece, red, self._host_algo(piece, forced), t, tag)
+            work = self._gloo_start(mine, dop, t, self.shm, tag)
+            if pending is not None:
+                self._gather_piece(*pending, avg, forced, t, tag)
+            pending = (work, mine, piece)
+        self._gather_piece(*pending, avg, forced, t, tag)
+
+    def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
+        self._gloo_wait(work, t, self.shm, tag)
+        if avg:
+            mine.div_(self.world)
+        self.shm.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
+
+    # ---- reduce_scatter, all_gather, broadcast -----------------------------------------------
+    # TWO_LEVEL (H hosts of L ranks): the cross-host group of local rank l holds, in host
+    # order, the rank with local rank l of every host, so its member k is host k's. Blocks
+    # are ordered "by local rank, then host" (l*H + k) for the in-host step, which then moves
+    # H blocks per rank, and the cross-host step 1 block per rank and host: both ring-optimal.
+    def reduce_scatter(self, output, input, code, forced, t, tag) -> None:
+        """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
+        rank then host, reduce-scattered inside the host (H blocks each: this local rank's
+        rank on every host, summed over this host), then reduce-scattered across hosts by the
+        gloo group of this local rank (block k: host k's). AVG: SUM, then / world size."""
+        red = _types.SUM if code == _types.AVG else code
+        opts = _gloo_opts(ReduceScatterOptions, reduceOp=_GLOO_OPS[red])
+        n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
+        if n == 0:
+            return
+        blocks = input.reshape(self.world, n)
+        if self._path_for("reduce_scatter_tensor") == policy.FLAT:
+            self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, blocks.reshape(-1), opts), t)
+        else:
+            ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
+            part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
+            self.shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
+            self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, part, opts), t, self.shm, tag)
+        if code == _types.AVG:
+            out.div_(self.world)
+
+    def all_gather(self, output, input, forced, t, tag) -> None:
+        """all_gather_into_tensor across hosts. TWO_LEVEL: this rank's input all-gathered
+        across hosts by the gloo group of its local rank (one block per host), those H blocks
+        all-gathered inside the host, then put in rank order."""
+        n = input.numel()
+        if n == 0:
+            return
+        mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+        if self._path_for("all_gather_into_tensor") == policy.FLAT:
+            self._across("all_gather", lambda: self.cross._allgather_base(out, mine, opts), t)
+            return
+        across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
+        self._across("all_gather", lambda: self.cross._allgather_base(across, mine, opts), t, self.shm, tag)
+        full = torch.empty(self.world * n, dtype=input.dtype)
+        self.shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
+        out.view(self.world, n).index_copy_(0, self._by_local_then_host(), full.view(self.world, n))
+
+    def broadcast(self, tensor, src, forced, t, tag) -> None:
+        """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
+        from src's host to the rank with that local rank on every host, then each host
+        broadcasts from that rank inside the host."""
+        if tensor.numel() == 0:
+            return
+        flat = tensor.view(-1)  # (contiguous: Communicator._check)
+        if self._path_for("broadcast") == policy.FLAT:
+            opts = _gloo_opts(BroadcastOptions, rootRank=src)
+            self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t)
+            return
+        lr_src = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]].index(src)
+        if self.local_rank == lr_src:
+            opts = _gloo_opts(BroadcastOptions, rootRank=self.host_order.index(self.hosts[src]))
+            self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
+        self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
+
+    def _by_local_then_host(self) -> torch.Tensor:
+        """Position l*H + k -> the rank (of the group) with local rank l on host k."""
+        by_host = [[r for r, h in enumerate(self.hosts) if h == key] for key in self.host_order]
+        return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
+
+    def _path_for(self, what: str) -> str:
+        """The path of a collective other than all_reduce: a RingError on uneven hosts."""
+        if self.path == policy.LEADERS:
+            sizes = ", ".join(f"{h}: {n}" for h, n in zip(self.host_order, self.local_sizes))
+            raise RingError(f"rank {self.rank}: ringdp.{what} across hosts with different numbers of ranks "
+                            f"({sizes}) is not supported yet (all_reduce is); use torch.distributed's gloo")
+        return self.path
+
+    # ---- the two kinds of step --------------------------------------------------------------
+    def _host_algo(self, tensor, forced: str) -> int:
+        """The algorithm code of one collective of `tensor` on this host's endpoint."""
+        cap = self.shm.oneshot_bytes
+        threshold = policy.oneshot_threshold("shm", self.local_size, self.config, cap)
+        return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
+
+    def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
+        """All-reduce `tensor` on this rank's gloo group across hosts (failures: _gloo_wait)."""
+        self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
+
+    def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
+        """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
+        try:  # the group's own method (module doc)
+            return self.cross.allreduce([tensor], _gloo_opts(dist.AllreduceOptions, reduceOp=dop))
+        except Exception as e:  # noqa: BLE001
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
+        """Wait for a gloo all-reduce across hosts; a failure (a peer host died, a timeout) is
+        a RingError naming the group's ranks, and this host's peers (`shm`, waiting in the
+        next in-host step) are told at once by a rejected call."""
+        try:
+            work.wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._gloo_failed(e, timeout_s, shm, tag)
+
+    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "") -> None:
+        """Run one gloo collective across hosts: start() issues it through the group's own
+        method and returns its Work; a failure is _gloo_failed's RingError."""
+        try:
+            start().wait(timeout=timedelta(seconds=timeout_s))
+        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._gloo_failed(e, timeout_s, shm, tag, what)
+
+    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce"):
+        """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
+        first = str(e).splitlines()[0] if str(e) else ""
+        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {self.cross_ranks} of the group) "
+               f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
+               f"{type(e).__name__}: {first}")
+        if shm is not None:
+            try:
+                shm.reject(msg[:400], timeout_s, tag)
+            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
+                pass
+        raise RingError(msg) from None
