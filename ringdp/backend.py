@@ -25,11 +25,9 @@ Routing (``ProcessGroupRingdp``):
     until then reduce_scatter is an all-reduce of the whole input (its own chunk copied
     out) and all-gather/broadcast run on the inner gloo group (exact copies).
   * a group whose ranks are on several hosts: its CPU collectives above run on the
-    communicator's hierarchical paths (README "Across hosts": two-level, flat gloo with
-    RINGDP_HIERARCHY=0 or one rank per host; its cross-host gloo groups are made here, in
-    the constructor, from the store: hosts.CrossHost.create); on uneven hosts only the
-    all-reduces (leaders path), the others go to the inner gloo group (PREMUL_SUM:
-    multiplied here, summed there).
+    communicator's hierarchical paths (README "Across hosts", ringdp/hosts.py: two-level,
+    leaders on uneven hosts, flat gloo with RINGDP_HIERARCHY=0 or one rank per host; its
+    cross-host gloo groups are made here, in the constructor, from the store).
   * CUDA tensors: ringdp's CUDA all-reduce when the extension has CUDA and the group was
     made with "cuda:ringdp" (or plain "ringdp"); otherwise, and for every other CUDA
     collective, an inner NCCL group made on first use.
@@ -57,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from . import _types, policy
+from . import _types
 from ._native import _C
 from .comm import Communicator, RingError
 
@@ -273,10 +271,9 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             self._cuda_ringdp = "cuda:" not in cfg or "cuda:ringdp" in cfg
         return self._cuda_ringdp
 
-    def _native(self, tensors, op=None, all_reduce=False) -> bool:
-        """Whether ringdp's communicator runs this collective of `tensors` (with `op`). A
-        group that spans hosts: CPU all-reduces (`all_reduce`) on every path, the other
-        collectives except on uneven hosts (policy.LEADERS), hierarchically; else gloo."""
+    def _native(self, tensors, op=None) -> bool:
+        """Whether ringdp's communicator runs this collective of `tensors` (with `op`); a
+        group that spans hosts too (ringdp/hosts.py)."""
         if op is not None:
             kind, _ = _op_of(op)
             if kind not in _NATIVE_OPS and kind != _RedOpType.PREMUL_SUM:
@@ -286,18 +283,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         for t in tensors:
             if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES or not t.is_contiguous():
                 return False
-            if t.device.type == "cpu" and self._comm.shm is None and not self._across_hosts(all_reduce):
-                return False  # a closed communicator, or what it does not run across these hosts: gloo
+            if t.device.type == "cpu" and self._comm.shm is None and self._comm.across is None:
+                return False  # a closed communicator: gloo (which says so)
             if t.is_cuda:
                 if not self._use_ringdp_cuda() or op is None:  # ringdp's CUDA path: all-reduce only
                     return False
             elif t.device.type != "cpu":
                 return False
         return True
-
-    def _across_hosts(self, all_reduce: bool) -> bool:
-        path = self._comm.cross_path
-        return path is not None and (all_reduce or path != policy.LEADERS)
 
     # -- all-reduce -----------------------------------------------------------------------
     def _all_reduce(self, t, reduce_op, timeout=None):
@@ -313,7 +306,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
         opts = _options(opts, dist.AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
-        if not self._native(tensors, opts.reduceOp, all_reduce=True):
+        if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
         return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,
                         cuda_devices=_devices(tensors))
@@ -321,7 +314,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         if opts is None:
             opts = dist.AllreduceCoalescedOptions()
-        if not self._native(tensors, opts.reduceOp, all_reduce=True):
+        if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce_coalesced(tensors,
                                                             _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
         return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,

@@ -5,7 +5,8 @@ A ``CrossHost`` is made by the Communicator at set-up (collective) when its rank
 more than one host, and holds what the hierarchy needs: the path (policy.cross_host_path),
 this host's shared-memory endpoint (its ranks only; None on the flat path or for a rank
 alone on its host) and the gloo group of this rank's cross-host step (None for a rank in
-none: a non-leader on the uneven path). Its collectives run where the Communicator runs
+none: a non-leader on the uneven path), and on uneven hosts a gloo group of every rank for
+the collectives other than all_reduce. Its collectives run where the Communicator runs
 every collective (inline or on its worker thread, under its lock):
 
     path        all_reduce                 reduce_scatter / all_gather / broadcast
@@ -13,8 +14,8 @@ every collective (inline or on its worker thread, under its lock):
     (even)      each block, in-host AG,    step over H blocks, cross-host step one block per
                 pipelined in pieces        host (RS: in-host first; AG: across first;
                                            broadcast: across to src's local rank, then in-host)
-    LEADERS     in-host AR, leaders' gloo  a RingError naming the layout (not yet)
-    (uneven)    AR, in-host broadcast
+    LEADERS     in-host AR, leaders' gloo  gloo on the whole group (a second gloo group,
+    (uneven)    AR, in-host broadcast      every rank's)
     FLAT        gloo on the whole group    gloo on the whole group
 
 Every rank ends with the same bytes: gloo gives its members one result and the in-host
@@ -54,7 +55,7 @@ def _gloo_opts(cls, **fields):
 class CrossHost:
     """The cross-host part of one communicator (module doc)."""
 
-    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int]):
+    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int], whole=None):
         self.rank, self.world, self.config = comm.rank, comm.world, comm.config
         self.hosts, self.host_order = comm.hosts, comm.host_order  # every rank's host key; hosts by first rank
         self.local_rank, self.local_size, self.local_sizes = comm.local_rank, comm.local_size, comm.local_sizes
@@ -62,6 +63,9 @@ class CrossHost:
         self.shm = shm  # this host's shared-memory endpoint
         self.cross = cross  # the gloo group of this rank's cross-host step
         self.cross_ranks = cross_ranks  # its members (ranks of the communicator's group)
+        # the gloo group of every rank for reduce_scatter, all_gather and broadcast: the
+        # cross-host group itself on the flat path, a second one on uneven hosts (LEADERS)
+        self.whole = cross if path == policy.FLAT else whole
         self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
 
     @classmethod
@@ -90,21 +94,24 @@ class CrossHost:
             rdv = Rendezvous(f"{comm.rendezvous._prefix}host{k}/", comm.local_rank, comm.local_size, comm.timeout,
                              store=comm._store)
             shm = comm._connect_shm(rdv)
-        cross = None
-        if members:
+        def gloo_group(members, name):
             timeout = timedelta(seconds=comm.timeout)
             if comm._backend:
                 store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", comm._store())
-                cross = ProcessGroupGloo(store, members.index(comm.rank), len(members), timeout=timeout)
-            else:
-                granks = list(range(comm.world)) if comm._world_group else dist.get_process_group_ranks(group)
-                cross = dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
-                                       use_local_synchronization=True)
-        return cls(comm, path, shm, cross, members if members else [])
+                return ProcessGroupGloo(store, members.index(comm.rank), len(members), timeout=timeout)
+            granks = list(range(comm.world)) if comm._world_group else dist.get_process_group_ranks(group)
+            return dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
+                                  use_local_synchronization=True)
+
+        # every rank's group first: torch numbers the groups a rank makes, so the leaders'
+        # own one (only theirs) must come after it
+        whole = gloo_group(list(range(comm.world)), "whole") if path == policy.LEADERS else None
+        cross = gloo_group(members, name) if members else None
+        return cls(comm, path, shm, cross, members if members else [], whole)
 
     def close(self) -> None:
         """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
-        self.shm = self.cross = None
+        self.shm = self.cross = self.whole = None
 
     # ---- all_reduce ------------------------------------------------------------------------
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
@@ -180,6 +187,7 @@ class CrossHost:
     # order, the rank with local rank l of every host, so its member k is host k's. Blocks
     # are ordered "by local rank, then host" (l*H + k) for the in-host step, which then moves
     # H blocks per rank, and the cross-host step 1 block per rank and host: both ring-optimal.
+    # FLAT and LEADERS: gloo on the group of every rank (`whole`).
     def reduce_scatter(self, output, input, code, forced, t, tag) -> None:
         """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
         rank then host, reduce-scattered inside the host (H blocks each: this local rank's
@@ -191,8 +199,9 @@ class CrossHost:
         if n == 0:
             return
         blocks = input.reshape(self.world, n)
-        if self._path_for("reduce_scatter_tensor") == policy.FLAT:
-            self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, blocks.reshape(-1), opts), t)
+        if self.path != policy.TWO_LEVEL:
+            self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts), t,
+                         whole=True)
         else:
             ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
             part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
@@ -209,8 +218,8 @@ class CrossHost:
         if n == 0:
             return
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
-        if self._path_for("all_gather_into_tensor") == policy.FLAT:
-            self._across("all_gather", lambda: self.cross._allgather_base(out, mine, opts), t)
+        if self.path != policy.TWO_LEVEL:
+            self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, whole=True)
             return
         across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
         self._across("all_gather", lambda: self.cross._allgather_base(across, mine, opts), t, self.shm, tag)
@@ -225,9 +234,9 @@ class CrossHost:
         if tensor.numel() == 0:
             return
         flat = tensor.view(-1)  # (contiguous: Communicator._check)
-        if self._path_for("broadcast") == policy.FLAT:
+        if self.path != policy.TWO_LEVEL:
             opts = _gloo_opts(BroadcastOptions, rootRank=src)
-            self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t)
+            self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, whole=True)
             return
         lr_src = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]].index(src)
         if self.local_rank == lr_src:
@@ -239,14 +248,6 @@ class CrossHost:
         """Position l*H + k -> the rank (of the group) with local rank l on host k."""
         by_host = [[r for r, h in enumerate(self.hosts) if h == key] for key in self.host_order]
         return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
-
-    def _path_for(self, what: str) -> str:
-        """The path of a collective other than all_reduce: a RingError on uneven hosts."""
-        if self.path == policy.LEADERS:
-            sizes = ", ".join(f"{h}: {n}" for h, n in zip(self.host_order, self.local_sizes))
-            raise RingError(f"rank {self.rank}: ringdp.{what} across hosts with different numbers of ranks "
-                            f"({sizes}) is not supported yet (all_reduce is); use torch.distributed's gloo")
-        return self.path
 
     # ---- the two kinds of step --------------------------------------------------------------
     def _host_algo(self, tensor, forced: str) -> int:
@@ -275,18 +276,19 @@ class CrossHost:
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
             self._gloo_failed(e, timeout_s, shm, tag)
 
-    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "") -> None:
+    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "", whole: bool = False) -> None:
         """Run one gloo collective across hosts: start() issues it through the group's own
-        method and returns its Work; a failure is _gloo_failed's RingError."""
+        method (on `cross`, or on `whole`) and returns its Work; a failure is _gloo_failed's."""
         try:
             start().wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag, what)
+            self._gloo_failed(e, timeout_s, shm, tag, what, list(range(self.world)) if whole else None)
 
-    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce"):
+    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce", ranks=None):
         """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
         first = str(e).splitlines()[0] if str(e) else ""
-        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {self.cross_ranks} of the group) "
+        ranks = self.cross_ranks if ranks is None else ranks
+        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {ranks} of the group) "
                f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
                f"{type(e).__name__}: {first}")
         if shm is not None:
