@@ -15,7 +15,8 @@ every collective (inline or on its worker thread, under its lock):
                 pipelined in pieces        host (RS: in-host first; AG: across first;
                                            broadcast: across to src's local rank, then in-host)
     LEADERS     in-host AR, leaders' gloo  gloo on the whole group (a second gloo group,
-    (uneven)    AR, in-host broadcast      every rank's)
+    (uneven)    AR, in-host broadcast,     every rank's)
+                pipelined in pieces
     FLAT        gloo on the whole group    gloo on the whole group
 
 Every rank ends with the same bytes: gloo gives its members one result and the in-host
@@ -130,14 +131,9 @@ class CrossHost:
                 flat.copy_(full[:n])
             return
         if self.path == policy.LEADERS:
-            if self.shm is not None:
-                self.shm.all_reduce(flat, red, self._host_algo(flat, forced), t, tag)
-            if self.cross is not None:
-                self._gloo(flat, dop, t, self.shm, tag)
-            if self.shm is not None:
-                self.shm.broadcast(flat, 0, self._host_algo(flat, forced), t, tag)
-        else:
-            self._gloo(flat, dop, t)
+            self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag)
+            return
+        self._gloo(flat, dop, t)
         if code == _types.AVG:
             flat.div_(self.world)
 
@@ -175,6 +171,34 @@ class CrossHost:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
         self._gather_piece(*pending, avg, forced, t, tag)
+
+    def _leaders(self, flat, red, dop, avg, forced, t, tag) -> None:
+        """The uneven-hosts all-reduce of `flat`, pipelined by the pieces of the two-level path
+        (the same on every rank: they depend on the size alone): each piece all-reduced inside
+        the host, then across hosts by the hosts' first ranks (gloo) while the next piece is
+        all-reduced inside the host, then broadcast inside the host from the first rank. In-host
+        calls in the same order on every rank of the host (ar 0, ar 1, bc 0, ar 2, bc 1, ...);
+        a rank alone on its host has only the gloo steps."""
+        n, esz = flat.numel(), flat.element_size()
+        per = max(1, policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz)
+        pending = None
+        for off in range(0, n, per):
+            piece = flat[off:off + per]
+            if self.shm is not None:
+                self.shm.all_reduce(piece, red, self._host_algo(piece, forced), t, tag)
+            work = self._gloo_start(piece, dop, t, self.shm, tag) if self.cross is not None else None
+            if pending is not None:
+                self._spread_piece(*pending, avg, forced, t, tag)
+            pending = (work, piece)
+        self._spread_piece(*pending, avg, forced, t, tag)
+
+    def _spread_piece(self, work, piece, avg, forced, t, tag) -> None:
+        if work is not None:
+            self._gloo_wait(work, t, self.shm, tag)
+        if self.shm is not None:
+            self.shm.broadcast(piece, 0, self._host_algo(piece, forced), t, tag)
+        if avg:
+            piece.div_(self.world)
 
     def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
         self._gloo_wait(work, t, self.shm, tag)

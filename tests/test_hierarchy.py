@@ -103,8 +103,9 @@ def test_even_hosts_two_level(piece_bytes, max_pieces):
     _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
 
 
-def test_uneven_hosts_leaders():
-    res = values(run_ranks(case_matrix, 4, ["a", "a", "a", "b"], timeout=200))
+@pytest.mark.parametrize("piece_bytes,max_pieces", [(None, None), (8192, 10 ** 6)])  # one piece; many
+def test_uneven_hosts_leaders(piece_bytes, max_pieces):
+    res = values(run_ranks(case_matrix, 4, ["a", "a", "a", "b"], None, piece_bytes, max_pieces, timeout=200))
     _check_matrix(res, "leaders", [(0, 3), (1, 3), (2, 3), (0, 1)])
 
 
