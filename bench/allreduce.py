@@ -703,8 +703,8 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
     if c.cross_path is not None:
         out.line(f"# hosts: {', '.join(f'rank {r} on {h}' for r, h in enumerate(c.host_keys))}; ringdp runs "
                  f"{c.cross_path} (at most {ringdp.policy.HIER_MAX_PIECES} pieces of at least RINGDP_HIER_PIECE_BYTES "
-                 f"{c.comm.config.hier_piece_bytes}), ringdp-flat gloo "
-                 "on the whole group; no roofline")
+                 f"{c.comm.config.hier_piece_bytes})"
+                 f"{', ringdp-flat gloo on the whole group' if c.flat_comm is not None else ''}; no roofline")
     elif c.comm is not None:
         out.line(f"# one-shot up to {threshold} bytes (algo auto)")
     for note in c.notes:
