@@ -31,6 +31,7 @@ since a backend's group is a bare ProcessGroupGloo that torch.distributed does n
 """
 from __future__ import annotations
 
+import zlib
 from datetime import timedelta
 
 import torch
@@ -42,6 +43,7 @@ from . import _types, policy
 from ._native import RingError
 from .rendezvous import Rendezvous
 
+_KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
 
@@ -123,6 +125,8 @@ class CrossHost:
         red = _types.SUM if code == _types.AVG else code
         dop = _GLOO_OPS[red]
         flat = tensor.view(-1)
+        if self.cross is not None:
+            self._agree("all_reduce", tensor, code, 0, t, tag)
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
             full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
@@ -223,6 +227,7 @@ class CrossHost:
         if n == 0:
             return
         blocks = input.reshape(self.world, n)
+        self._agree("reduce_scatter", output, code, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
             self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts), t,
                          whole=True)
@@ -242,6 +247,7 @@ class CrossHost:
         if n == 0:
             return
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+        self._agree("all_gather", input, -1, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
             self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, whole=True)
             return
@@ -259,11 +265,13 @@ class CrossHost:
             return
         flat = tensor.view(-1)  # (contiguous: Communicator._check)
         if self.path != policy.TWO_LEVEL:
+            self._agree("broadcast", tensor, -1, src, t, tag)
             opts = _gloo_opts(BroadcastOptions, rootRank=src)
             self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, whole=True)
             return
         lr_src = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]].index(src)
-        if self.local_rank == lr_src:
+        if self.local_rank == lr_src:  # (the other local ranks' cross groups move nothing)
+            self._agree("broadcast", tensor, -1, src, t, tag)
             opts = _gloo_opts(BroadcastOptions, rootRank=self.host_order.index(self.hosts[src]))
             self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
@@ -274,6 +282,40 @@ class CrossHost:
         return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
 
     # ---- the two kinds of step --------------------------------------------------------------
+    def _agree(self, what: str, tensor, code: int, root: int, t, tag) -> None:
+        """Before a cross-host step moves data, the members of its gloo group check that they
+        are at the same call: kind, element count, dtype, op, root (one all-gather of 5
+        integers). gloo kills the process on a size mismatch (its pair thread throws and
+        std::terminate runs); ringdp raises a RingError naming each rank's call on every rank
+        instead, and tells this host's peers. The in-host steps check their own calls."""
+        whole = what != "all_reduce" and self.path != policy.TWO_LEVEL
+        group, ranks = (self.whole, list(range(self.world))) if whole else (self.cross, self.cross_ranks)
+        mine = torch.tensor([_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root],
+                            dtype=torch.int64)
+        every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
+        self._across(f"{what} (call check)", lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
+                     t, self.shm, tag, whole)
+        rows = every.view(len(ranks), -1).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        kinds, ops = {v: k for k, v in _KINDS.items()}, {_types.SUM: "SUM", _types.AVG: "AVG", _types.MIN: "MIN",
+                                                          _types.MAX: "MAX"}
+        my_dtype, my_code = str(tensor.dtype).replace("torch.", ""), int(mine[2])
+
+        def call(k, n, d, c, rt):
+            dtype = my_dtype if d == my_code else f"not {my_dtype}"
+            return (f"{kinds.get(k, k)} of {n} elements, dtype {dtype}" + (f", op {ops[c]}" if c in ops else "")
+                    + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
+
+        calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(ranks, rows))
+        msg = f"rank {self.rank}: ranks disagree on a collective across hosts: {calls}"
+        if self.shm is not None:
+            try:
+                self.shm.reject(msg[:400], t, tag)
+            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
+                pass
+        raise RingError(msg)
+
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
         cap = self.shm.oneshot_bytes

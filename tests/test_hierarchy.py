@@ -156,6 +156,43 @@ def test_collectives_across_hosts(hosts, path):
         assert bad == [], f"rank {r}: {bad[:10]}"
 
 
+def case_mismatch_across_hosts(rank, world, hosts):
+    """Ranks of different hosts at different calls: a RingError on every rank that names the
+    calls (gloo alone kills the process on a size mismatch), then the communicator works."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    b = hosts[rank] == "b"
+    calls = [  # (what host a's ranks call, what host b's call)
+        lambda: ringdp.all_reduce(torch.ones(2000 if b else 1000)),  # count
+        lambda: ringdp.all_reduce(torch.ones(1000), op=dist.ReduceOp.MAX if b else dist.ReduceOp.SUM),  # op
+        lambda: ringdp.all_gather_into_tensor(torch.empty(world * (9 if b else 5)), torch.ones(9 if b else 5)),
+        lambda: ringdp.broadcast(torch.ones(3 if b else 4), 0),
+    ]
+    errors = []
+    for call in calls:
+        t0 = time.monotonic()
+        try:
+            call()
+            errors.append(None)
+        except ringdp.RingError as e:
+            errors.append((str(e), time.monotonic() - t0))
+    t = value(rank, 4099)
+    ringdp.all_reduce(t)
+    return errors, torch.equal(t, expected("SUM", world, 4099, torch.float32))
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "aaab", "ab"])
+def test_mismatch_across_hosts_is_a_ring_error(hosts):
+    for r, (errors, ok_after) in enumerate(values(run_ranks(case_mismatch_across_hosts, len(hosts), list(hosts),
+                                                            timeout=150))):
+        assert all(e is not None for e in errors), (r, errors)
+        for msg, took in errors:
+            assert took < 15 and "disagree" in msg and "rank" in msg, (r, msg, took)
+        assert "1000 elements" in errors[0][0] and "2000 elements" in errors[0][0], errors[0][0]
+        assert ok_after, f"rank {r}: the communicator does not work after the mismatches"
+
+
 def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp
