@@ -125,18 +125,18 @@ class CrossHost:
         red = _types.SUM if code == _types.AVG else code
         dop = _GLOO_OPS[red]
         flat = tensor.view(-1)
-        if self.cross is not None:
-            self._agree("all_reduce", tensor, code, 0, t, tag)
+        check = self._agree_start("all_reduce", tensor, code, 0, t, tag) if self.cross is not None else None
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
             full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
-            self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag)
+            self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag, check)
             if full is not flat:
                 flat.copy_(full[:n])
             return
         if self.path == policy.LEADERS:
-            self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag)
+            self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag, check)
             return
+        check.wait()
         self._gloo(flat, dop, t)
         if code == _types.AVG:
             flat.div_(self.world)
@@ -151,7 +151,7 @@ class CrossHost:
         full[flat.numel():].zero_()
         return full
 
-    def _two_level(self, full, blk, red, dop, avg, forced, t, tag) -> None:
+    def _two_level(self, full, blk, red, dop, avg, forced, t, tag, check) -> None:
         """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
         by pieces of policy.two_level_piece_bytes (local size x m elements each): the in-host
         reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
@@ -170,13 +170,14 @@ class CrossHost:
             piece = full[off * L:(off + m) * L]
             mine = piece[lr * m:(lr + 1) * m]
             self.shm.reduce_scatter(mine, piece, red, self._host_algo(piece, forced), t, tag)
+            check.wait()
             work = self._gloo_start(mine, dop, t, self.shm, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
         self._gather_piece(*pending, avg, forced, t, tag)
 
-    def _leaders(self, flat, red, dop, avg, forced, t, tag) -> None:
+    def _leaders(self, flat, red, dop, avg, forced, t, tag, check) -> None:
         """The uneven-hosts all-reduce of `flat`, pipelined by the pieces of the two-level path
         (the same on every rank: they depend on the size alone): each piece all-reduced inside
         the host, then across hosts by the hosts' first ranks (gloo) while the next piece is
@@ -190,7 +191,10 @@ class CrossHost:
             piece = flat[off:off + per]
             if self.shm is not None:
                 self.shm.all_reduce(piece, red, self._host_algo(piece, forced), t, tag)
-            work = self._gloo_start(piece, dop, t, self.shm, tag) if self.cross is not None else None
+            work = None
+            if self.cross is not None:
+                check.wait()
+                work = self._gloo_start(piece, dop, t, self.shm, tag)
             if pending is not None:
                 self._spread_piece(*pending, avg, forced, t, tag)
             pending = (work, piece)
@@ -287,34 +291,23 @@ class CrossHost:
         are at the same call: kind, element count, dtype, op, root (one all-gather of 5
         integers). gloo kills the process on a size mismatch (its pair thread throws and
         std::terminate runs); ringdp raises a RingError naming each rank's call on every rank
-        instead, and tells this host's peers. The in-host steps check their own calls."""
+        instead, and tells this host's peers. The in-host steps check their own calls. The
+        all-reduce starts the check before its first in-host step and waits for it only
+        before its first gloo step (_agree_start, _Check.wait), so the two overlap."""
+        self._agree_start(what, tensor, code, root, t, tag).wait()
+
+    def _agree_start(self, what: str, tensor, code: int, root: int, t, tag) -> "_Check":
         whole = what != "all_reduce" and self.path != policy.TWO_LEVEL
         group, ranks = (self.whole, list(range(self.world))) if whole else (self.cross, self.cross_ranks)
         mine = torch.tensor([_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root],
                             dtype=torch.int64)
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
-        self._across(f"{what} (call check)", lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
-                     t, self.shm, tag, whole)
-        rows = every.view(len(ranks), -1).tolist()
-        if all(r == rows[0] for r in rows):
-            return
-        kinds, ops = {v: k for k, v in _KINDS.items()}, {_types.SUM: "SUM", _types.AVG: "AVG", _types.MIN: "MIN",
-                                                          _types.MAX: "MAX"}
-        my_dtype, my_code = str(tensor.dtype).replace("torch.", ""), int(mine[2])
-
-        def call(k, n, d, c, rt):
-            dtype = my_dtype if d == my_code else f"not {my_dtype}"
-            return (f"{kinds.get(k, k)} of {n} elements, dtype {dtype}" + (f", op {ops[c]}" if c in ops else "")
-                    + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
-
-        calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(ranks, rows))
-        msg = f"rank {self.rank}: ranks disagree on a collective across hosts: {calls}"
-        if self.shm is not None:
-            try:
-                self.shm.reject(msg[:400], t, tag)
-            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
-                pass
-        raise RingError(msg)
+        check = _Check(self, f"{what} (call check)", ranks, whole, mine, every, str(tensor.dtype), t, tag)
+        try:
+            check.work = group._allgather_base(every, mine, _gloo_opts(AllgatherOptions))
+        except Exception as e:  # noqa: BLE001
+            self._gloo_failed(e, t, self.shm, tag, check.what, ranks if whole else None)
+        return check
 
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
@@ -363,3 +356,42 @@ class CrossHost:
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
         raise RingError(msg) from None
+
+
+class _Check:
+    """A started call check (CrossHost._agree): wait() once, before the first gloo step."""
+
+    def __init__(self, host: CrossHost, what, ranks, whole, mine, every, dtype: str, t, tag):
+        self.host, self.what, self.ranks, self.whole = host, what, ranks, whole
+        self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
+        self.work, self.done = None, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        h = self.host
+        try:
+            self.work.wait(timeout=timedelta(seconds=self.t))
+        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            h._gloo_failed(e, self.t, h.shm, self.tag, self.what, self.ranks if self.whole else None)
+        rows = self.every.view(len(self.ranks), -1).tolist()
+        if all(r == rows[0] for r in rows):
+            return
+        kinds = {v: k for k, v in _KINDS.items()}
+        ops = {_types.SUM: "SUM", _types.AVG: "AVG", _types.MIN: "MIN", _types.MAX: "MAX"}
+        my_code = int(self.mine[2])
+
+        def call(k, n, d, c, rt):
+            dtype = self.dtype if d == my_code else f"not {self.dtype}"
+            return (f"{kinds.get(k, k)} of {n} elements, dtype {dtype}" + (f", op {ops[c]}" if c in ops else "")
+                    + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
+
+        calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
+        msg = f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}"
+        if h.shm is not None:
+            try:
+                h.shm.reject(msg[:400], self.t, self.tag)
+            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
+                pass
+        raise RingError(msg)
