@@ -47,6 +47,11 @@ _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
 
+def _by_host(comm) -> list[list[int]]:
+    """Each host's ranks (of the communicator's group), in rank order, hosts in host order."""
+    return [[r for r, h in enumerate(comm.hosts) if h == k] for k in comm.host_order]
+
+
 def _gloo_opts(cls, **fields):
     """c10d options for a call on a cross-host gloo group: `cls()` with `fields` set."""
     opts = cls()
@@ -61,7 +66,13 @@ class CrossHost:
     def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int], whole=None):
         self.rank, self.world, self.config = comm.rank, comm.world, comm.config
         self.hosts, self.host_order = comm.hosts, comm.host_order  # every rank's host key; hosts by first rank
-        self.local_rank, self.local_size, self.local_sizes = comm.local_rank, comm.local_size, comm.local_sizes
+        self.by_host = _by_host(comm)  # each host's ranks, hosts in host order
+        self.local_rank, self.local_size = comm.local_rank, comm.local_size
+        self.every_rank = list(range(self.world))
+        # TWO_LEVEL's block order (reduce_scatter, all_gather): position l*H + k -> the rank
+        # with local rank l on host k
+        self._by_local_then_host = (torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in self.by_host])
+                                    if path == policy.TWO_LEVEL else None)
         self.path = path
         self.shm = shm  # this host's shared-memory endpoint
         self.cross = cross  # the gloo group of this rank's cross-host step
@@ -84,7 +95,7 @@ class CrossHost:
         objects made directly on the backend's store under a prefix of the communicator's and
         the subgroup's (as the backend's inner gloo group is), ranks numbered as in its group."""
         path = policy.cross_host_path(comm.local_sizes, comm.config.hierarchy)
-        by_host = [[r for r, h in enumerate(comm.hosts) if h == k] for k in comm.host_order]
+        by_host = _by_host(comm)
         if path == policy.FLAT:
             members, name = list(range(comm.world)), "flat"
         elif path == policy.TWO_LEVEL:  # the ranks with this rank's local rank, one per host
@@ -234,9 +245,9 @@ class CrossHost:
         self._agree("reduce_scatter", output, code, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
             self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts), t,
-                         whole=True)
+                         ranks=self.every_rank)
         else:
-            ordered = blocks.index_select(0, self._by_local_then_host()).view(-1)
+            ordered = blocks.index_select(0, self._by_local_then_host).view(-1)
             part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
             self.shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
             self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, part, opts), t, self.shm, tag)
@@ -253,13 +264,13 @@ class CrossHost:
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
         self._agree("all_gather", input, -1, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
-            self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, whole=True)
+            self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, ranks=self.every_rank)
             return
         across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
         self._across("all_gather", lambda: self.cross._allgather_base(across, mine, opts), t, self.shm, tag)
         full = torch.empty(self.world * n, dtype=input.dtype)
         self.shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
-        out.view(self.world, n).index_copy_(0, self._by_local_then_host(), full.view(self.world, n))
+        out.view(self.world, n).index_copy_(0, self._by_local_then_host, full.view(self.world, n))
 
     def broadcast(self, tensor, src, forced, t, tag) -> None:
         """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
@@ -271,19 +282,15 @@ class CrossHost:
         if self.path != policy.TWO_LEVEL:
             self._agree("broadcast", tensor, -1, src, t, tag)
             opts = _gloo_opts(BroadcastOptions, rootRank=src)
-            self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, whole=True)
+            self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
             return
-        lr_src = [r for r, h in enumerate(self.hosts) if h == self.hosts[src]].index(src)
+        k_src = self.host_order.index(self.hosts[src])
+        lr_src = self.by_host[k_src].index(src)
         if self.local_rank == lr_src:  # (the other local ranks' cross groups move nothing)
             self._agree("broadcast", tensor, -1, src, t, tag)
-            opts = _gloo_opts(BroadcastOptions, rootRank=self.host_order.index(self.hosts[src]))
+            opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
             self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
-
-    def _by_local_then_host(self) -> torch.Tensor:
-        """Position l*H + k -> the rank (of the group) with local rank l on host k."""
-        by_host = [[r for r, h in enumerate(self.hosts) if h == key] for key in self.host_order]
-        return torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in by_host])
 
     # ---- the two kinds of step --------------------------------------------------------------
     def _agree(self, what: str, tensor, code: int, root: int, t, tag) -> None:
@@ -298,15 +305,13 @@ class CrossHost:
 
     def _agree_start(self, what: str, tensor, code: int, root: int, t, tag) -> "_Check":
         whole = what != "all_reduce" and self.path != policy.TWO_LEVEL
-        group, ranks = (self.whole, list(range(self.world))) if whole else (self.cross, self.cross_ranks)
+        group, ranks = (self.whole, self.every_rank) if whole else (self.cross, self.cross_ranks)
         mine = torch.tensor([_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root],
                             dtype=torch.int64)
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
-        check = _Check(self, f"{what} (call check)", ranks, whole, mine, every, str(tensor.dtype), t, tag)
-        try:
-            check.work = group._allgather_base(every, mine, _gloo_opts(AllgatherOptions))
-        except Exception as e:  # noqa: BLE001
-            self._gloo_failed(e, t, self.shm, tag, check.what, ranks if whole else None)
+        check = _Check(self, f"{what} (call check)", ranks, mine, every, str(tensor.dtype), t, tag)
+        check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
+                                 t, self.shm, tag, ranks)
         return check
 
     def _host_algo(self, tensor, forced: str) -> int:
@@ -315,41 +320,49 @@ class CrossHost:
         threshold = policy.oneshot_threshold("shm", self.local_size, self.config, cap)
         return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
 
+    # Every gloo step goes through _start and _wait (or both: _across): a failure (a peer host
+    # died, a timeout) is a RingError naming the gloo group's ranks (`ranks`, default: the
+    # cross-host group's), and this host's peers (`shm`, waiting in the next in-host step)
+    # are told at once by a rejected call (_fail).
     def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
-        """All-reduce `tensor` on this rank's gloo group across hosts (failures: _gloo_wait)."""
-        self._gloo_wait(self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
+        """All-reduce `tensor` on this rank's gloo group across hosts."""
+        self._wait("all-reduce", self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
 
     def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
-        """Start the gloo all-reduce of `tensor` across hosts (a failure to start: as _gloo_wait)."""
-        try:  # the group's own method (module doc)
-            return self.cross.allreduce([tensor], _gloo_opts(dist.AllreduceOptions, reduceOp=dop))
-        except Exception as e:  # noqa: BLE001
-            self._gloo_failed(e, timeout_s, shm, tag)
+        """Start the gloo all-reduce of `tensor` across hosts (wait: _gloo_wait)."""
+        opts = _gloo_opts(dist.AllreduceOptions, reduceOp=dop)
+        return self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, shm, tag)
 
     def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
-        """Wait for a gloo all-reduce across hosts; a failure (a peer host died, a timeout) is
-        a RingError naming the group's ranks, and this host's peers (`shm`, waiting in the
-        next in-host step) are told at once by a rejected call."""
+        self._wait("all-reduce", work, timeout_s, shm, tag)
+
+    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "", ranks=None) -> None:
+        """Run one gloo collective across hosts: start() issues it through the group's own
+        method (module doc) and returns its Work."""
+        self._wait(what, self._start(what, start, timeout_s, shm, tag, ranks), timeout_s, shm, tag, ranks)
+
+    def _start(self, what: str, start, timeout_s: float, shm, tag: str, ranks=None):
+        try:
+            return start()
+        except Exception as e:  # noqa: BLE001
+            self._gloo_failed(e, timeout_s, shm, tag, what, ranks)
+
+    def _wait(self, what: str, work, timeout_s: float, shm, tag: str, ranks=None) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag)
+            self._gloo_failed(e, timeout_s, shm, tag, what, ranks)
 
-    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "", whole: bool = False) -> None:
-        """Run one gloo collective across hosts: start() issues it through the group's own
-        method (on `cross`, or on `whole`) and returns its Work; a failure is _gloo_failed's."""
-        try:
-            start().wait(timeout=timedelta(seconds=timeout_s))
-        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag, what, list(range(self.world)) if whole else None)
-
-    def _gloo_failed(self, e, timeout_s, shm, tag, what="all-reduce", ranks=None):
-        """A failed gloo step across hosts: tell this host's peers (`shm`), then raise."""
+    def _gloo_failed(self, e, timeout_s, shm, tag, what, ranks=None):
         first = str(e).splitlines()[0] if str(e) else ""
         ranks = self.cross_ranks if ranks is None else ranks
-        msg = (f"rank {self.rank}: the {what} across hosts (gloo, ranks {ranks} of the group) "
-               f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
-               f"{type(e).__name__}: {first}")
+        self._fail(f"rank {self.rank}: the {what} across hosts (gloo, ranks {ranks} of the group) "
+                   f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
+                   f"{type(e).__name__}: {first}", shm, timeout_s, tag)
+
+    @staticmethod
+    def _fail(msg: str, shm, timeout_s: float, tag: str):
+        """Tell this host's peers (`shm`: reject their next in-host call), then raise."""
         if shm is not None:
             try:
                 shm.reject(msg[:400], timeout_s, tag)
@@ -361,8 +374,8 @@ class CrossHost:
 class _Check:
     """A started call check (CrossHost._agree): wait() once, before the first gloo step."""
 
-    def __init__(self, host: CrossHost, what, ranks, whole, mine, every, dtype: str, t, tag):
-        self.host, self.what, self.ranks, self.whole = host, what, ranks, whole
+    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag):
+        self.host, self.what, self.ranks = host, what, ranks
         self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
         self.work, self.done = None, False
 
@@ -371,10 +384,7 @@ class _Check:
             return
         self.done = True
         h = self.host
-        try:
-            self.work.wait(timeout=timedelta(seconds=self.t))
-        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            h._gloo_failed(e, self.t, h.shm, self.tag, self.what, self.ranks if self.whole else None)
+        h._wait(self.what, self.work, self.t, h.shm, self.tag, self.ranks)
         rows = self.every.view(len(self.ranks), -1).tolist()
         if all(r == rows[0] for r in rows):
             return
@@ -388,10 +398,4 @@ class _Check:
                     + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
 
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
-        msg = f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}"
-        if h.shm is not None:
-            try:
-                h.shm.reject(msg[:400], self.t, self.tag)
-            except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
-                pass
-        raise RingError(msg)
+        h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", h.shm, self.t, self.tag)
