@@ -24,15 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _closed_form import expected, ops_for, value
+from _closed_form import all_reduce_matrix, expected, value
 from _dist import run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32]
 SIZES = [0, 1, 7, 4099, 300007]
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _ringdp_world(rank, world, hosts, timeout=60, hierarchy=None):
@@ -77,23 +73,10 @@ def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
     pg, comm, _store = _ringdp_world(rank, world, hosts, hierarchy=hierarchy)
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    bad, digests = [], {}
-    calls0, want_calls, n_calls = _host_calls(comm), 0, 0
-    for dtype in DTYPES:
-        for op in ops_for(dtype):
-            for count in sizes:
-                want = expected(op, world, count, dtype)
-                for rep in range(2):
-                    t = value(rank, count, dtype)
-                    if rep == 1 and count == 4099:  # the second call asynchronous
-                        dist.all_reduce(t, op=getattr(dist.ReduceOp, op), async_op=True).wait()
-                    else:
-                        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
-                    want_calls += _calls_per_all_reduce(comm, count)
-                    n_calls += 1
-                    if not torch.equal(t, want):
-                        bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
-                    digests[f"{dtype} {op} {count} {rep}"] = _digest(t)
+    calls0, want = _host_calls(comm), []
+    bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: dist.all_reduce(t, op=op, async_op=a), DTYPES,
+                                     sizes, lambda count: want.append(_calls_per_all_reduce(comm, count)))
+    want_calls = sum(want)
     matrix_calls = _host_calls(comm) - calls0
 
     # the other all-reduce forms the backend runs hierarchically: coalesced, PREMUL_SUM, 2-d

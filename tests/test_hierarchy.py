@@ -7,7 +7,6 @@ reduce_scatter_tensor, all_gather_into_tensor and broadcast across hosts (tests/
 closed forms) and a host dying under them."""
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import time
@@ -16,15 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _closed_form import expected, ops_for, value
+from _closed_form import all_reduce_matrix, expected, value
 from _dist import run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 SIZES = [0, 1, 7, 4099, 300007]
-
-
-def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
 
 
 def _as_host(rank, hosts, hierarchy=None, timeout=60):
@@ -45,20 +40,8 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
         ringdp.policy.HIER_MAX_PIECES = max_pieces
 
     c = _as_host(rank, hosts, hierarchy)
-    bad, digests = [], {}
-    for dtype in DTYPES:
-        for op in ops_for(dtype):
-            for count in SIZES:
-                want = expected(op, world, count, dtype)
-                for rep in range(2):
-                    t = value(rank, count, dtype)
-                    if rep == 1 and count == 4099:  # the second call asynchronous
-                        ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op), async_op=True).wait()
-                    else:
-                        ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
-                    if not torch.equal(t, want):
-                        bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
-                    digests[(str(dtype), op, count, rep)] = _digest(t)
+    bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: ringdp.all_reduce(t, op=op, async_op=a), DTYPES,
+                                     SIZES)
     t = value(rank, 21, torch.float32).reshape(7, 3)  # a 2-d tensor, not a multiple of the local size
     ringdp.all_reduce(t)
     if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
