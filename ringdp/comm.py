@@ -250,7 +250,8 @@ class Communicator:
         self._closed = False
         self.host = socket.gethostname()
         self.host_key = self.config.host_id or _host_key(self.host)
-        self.hosts = self._topology()  # every rank's host key, by rank
+        # every rank's host key, by rank; how many of the group's ranks share this machine
+        self.hosts, self.machine_ranks = self._topology()
         self.host_order = list(dict.fromkeys(self.hosts))  # the hosts, by their first rank
         self.host_ranks = [r for r, h in enumerate(self.hosts) if h == self.host_key]  # this host's ranks
         self.local_rank = self.host_ranks.index(self.rank)
@@ -313,9 +314,15 @@ class Communicator:
         return dist.distributed_c10d._get_default_store()
 
     # ---- set-up -------------------------------------------------------------------------
-    def _topology(self) -> list[str]:
-        """Every rank's host key (RINGDP_HOST_ID, else hostname and boot id), by rank."""
-        return [h.decode() for h in self.rendezvous.exchange("host", self.host_key, "the host records")]
+    def _topology(self) -> tuple[list[str], int]:
+        """Every rank's host key (RINGDP_HOST_ID, else hostname and boot id), by rank, and the
+        number of the group's ranks on this machine (hostname and boot id, whatever
+        RINGDP_HOST_ID says: hosts simulated on one machine share its cores, and the spin
+        policy must know)."""
+        machine = _host_key(self.host)
+        recs = [json.loads(r) for r in self.rendezvous.exchange(
+            "host", json.dumps([self.host_key, machine]), "the host records")]
+        return [h for h, _ in recs], sum(m == machine for _, m in recs)
 
     def _connect_shm(self, rdv: Rendezvous | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3).
@@ -335,7 +342,7 @@ class Communicator:
         c.rank, c.world, c.name, c.host = rdv.rank, rdv.world, _C.shm_segment_name(uid, rdv.rank), self.host
         c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
         c.arena_bytes = int(cfg.arena_gb * (1 << 30))
-        c.spin_ns = policy.spin_ns(rdv.world, cfg)
+        c.spin_ns = policy.spin_ns(self.machine_ranks, cfg)  # the machine's ranks, not only this host's
         c.stall_warn_s = cfg.stall_warn_s
         c.flight_calls = policy.FLIGHT_RECORD_CALLS
         native = _C.ShmComm(c)  # creates (and owns) this rank's segment

@@ -62,13 +62,15 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
             ok = ok and torch.equal(t, expected("SUM", world, 4099, torch.float32))
         registered = ok
     return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
-            "registered": registered}
+            "registered": registered, "machine_ranks": c.machine_ranks}
 
 
 def _check_matrix(res, path, locals_):
     for r, out in enumerate(res):
         assert out["path"] == path, (r, out["path"])
         assert out["local"] == locals_[r]
+        # simulated hosts share this machine: the spin policy counts all the group's ranks here
+        assert out["machine_ranks"] == len(res), (r, out["machine_ranks"])
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         if path == "flat":
             assert isinstance(out["registered"], str) and "spans 2 hosts" in out["registered"], out["registered"]
