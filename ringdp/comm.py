@@ -433,15 +433,15 @@ class Communicator:
         work.wait()
         return None
 
-    def _prepare(self, tensor, check, timeout, algo, tag):
-        """The start every collective shares: (timeout s, check()'s result, forced algorithm,
-        tag). Bad input (check() or the arguments raising TypeError/ValueError) is announced
-        to the peers, in order, so that they fail at once, then re-raised."""
+    def _prepare(self, tensor, check, timeout, algo, tag, what="all_reduce"):
+        """The start every collective (`what`) shares: (timeout s, check()'s result, forced
+        algorithm, tag). Bad input (check() or the arguments raising TypeError/ValueError) is
+        announced to the peers, in order, so that they fail at once, then re-raised."""
         t = policy.timeout_s(timeout, self.timeout)
         try:
             return t, check(), self._forced(algo), _current_tag(tag)
         except (TypeError, ValueError) as e:
-            self._reject(tensor, str(e), t)
+            self._reject(tensor, str(e), t, what)
             raise
 
     def _shm_algo(self, nbytes: int, forced: str) -> int:
@@ -469,7 +469,8 @@ class Communicator:
         SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
         sums would overwrite the input) or one-shot for small inputs (policy.py)."""
         t, code, forced, tag = self._prepare(
-            output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag)
+            output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,
+            "reduce_scatter")
         self._cpu_only(output, "reduce_scatter_tensor")
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
@@ -484,7 +485,8 @@ class Communicator:
         place, with no staging copy, when every rank's output is registered (ringdp.empty);
         one-shot for small inputs (policy.py)."""
         t, _, forced, tag = self._prepare(
-            output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag)
+            output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag,
+            "all_gather")
         self._cpu_only(output, "all_gather_into_tensor")
         if self.across is not None:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
@@ -504,7 +506,7 @@ class Communicator:
                 raise ValueError(f"ringdp.broadcast on rank {self.rank}: src={src} is not a rank of this group "
                                  f"(world size {self.world})")
 
-        t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag)
+        t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
         self._cpu_only(tensor, "broadcast")
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
@@ -612,15 +614,22 @@ class Communicator:
         if self._shm_error and self.across is None:
             raise RingError(self._shm_error)
 
-    def _reject(self, tensor, why: str, timeout_s: float) -> None:
-        """Take part in this collective without data, on the transport of the tensor's device,
-        so that the peers fail at once naming this rank and `why`."""
+    def _reject(self, tensor, why: str, timeout_s: float, what: str = "all_reduce") -> None:
+        """Take part in this collective (`what`) without data, on the transport of the tensor's
+        device, so that the peers fail at once naming this rank and `why` (across hosts:
+        CrossHost.reject, the rejection itself not raising here: the caller raises `why`)."""
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
             ep = self._cuda_endpoint(tensor.device)
             self._submit(lambda: ep.native.reject(why), async_op=False)
         elif self._shm is not None:
             tag = _tags.tag
             self._submit(lambda: self._shm.reject(why, timeout_s, tag), async_op=False)
+        elif self.across is not None:
+            tag = _tags.tag
+            try:
+                self._submit(lambda: self.across.reject(what, why, timeout_s, tag), async_op=False)
+            except RingError:
+                pass
 
     # ---- registered memory --------------------------------------------------------------
     def empty(self, size, dtype=torch.float32, device="cpu") -> torch.Tensor:

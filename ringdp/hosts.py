@@ -24,6 +24,17 @@ steps copy it. AVG is SUM, then one division by the world size. A failed cross-h
 (a host died, a timeout) is a RingError naming the gloo group's ranks, and this host's
 peers, waiting in the next in-host step, are told at once (a rejected call).
 
+Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
+or a header-only agreement for all_gather and broadcast), which fails on every rank of the
+host alike when one of them rejected its input or called something else; then the call
+check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
+cross-host group; the whole group for the gloo-only collectives; on uneven hosts the
+leaders' for all_reduce), where a rank whose in-host step failed, or that rejected its
+input itself (CrossHost.reject), puts a FAILED row and its reason in the store. Every rank
+of every check group then sees the failure before any gloo step moves data, so no rank
+waits for a peer that left: one rank's bad input or odd call is a RingError on every rank
+within seconds, naming it and why, and the communicator stays usable.
+
 The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
 these steps run on ringdp's worker thread and would interleave with the inner group's
 calls differently on different ranks. They are called through the group's own methods,
@@ -31,6 +42,7 @@ since a backend's group is a bare ProcessGroupGloo that torch.distributed does n
 """
 from __future__ import annotations
 
+import functools
 import zlib
 from datetime import timedelta
 
@@ -44,6 +56,7 @@ from ._native import RingError
 from .rendezvous import Rendezvous
 
 _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
+_FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, 0, 0)
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
 
@@ -81,6 +94,9 @@ class CrossHost:
         # cross-host group itself on the flat path, a second one on uneven hosts (LEADERS)
         self.whole = cross if path == policy.FLAT else whole
         self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
+        self._store = comm._store  # (a function) where a failed rank leaves its reason for the call check
+        self._reasons = f"{comm.rendezvous._prefix}failed/"
+        self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
 
     @classmethod
     def create(cls, comm, group) -> "CrossHost":
@@ -131,23 +147,24 @@ class CrossHost:
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
         """All-reduce `tensor` across hosts on this communicator's path (module doc)."""
         n = tensor.numel()
-        if n == 0:
-            return
         red = _types.SUM if code == _types.AVG else code
         dop = _GLOO_OPS[red]
         flat = tensor.view(-1)
-        check = self._agree_start("all_reduce", tensor, code, 0, t, tag) if self.cross is not None else None
+        begin = functools.partial(self._begin, "all_reduce", tensor, code, 0, t, tag)
+        if n == 0:  # (the call check still runs: a rank with a different count fails at once)
+            begin(self._host_agree(t, tag) if self.path != policy.FLAT else None)
+            return
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
             full = flat if blk * self.local_size == n else self._padded(flat, blk * self.local_size)
-            self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag, check)
+            self._two_level(full, blk, red, dop, code == _types.AVG, forced, t, tag, begin)
             if full is not flat:
                 flat.copy_(full[:n])
             return
         if self.path == policy.LEADERS:
-            self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag, check)
+            self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag, begin)
             return
-        check.wait()
+        begin(None)
         self._gloo(flat, dop, t)
         if code == _types.AVG:
             flat.div_(self.world)
@@ -162,7 +179,7 @@ class CrossHost:
         full[flat.numel():].zero_()
         return full
 
-    def _two_level(self, full, blk, red, dop, avg, forced, t, tag, check) -> None:
+    def _two_level(self, full, blk, red, dop, avg, forced, t, tag, begin) -> None:
         """The two-level all-reduce of `full` (local size x `blk` elements) in place, pipelined
         by pieces of policy.two_level_piece_bytes (local size x m elements each): the in-host
         reduce_scatter of a piece leaves this rank's block of it (m elements, local rank's
@@ -170,7 +187,8 @@ class CrossHost:
         while the next piece is reduce-scattered; the piece is then all-gathered inside the
         host from each rank's block, in place. No copy beyond the transports' own, no buffer
         (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
-        come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...)."""
+        come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...).
+        The first reduce_scatter is the call's first in-host step (`begin`: _begin)."""
         L, lr = self.local_size, self.local_rank
         # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
         per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
@@ -180,31 +198,35 @@ class CrossHost:
             m = min(per, blk - off)
             piece = full[off * L:(off + m) * L]
             mine = piece[lr * m:(lr + 1) * m]
-            self.shm.reduce_scatter(mine, piece, red, self._host_algo(piece, forced), t, tag)
-            check.wait()
+            step = functools.partial(self.shm.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
+            begin(step) if off == 0 else step()
             work = self._gloo_start(mine, dop, t, self.shm, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
         self._gather_piece(*pending, avg, forced, t, tag)
 
-    def _leaders(self, flat, red, dop, avg, forced, t, tag, check) -> None:
+    def _leaders(self, flat, red, dop, avg, forced, t, tag, begin) -> None:
         """The uneven-hosts all-reduce of `flat`, pipelined by the pieces of the two-level path
         (the same on every rank: they depend on the size alone): each piece all-reduced inside
         the host, then across hosts by the hosts' first ranks (gloo) while the next piece is
         all-reduced inside the host, then broadcast inside the host from the first rank. In-host
         calls in the same order on every rank of the host (ar 0, ar 1, bc 0, ar 2, bc 1, ...);
-        a rank alone on its host has only the gloo steps."""
+        a rank alone on its host has only the gloo steps. The first in-host all-reduce is the
+        call's first in-host step (`begin`: _begin; the leaders' gloo group is the check group)."""
         n, esz = flat.numel(), flat.element_size()
         per = max(1, policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz)
         pending = None
         for off in range(0, n, per):
             piece = flat[off:off + per]
-            if self.shm is not None:
-                self.shm.all_reduce(piece, red, self._host_algo(piece, forced), t, tag)
+            step = (functools.partial(self.shm.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
+                    if self.shm is not None else None)
+            if off == 0:
+                begin(step)
+            elif step is not None:
+                step()
             work = None
             if self.cross is not None:
-                check.wait()
                 work = self._gloo_start(piece, dop, t, self.shm, tag)
             if pending is not None:
                 self._spread_piece(*pending, avg, forced, t, tag)
@@ -239,18 +261,20 @@ class CrossHost:
         red = _types.SUM if code == _types.AVG else code
         opts = _gloo_opts(ReduceScatterOptions, reduceOp=_GLOO_OPS[red])
         n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
-        if n == 0:
-            return
         blocks = input.reshape(self.world, n)
-        self._agree("reduce_scatter", output, code, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
-            self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts), t,
-                         ranks=self.every_rank)
+            self._begin("reduce_scatter", output, code, 0, t, tag, None)
+            if n:
+                self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts),
+                             t, ranks=self.every_rank)
         else:
             ordered = blocks.index_select(0, self._by_local_then_host).view(-1)
             part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
-            self.shm.reduce_scatter(part, ordered, red, self._host_algo(ordered, forced), t, tag)
-            self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, part, opts), t, self.shm, tag)
+            self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
+                self.shm.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag))
+            if n:
+                self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, part, opts), t, self.shm,
+                             tag)
         if code == _types.AVG:
             out.div_(self.world)
 
@@ -259,10 +283,11 @@ class CrossHost:
         across hosts by the gloo group of its local rank (one block per host), those H blocks
         all-gathered inside the host, then put in rank order."""
         n = input.numel()
+        mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+        self._begin("all_gather", input, -1, 0, t, tag,
+                    self._host_agree(t, tag) if self.path == policy.TWO_LEVEL else None)
         if n == 0:
             return
-        mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
-        self._agree("all_gather", input, -1, 0, t, tag)
         if self.path != policy.TWO_LEVEL:
             self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, ranks=self.every_rank)
             return
@@ -276,43 +301,103 @@ class CrossHost:
         """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
         from src's host to the rank with that local rank on every host, then each host
         broadcasts from that rank inside the host."""
+        flat = tensor.view(-1)  # (contiguous: Communicator._check)
+        self._begin("broadcast", tensor, -1, src, t, tag,
+                    self._host_agree(t, tag) if self.path == policy.TWO_LEVEL else None)
         if tensor.numel() == 0:
             return
-        flat = tensor.view(-1)  # (contiguous: Communicator._check)
         if self.path != policy.TWO_LEVEL:
-            self._agree("broadcast", tensor, -1, src, t, tag)
             opts = _gloo_opts(BroadcastOptions, rootRank=src)
             self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
             return
         k_src = self.host_order.index(self.hosts[src])
         lr_src = self.by_host[k_src].index(src)
         if self.local_rank == lr_src:  # (the other local ranks' cross groups move nothing)
-            self._agree("broadcast", tensor, -1, src, t, tag)
             opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
             self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
-    # ---- the two kinds of step --------------------------------------------------------------
-    def _agree(self, what: str, tensor, code: int, root: int, t, tag) -> None:
-        """Before a cross-host step moves data, the members of its gloo group check that they
-        are at the same call: kind, element count, dtype, op, root (one all-gather of 5
-        integers). gloo kills the process on a size mismatch (its pair thread throws and
-        std::terminate runs); ringdp raises a RingError naming each rank's call on every rank
-        instead, and tells this host's peers. The in-host steps check their own calls. The
-        all-reduce starts the check before its first in-host step and waits for it only
-        before its first gloo step (_agree_start, _Check.wait), so the two overlap."""
-        self._agree_start(what, tensor, code, root, t, tag).wait()
+    # ---- the start of every call: first in-host step, then the call check ---------------------
+    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step) -> None:
+        """Start a call (module doc): its first in-host step (`step()`; None: none), then the
+        call check in this rank's check group with the step's outcome. Raises the step's own
+        error on a rank whose step failed (after its FAILED row is in), a RingError naming
+        the ranks and their calls or reasons on the others."""
+        failure = None
+        if step is not None:
+            try:
+                step()
+            except RingError as e:
+                failure = e
+        group, ranks = self._check_group(what)
+        if group is not None:
+            self._check(what, tensor, code, root, t, tag, group, ranks,
+                        None if failure is None else str(failure)).wait()
+        if failure is not None:
+            raise failure
 
-    def _agree_start(self, what: str, tensor, code: int, root: int, t, tag) -> "_Check":
-        whole = what != "all_reduce" and self.path != policy.TWO_LEVEL
-        group, ranks = (self.whole, self.every_rank) if whole else (self.cross, self.cross_ranks)
-        mine = torch.tensor([_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root],
-                            dtype=torch.int64)
+    def reject(self, what: str, why: str, t, tag) -> None:
+        """This rank rejected its input to `what` (Communicator._prepare): take part without
+        data, so that every peer fails at once naming this rank and `why`: this host's peers
+        in the call's first in-host step (a rejected call), every other rank through the call
+        check (a FAILED row, `why` in the store)."""
+        if self.shm is not None and (self.path == policy.TWO_LEVEL or what == "all_reduce"):
+            self.shm.reject(why[:400], t, tag)
+        group, ranks = self._check_group(what)
+        if group is not None:
+            self._check(what, None, 0, 0, t, tag, group, ranks, f"rank {self.rank} rejected its input: {why}").wait()
+
+    def _check_group(self, what: str):
+        """(gloo group, its ranks) of this rank's call check for `what`: the cross-host group
+        on the two-level and flat paths, the leaders' group for the uneven all_reduce (None
+        for a rank not in it: its leader checks for the host), else the whole group."""
+        if self.path == policy.TWO_LEVEL or (self.path == policy.LEADERS and what == "all_reduce"):
+            return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
+        return self.whole, self.every_rank
+
+    def _host_agree(self, t, tag):
+        """A header-only in-host call (no data: every rank of the host at the same call, none
+        rejected), the first in-host step of the collectives whose data crosses hosts first;
+        None for a rank alone on its host."""
+        if self.shm is None:
+            return None
+        return functools.partial(self.shm.broadcast, torch.empty(0), 0, policy.ALGO_CODES[policy.RING], t, tag)
+
+    def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure) -> "_Check":
+        """Start the call check (module doc): one all-gather of 5 integers among `ranks` before
+        a cross-host step moves data. gloo kills the process on a size mismatch (its pair
+        thread throws and std::terminate runs); ringdp raises a RingError naming each rank's
+        call on every rank instead, and tells this host's peers. `failure`: this rank's reason
+        for a FAILED row (left in the store first)."""
+        if failure is None:
+            mine = [_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root]
+            dtype = str(tensor.dtype)
+        else:
+            self._failures += 1
+            try:
+                self._store().set(f"{self._reasons}{self.rank}/{self._failures}", failure[:400])
+            except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
+                pass
+            mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
+        mine = torch.tensor(mine, dtype=torch.int64)
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
-        check = _Check(self, f"{what} (call check)", ranks, mine, every, str(tensor.dtype), t, tag)
+        # Who learns a failed check from this rank: every rank of the group is in a check
+        # group and reads the same verdict there, except the non-leaders of the uneven
+        # all_reduce, whom their leader tells (a rejected in-host call). Telling peers that
+        # learn it themselves would put one more in-host call on some ranks of the host only.
+        tell = self.shm if self.path == policy.LEADERS and what == "all_reduce" else None
+        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
-                                 t, self.shm, tag, ranks)
+                                 t, tell, tag, ranks)
         return check
+
+    def _reason(self, rank: int, number: int) -> str:
+        """The reason rank `rank` left for its FAILED row number `number` (a key per failure:
+        a rank may fail its next call before a peer reads this one's reason)."""
+        try:
+            return self._store().get(f"{self._reasons}{rank}/{number}").decode(errors="replace")
+        except Exception:  # noqa: BLE001
+            return "(its reason could not be read from the store)"
 
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
@@ -372,10 +457,10 @@ class CrossHost:
 
 
 class _Check:
-    """A started call check (CrossHost._agree): wait() once, before the first gloo step."""
+    """A started call check (CrossHost._check): wait() once, before the first gloo step."""
 
-    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag):
-        self.host, self.what, self.ranks = host, what, ranks
+    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell):
+        self.host, self.what, self.ranks, self.tell = host, what, ranks, tell
         self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
         self.work, self.done = None, False
 
@@ -384,8 +469,16 @@ class _Check:
             return
         self.done = True
         h = self.host
-        h._wait(self.what, self.work, self.t, h.shm, self.tag, self.ranks)
+        h._wait(self.what, self.work, self.t, self.tell, self.tag, self.ranks)
         rows = self.every.view(len(self.ranks), -1).tolist()
+        if int(self.mine[0]) == _FAILED:
+            return  # this rank failed the call itself: it raises its own error (CrossHost._begin)
+        failed = [(m, row[1]) for m, row in zip(self.ranks, rows) if row[0] == _FAILED]
+        if failed:
+            why = "; ".join(f"rank {m}: {h._reason(m, n)}" for m, n in failed)
+            h._fail(f"rank {h.rank}: {self.what.split()[0]} across hosts cannot run: "
+                    f"{'a rank' if len(failed) == 1 else 'ranks'} failed it before any data moved: {why}",
+                    self.tell, self.t, self.tag)
         if all(r == rows[0] for r in rows):
             return
         kinds = {v: k for k, v in _KINDS.items()}
@@ -398,4 +491,4 @@ class _Check:
                     + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
 
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
-        h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", h.shm, self.t, self.tag)
+        h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", self.tell, self.t, self.tag)

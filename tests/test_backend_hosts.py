@@ -60,12 +60,13 @@ def _host_calls(comm) -> int:
 
 
 def _calls_per_all_reduce(comm, n: int) -> int:
-    """In-host calls one all-reduce of n (> 0) elements makes on this rank, in one piece (case_matrix):
+    """In-host calls one all-reduce of n elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
-    with several); flat or alone on a host: none."""
-    if n == 0 or comm.across is None or comm.across.shm is None:
+    with several); n = 0: the header-only agreement before the call check (ringdp/hosts.py);
+    flat or alone on a host: none."""
+    if comm.across is None or comm.across.shm is None:
         return 0
-    return 2
+    return 1 if n == 0 else 2
 
 
 def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):

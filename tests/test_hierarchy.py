@@ -178,6 +178,60 @@ def test_mismatch_across_hosts_is_a_ring_error(hosts):
         assert ok_after, f"rank {r}: the communicator does not work after the mismatches"
 
 
+def case_one_rank_fails(rank, world, hosts, bad):
+    """One rank (`bad`) rejects its input, or calls with another count, while the others
+    call normally: that rank gets its own error, every other rank a RingError naming it
+    within seconds (not the timeout: 20 s here), and the communicator works after."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    me = rank == bad
+    x = value(rank, 60).reshape(6, 10)
+    calls = [  # (name, call, what the other ranks' error must say)
+        ("all_reduce, bad input", lambda: ringdp.all_reduce(x.t() if me else x), "contiguous"),
+        ("reduce_scatter, bad input", lambda: ringdp.reduce_scatter_tensor(
+            torch.empty(5 if me else 7), value(rank, world * 7)), "reduce_scatter_tensor"),
+        ("all_gather, bad input", lambda: ringdp.all_gather_into_tensor(
+            torch.empty(world * 5 + (1 if me else 0)), value(rank, 5)), "all_gather_into_tensor"),
+        ("broadcast, bad input", lambda: ringdp.broadcast(value(rank, 9), world if me else 0), "src="),
+        ("all_reduce, another count", lambda: ringdp.all_reduce(value(rank, 2000 if me else 1000)), "rank"),
+        ("all_reduce, count 0 on one rank", lambda: ringdp.all_reduce(value(rank, 0 if me else 5)), "rank"),
+    ]
+    out = []
+    for name, call, needle in calls:
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append((name, None, "no error", 0.0, needle))
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__, str(e), time.monotonic() - t0, needle))
+    t = value(rank, 4099)
+    ringdp.all_reduce(t)
+    ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
+    g = torch.empty(world * 3)
+    ringdp.all_gather_into_tensor(g, torch.full((3,), float(rank)))
+    return out, ok and torch.equal(g, torch.arange(world, dtype=torch.float32).repeat_interleave(3))
+
+
+# bad rank: on a host of two (its peer learns in the first in-host step, the other host
+# through the call check), a non-leader and the rank alone on its host of the uneven path,
+# one rank per host (flat)
+@pytest.mark.parametrize("hosts,bad", [("aabb", 1), ("aaab", 1), ("aaab", 3), ("ab", 0)])
+def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
+    res = values(run_ranks(case_one_rank_fails, len(hosts), list(hosts), bad, timeout=300))
+    for r, (calls, ok_after) in enumerate(res):
+        for name, kind, msg, took, needle in calls:
+            assert kind is not None, f"rank {r}, {name}: no error"
+            assert took < 10, f"rank {r}, {name}: the error took {took:.1f} s (the timeout is 20 s): {msg}"
+            if r == bad and "bad input" in name:
+                assert kind in ("ValueError", "TypeError"), (r, name, kind, msg)
+                continue
+            assert kind == "RingError", (r, name, kind, msg)
+            if "bad input" in name:
+                assert f"rank {bad}" in msg and needle in msg, (r, name, msg)
+        assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
+
+
 def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp
