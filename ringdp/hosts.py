@@ -151,8 +151,11 @@ class CrossHost:
         dop = _GLOO_OPS[red]
         flat = tensor.view(-1)
         begin = functools.partial(self._begin, "all_reduce", tensor, code, 0, t, tag)
-        if n == 0:  # (the call check still runs: a rank with a different count fails at once)
-            begin(self._host_agree(t, tag) if self.path != policy.FLAT else None)
+        if n == 0:  # the first in-host step and the call check still run: a rank with another count fails at once
+            ring = policy.ALGO_CODES[policy.RING]
+            begin(None if self.shm is None else
+                  functools.partial(self.shm.reduce_scatter, flat, flat, red, ring, t, tag) if self.path == policy.TWO_LEVEL
+                  else functools.partial(self.shm.all_reduce, flat, red, ring, t, tag))
             return
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
