@@ -397,15 +397,15 @@ def _halves(rank, world, transport, registered):
                 checked += 1
                 if not torch.equal(out.cpu(), want):
                     bad.append(("all_gather", str(dtype), count, rep))
-            for rep in range(2):  # broadcast: from a different root each time
-                root = (rep + 1) % world
+            for root in range(world):  # broadcast: from every root, sync and async
+                rep = root % 2
                 t = buf(count, dtype, -1)
                 if rank == root:
                     t.copy_((torch.arange(count, device="cuda") % 13 + 2 * root).to(dtype))
                 run(rep, ringdp.broadcast, t, root)
                 checked += 1
                 if not torch.equal(t.cpu(), (torch.arange(count) % 13 + 2 * root).to(dtype)):
-                    bad.append(("broadcast", str(dtype), count, rep, root))
+                    bad.append(("broadcast", str(dtype), count, root))
     ringdp.synchronize()  # surfaces device-side errors
     return checked, bad, all(reg) if reg else None
 
@@ -422,7 +422,7 @@ def test_cuda_halves(transport, world):
         env["RINGDP_TEST_NCCL_HOSTID"] = "1"
     res = values(run_ranks(_halves, world, transport, False, env=env, timeout=480))
     for r, (checked, bad, reg) in enumerate(res):
-        assert checked == len(HALF_DTYPES) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 4)
+        assert checked == len(HALF_DTYPES) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 2 + world)
         assert not bad, f"rank {r}: wrong results: {bad[:10]}"
         assert reg is False, f"rank {r}: ordinary tensors reported as registered"
 
