@@ -7,7 +7,8 @@
 #                                       with CUDA in place; stop at once (exit 3) unless
 #                                       ringdp.build_info()["cuda"] is True
 #   bash bench/gpu_check.sh smoke OUT   world-2 correctness: IPC and NCCL tests of
-#                                       tests/test_cuda.py (ranks time-sliced, no MPS)
+#                                       tests/test_cuda.py (ranks time-sliced, no MPS),
+#                                       all_reduce, the halves and broadcast, the backend
 #   bash bench/gpu_check.sh mps OUT     MPS started (pipe/log under /tmp, after quitting a
 #                                       daemon a killed run left): world 2-4 tests with
 #                                       truly concurrent ranks; MPS quit on every exit path
@@ -227,6 +228,9 @@ smoke)
   cuda_test 90 "test_ipc_matrix[2-default]"
   cuda_test 60 "test_ipc_matrix[2-oneshot]"
   cuda_test 60 "test_ipc_registered[default-2]"
+  cuda_test 60 "test_cuda_halves[ipc-2]"
+  cuda_test 60 "test_ipc_halves_registered[2]"
+  cuda_test 45 test_ipc_halves_mismatch_raises
   cuda_test 45 "test_ipc_mismatch_raises[ring]"
   cuda_test 45 "test_ipc_mismatch_raises[oneshot]"
   cuda_test 45 "test_stream_ordering[ipc]"
@@ -236,11 +240,13 @@ smoke)
   cuda_test 60 "test_ipc_peer_killed[before]"
   cuda_test 60 "test_ipc_peer_killed[during]"
   cuda_test 90 "test_nccl_world2[default]"
+  cuda_test 90 "test_cuda_halves[nccl-2]"
   cuda_test 45 "test_stream_ordering[nccl]"
   cuda_test 45 "test_cuda_work_semantics[nccl]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[nccl]"
   cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:ringdp]"
   cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
+  cuda_test 60 test_backend_halves_cuda
   ;;
 # ------------------------------------------------------------------ mps
 mps)
@@ -257,6 +263,9 @@ mps)
   cuda_test 45 "test_ipc_matrix[3-tiny-ring]"
   cuda_test 45 "test_ipc_registered[tiny-ring-2]"
   cuda_test 45 "test_nccl_world2[tiny]"
+  cuda_test 60 "test_cuda_halves[ipc-3]"
+  cuda_test 60 "test_ipc_halves_registered[3]"
+  cuda_test 90 "test_cuda_halves[nccl-3]"
   cuda_test 90 "test_ipc_large[2]"
   cuda_test 90 "test_ipc_large[4]"
   copy_mps_logs

@@ -3,7 +3,7 @@
     import torch.distributed as dist, ringdp
     dist.init_process_group("gloo")          # torchrun sets rank, world size, store
     ringdp.all_reduce(t)                      # in place, like dist.all_reduce
-    ringdp.reduce_scatter_tensor(out, inp)    # also all_gather_into_tensor, broadcast (CPU)
+    ringdp.reduce_scatter_tensor(out, inp)    # also all_gather_into_tensor, broadcast (CPU, CUDA)
     buf = ringdp.empty(1 << 20)              # registered memory: no staging copy
 """
 from __future__ import annotations
@@ -42,17 +42,17 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout
 
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None,
                           tag=None):
-    """torch.distributed.reduce_scatter_tensor on ringdp (CPU tensors): `input` holds world x
+    """torch.distributed.reduce_scatter_tensor on ringdp (CPU or CUDA tensors): `input` holds world x
     output.numel() elements; rank r's `output` gets the reduction (SUM, AVG, MIN, MAX) of
     every rank's block r. The input is not modified. PREMUL_SUM: scale the input first, then
     SUM. Returns None or a Work (async_op=True); errors, `timeout`, `algo` and `tag` as
-    all_reduce."""
+    all_reduce (CUDA tensors: the ring always, stream-ordered as CUDA all_reduce)."""
     return get_communicator(group).reduce_scatter_tensor(output, input, op=op, async_op=async_op, tag=tag,
                                                          timeout=timeout, algo=algo)
 
 
 def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=None, algo=None, tag=None):
-    """torch.distributed.all_gather_into_tensor on ringdp (CPU tensors): block q of `output`
+    """torch.distributed.all_gather_into_tensor on ringdp (CPU or CUDA tensors): block q of `output`
     (world x input.numel() elements) becomes rank q's `input`. Returns None or a Work
     (async_op=True); errors, `timeout`, `algo` and `tag` as all_reduce."""
     return get_communicator(group).all_gather_into_tensor(output, input, async_op=async_op, tag=tag,
@@ -60,7 +60,7 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=No
 
 
 def broadcast(tensor, src, group=None, async_op=False, timeout=None, algo=None, tag=None):
-    """torch.distributed.broadcast on ringdp (CPU tensors): every rank's `tensor` becomes
+    """torch.distributed.broadcast on ringdp (CPU or CUDA tensors): every rank's `tensor` becomes
     rank `src`'s. As in torch, `src` is a global rank (the same as the group rank for the
     default group). Returns None or a Work (async_op=True); errors, `timeout`, `algo` and
     `tag` as all_reduce."""

@@ -28,9 +28,17 @@ Routing (``ProcessGroupRingdp``):
     communicator's hierarchical paths (README "Across hosts", ringdp/hosts.py: two-level,
     leaders on uneven hosts, flat gloo with RINGDP_HIERARCHY=0 or one rank per host; its
     cross-host gloo groups are made here, in the constructor, from the store).
-  * CUDA tensors: ringdp's CUDA all-reduce when the extension has CUDA and the group was
-    made with "cuda:ringdp" (or plain "ringdp"); otherwise, and for every other CUDA
-    collective, an inner NCCL group made on first use.
+  * CUDA tensors, when the extension has CUDA and the group was made with "cuda:ringdp" (or
+    plain "ringdp"): the same collectives as for CPU tensors (allreduce, allreduce_coalesced,
+    reduce_scatter_tensor and the list reduce_scatter, all_gather_into_tensor and the list
+    allgather, broadcast) on ringdp's CUDA transport (IPC or NCCL, ringdp/cuda_comm.py),
+    stream-ordered like torch's NCCL group. They go to an inner NCCL group made on first use
+    instead when ringdp cannot run them: a group made with "cuda:nccl" (or an extension built
+    without CUDA), an op other than SUM/AVG/MIN/MAX/PREMUL_SUM (AVG of integers too), a
+    dtype ringdp does not reduce, a non-contiguous or sparse tensor, a tensor on another
+    CUDA device than the one ringdp's CUDA endpoint was made for, list forms with tensors of
+    different shapes, sizes that do not match the world size, and every collective not
+    listed here.
   * everything else (send/recv, all_to_all, gather, scatter, reduce, object collectives,
     monitored_barrier via ``group.monitored_barrier``, sparse or unsupported dtypes/ops):
     the inner gloo group (CPU) or nccl group (CUDA), made from the same store under a
@@ -286,7 +294,10 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             if t.device.type == "cpu" and self._comm.shm is None and self._comm.across is None:
                 return False  # a closed communicator: gloo (which says so)
             if t.is_cuda:
-                if not self._use_ringdp_cuda() or op is None:  # ringdp's CUDA path: all-reduce only
+                if not self._use_ringdp_cuda():
+                    return False
+                ep = self._comm._cuda  # one device per endpoint: tensors elsewhere go to nccl
+                if ep is not None and t.device != ep.device:
                     return False
             elif t.device.type != "cpu":
                 return False
@@ -325,24 +336,25 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`."""
         kind, factor = _op_of(reduce_op)
         native = getattr(self._comm, "reduce_scatter_tensor", None)
-        if native is not None and not output.is_cuda:
+        devices = _devices([output])
+        if native is not None:
             if factor is not None:
                 if keep:
                     flat = flat.clone()
                 flat.mul_(factor)
             op = _OP_NAMES[_types.SUM if factor is not None else _NATIVE_OPS[kind]]
             if output.is_contiguous():
-                return RingWork([native(output, flat, op=op, async_op=True, timeout=timeout)], [output])
+                return RingWork([native(output, flat, op=op, async_op=True, timeout=timeout)], [output],
+                                cuda_devices=devices)
             out = torch.empty_like(output, memory_format=torch.contiguous_format)
             return RingWork([native(out, flat, op=op, async_op=True, timeout=timeout)], [output],
-                            lambda: output.copy_(out))
+                            lambda: output.copy_(out), cuda_devices=devices)
         # composition: all-reduce the whole input, keep this rank's chunk
         buf = flat.clone() if keep else flat
         n = output.numel()
         r = self._rank_
         return RingWork([self._all_reduce(buf, reduce_op, timeout)], [output],
-                        lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)),
-                        cuda_devices=_devices([output]))
+                        lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)), cuda_devices=devices)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         if opts is None:
@@ -377,11 +389,12 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if opts is None:
             opts = dist.AllgatherOptions()
         native = getattr(self._comm, "all_gather_into_tensor", None)
-        if (native is None or not self._native([output, input]) or output.is_cuda
+        if (native is None or not self._native([output, input])
                 or output.numel() != input.numel() * self._size_):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
             return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
-        return RingWork([native(output, input, async_op=True, timeout=_timeout_s(opts))], [output])
+        return RingWork([native(output, input, async_op=True, timeout=_timeout_s(opts))], [output],
+                        cuda_devices=_devices([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
@@ -396,16 +409,16 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         native = getattr(self._comm, "all_gather_into_tensor", None)
         outs, inp = output_tensors[0], input_tensors[0]
         if (native is None or len(input_tensors) != 1 or len(outs) != self._size_
-                or not self._native([inp, *outs]) or inp.is_cuda or any(o.shape != inp.shape for o in outs)):
+                or not self._native([inp, *outs]) or any(o.shape != inp.shape for o in outs)):
             return self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)
-        flat = torch.empty((self._size_ * inp.numel(),), dtype=inp.dtype)
+        flat = torch.empty((self._size_ * inp.numel(),), dtype=inp.dtype, device=inp.device)
 
         def copy_out():
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
 
         return RingWork([native(flat, inp.reshape(-1), async_op=True, timeout=_timeout_s(opts))], output_tensors,
-                        copy_out)
+                        copy_out, cuda_devices=_devices([inp]))
 
     # -- broadcast, barrier ---------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -413,9 +426,10 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             tensors = [tensors]
         opts = _options(opts, dist.BroadcastOptions, "rootRank")  # broadcast(tensors, root) too
         native = getattr(self._comm, "broadcast", None)
-        if native is None or not self._native(tensors) or any(t.is_cuda for t in tensors):
+        if native is None or not self._native(tensors):
             return self._inner(tensors).broadcast(tensors, opts)
-        return RingWork([native(t, opts.rootRank, async_op=True, timeout=_timeout_s(opts)) for t in tensors], tensors)
+        return RingWork([native(t, opts.rootRank, async_op=True, timeout=_timeout_s(opts)) for t in tensors], tensors,
+                        cuda_devices=_devices(tensors))
 
     # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
     # waits for completes after every ringdp collective issued so far (one ordered worker)

@@ -23,9 +23,12 @@ finished and current call); a timeout's RingError carries the same. Each communi
 its last calls (the flight record, ``Communicator.flight_record()``), written to
 RINGDP_TRACE's folder as ``ringdp_flight.rank<r>.json`` on a stall or a failed collective.
 
-Collectives: all_reduce (CPU and CUDA); reduce_scatter_tensor, all_gather_into_tensor and
-broadcast (CPU tensors, the shared-memory transport; csrc/ring/ring.cpp runs all four), with
-torch.distributed's semantics and the same Work / async_op / tag / timeout behaviour.
+Collectives: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and broadcast, on CPU
+tensors (the shared-memory transport, or hierarchically across hosts) and on CUDA tensors (the
+CUDA IPC or NCCL transport; the three besides all_reduce run the ring only there, no one-shot
+path); csrc/ring/ring.cpp runs all four on every transport, with torch.distributed's semantics
+and the same validation, Work / async_op / tag / timeout behaviour. (CUDA transports do not
+carry the tag yet: it is validated, not compared across ranks.)
 
 Execution: validation and the algorithm (ringdp/policy.py) on the calling thread, then the
 collective runs in submission order: inline when nothing is queued and the call is
@@ -467,11 +470,16 @@ class Communicator:
         for rank q); rank r's `output` gets the reduction (SUM, AVG, MIN, MAX) of every rank's
         block r. The input is not modified. PREMUL_SUM is the caller's: scale the input, then
         SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
-        sums would overwrite the input) or one-shot for small inputs (policy.py)."""
+        sums would overwrite the input) or one-shot for small inputs (policy.py); CUDA tensors:
+        the ring, staged, on ringdp's stream (as CUDA all_reduce)."""
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,
             "reduce_scatter")
-        self._cpu_only(output, "reduce_scatter_tensor")
+        if output.is_cuda:
+            return self._run_cuda(
+                output.device, [output, input], [output], async_op,
+                lambda ep: ep.native.reduce_scatter_tensor(output, input, code, ep.stream.cuda_stream, t))
+        self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
                                 outputs=[output])
@@ -483,11 +491,16 @@ class Communicator:
         """torch's all_gather_into_tensor: `output` holds world x input.numel() elements and
         block q of it becomes rank q's `input` (which may itself be block r of `output`). In
         place, with no staging copy, when every rank's output is registered (ringdp.empty);
-        one-shot for small inputs (policy.py)."""
+        one-shot for small inputs (policy.py). CUDA tensors: the ring on ringdp's stream (the
+        input copied into its block first, unless it is that block); on the IPC transport a
+        registered output (ringdp.empty(device="cuda")) is read in place by the successor."""
         t, _, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag,
             "all_gather")
-        self._cpu_only(output, "all_gather_into_tensor")
+        if output.is_cuda:
+            return self._run_cuda(output.device, [output, input], [output], async_op,
+                                  lambda ep: ep.native.all_gather_tensor(output, input, ep.stream.cuda_stream, t))
+        self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
                                 outputs=[output])
@@ -497,7 +510,8 @@ class Communicator:
     def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
         every rank: a pipelined chain src -> src+1 -> ... along the ring (in place when every
-        rank's tensor is registered), or one-shot for small tensors (policy.py)."""
+        rank's tensor is registered), or one-shot for small tensors (policy.py). CUDA tensors:
+        the chain on ringdp's stream (IPC: registered tensors read in place)."""
         def check():
             self._check(tensor, None, "broadcast")
             if isinstance(src, bool) or not isinstance(src, int):
@@ -507,7 +521,10 @@ class Communicator:
                                  f"(world size {self.world})")
 
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
-        self._cpu_only(tensor, "broadcast")
+        if tensor.is_cuda:
+            return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
+                                  lambda ep: ep.native.broadcast_tensor(tensor, src, ep.stream.cuda_stream, t))
+        self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
                                 outputs=[tensor])
@@ -517,17 +534,28 @@ class Communicator:
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
         ep = self._cuda_endpoint(tensor.device)
         a = policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
+        return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
+                              lambda ep: ep.native.all_reduce_tensor(tensor, code, ep.stream.cuda_stream, a, t))
+
+    def _run_cuda(self, device, tensors, outputs, async_op, enqueue):
+        """A CUDA collective, stream-ordered like torch's NCCL ones (module doc): an event on
+        the current stream (on the calling thread), every tensor it touches recorded on
+        ringdp's stream (the caching allocator keeps them until ringdp is done), then in
+        submission order: ringdp's stream waits on the event, `enqueue(endpoint)` puts the
+        ring on ringdp's stream (passing that stream as the caller's), an event `done` after."""
+        ep = self._cuda_endpoint(device)
         ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(tensor.device))  # on the calling thread
+        ready.record(torch.cuda.current_stream(device))  # on the calling thread
         done = torch.cuda.Event()
-        tensor.record_stream(ep.stream)  # the caching allocator keeps it until ringdp is done
+        for x in tensors:
+            x.record_stream(ep.stream)
 
         def run():
             ep.stream.wait_event(ready)
-            ep.native.all_reduce_tensor(tensor, code, ep.stream.cuda_stream, a, t)
+            enqueue(ep)
             done.record(ep.stream)
 
-        return self._submit(run, async_op, outputs=[tensor], cuda=(ep, done))
+        return self._submit(run, async_op, outputs=outputs, cuda=(ep, done))
 
     def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
         threshold = policy.oneshot_threshold(transport, self.world, self.config, capacity)
@@ -605,12 +633,10 @@ class Communicator:
                 f"input.numel() x world size = {input.numel()} x {n} = {input.numel() * n}")
         return code
 
-    def _cpu_only(self, tensor, what: str) -> None:
-        """reduce_scatter, all_gather and broadcast run on CPU tensors only (on the shared-memory
-        transport, or across hosts: ringdp/hosts.py)."""
-        if tensor.is_cuda:
-            raise RingError(f"rank {self.rank}: ringdp.{what} does not run on CUDA tensors yet (only all_reduce "
-                            f"does); use torch.distributed's NCCL backend for it")
+    def _cpu_path(self) -> None:
+        """CPU reduce_scatter, all_gather and broadcast run on the shared-memory transport, or
+        across hosts (ringdp/hosts.py): a RingError saying why when this communicator has
+        neither (closed, or its group was destroyed)."""
         if self._shm_error and self.across is None:
             raise RingError(self._shm_error)
 

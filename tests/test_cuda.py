@@ -1,6 +1,7 @@
 """ringdp on CUDA: the IPC ring (world 2, 3, 4 on cuda:0), the NCCL transport (world 2 on
-one GPU, each rank its own NCCL_HOSTID), RingDDP on CUDA against a single process, and
-stream ordering. All of these carry the `cuda` marker and are skipped without a GPU and a
+one GPU, each rank its own NCCL_HOSTID), reduce_scatter / all_gather / broadcast on both
+(world 2 and 3), RingDDP on CUDA against a single process, the torch.distributed backend on
+CUDA, and stream ordering. All of these carry the `cuda` marker and are skipped without a GPU and a
 CUDA build of ringdp.
 
 One test runs everywhere: the CPU simulation of the IPC protocol (csrc/cuda/sim), which
@@ -337,6 +338,143 @@ def test_nccl_world2(config):
     _assert_matrix(res)
 
 
+# ============================================================== the halves and broadcast
+HALF_SIZES = [0, 1, 4099]  # per rank: empty, one element, a prime (not divisible by any world)
+HALF_DTYPES = [torch.float32, torch.bfloat16]
+HALF_OPS = ["SUM", "AVG", "MAX"]
+
+
+def _halves(rank, world, transport, registered):
+    """reduce_scatter_tensor, all_gather_into_tensor and broadcast on CUDA tensors through
+    ringdp's module functions, each call twice (the second asynchronous), against closed
+    forms (module doc: v(r, i) = (i % 13) + 2r). registered: every buffer from
+    ringdp.empty(device="cuda") (IPC: all_gather and broadcast read it in place).
+    Returns (calls checked, wrong calls, whether the buffers were registered)."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    _nccl_env(rank)
+    _setup(rank)
+
+    def buf(n, dtype, fill):
+        t = ringdp.empty(n, dtype=dtype, device="cuda") if registered else torch.empty(n, dtype=dtype, device="cuda")
+        t.fill_(fill)  # garbage where the collective must write
+        return t
+
+    def run(rep, fn, *args, **kwargs):
+        if rep == 0:
+            return fn(*args, **kwargs)
+        return fn(*args, async_op=True, **kwargs).wait()
+
+    checked, bad, reg = 0, [], []
+    for dtype in HALF_DTYPES:
+        for count in HALF_SIZES:
+            n = world * count
+            for op in HALF_OPS:  # reduce_scatter: rank r gets the reduction of block r
+                want = expected(op, world, n, dtype)[rank * count:(rank + 1) * count]
+                for rep in range(2):
+                    inp = buf(n, dtype, 0)
+                    inp.copy_((torch.arange(n, device="cuda") % 13 + 2 * rank).to(dtype))
+                    out = buf(count, dtype, -1)
+                    run(rep, ringdp.reduce_scatter_tensor, out, inp, op=getattr(dist.ReduceOp, op))
+                    got, kept = out.cpu(), inp.cpu()
+                    checked += 1
+                    if not torch.equal(got, want):
+                        bad.append(("reduce_scatter", str(dtype), op, count, rep))
+                    if not torch.equal(kept, (torch.arange(n) % 13 + 2 * rank).to(dtype)):
+                        bad.append(("reduce_scatter modified its input", str(dtype), op, count, rep))
+            want = torch.cat([(torch.arange(count) % 13 + 2 * q).to(dtype) for q in range(world)])
+            for rep in range(2):  # all_gather: block q = rank q's input; rep 1 from a block of the output
+                out = buf(n, dtype, -1)
+                if rep == 1:
+                    inp = out[rank * count:(rank + 1) * count]
+                else:
+                    inp = torch.empty(count, dtype=dtype, device="cuda")
+                inp.copy_((torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype))
+                if count:  # (an empty tensor's data pointer says nothing)
+                    reg.append(ringdp.get_communicator().is_registered(out))
+                run(rep, ringdp.all_gather_into_tensor, out, inp)
+                checked += 1
+                if not torch.equal(out.cpu(), want):
+                    bad.append(("all_gather", str(dtype), count, rep))
+            for root in range(world):  # broadcast: from every root, sync and async
+                rep = root % 2
+                t = buf(count, dtype, -1)
+                if rank == root:
+                    t.copy_((torch.arange(count, device="cuda") % 13 + 2 * root).to(dtype))
+                run(rep, ringdp.broadcast, t, root)
+                checked += 1
+                if not torch.equal(t.cpu(), (torch.arange(count) % 13 + 2 * root).to(dtype)):
+                    bad.append(("broadcast", str(dtype), count, root))
+    ringdp.synchronize()  # surfaces device-side errors
+    return checked, bad, all(reg) if reg else None
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+def test_cuda_halves(transport, world):
+    """reduce_scatter_tensor (SUM, AVG, MAX), all_gather_into_tensor and broadcast on CUDA
+    tensors, float32 and bfloat16, 0 / 1 / 4099 elements per rank, sync then async."""
+    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
+    if transport == "nccl":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    res = values(run_ranks(_halves, world, transport, False, env=env, timeout=480))
+    for r, (checked, bad, reg) in enumerate(res):
+        assert checked == len(HALF_DTYPES) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 2 + world)
+        assert not bad, f"rank {r}: wrong results: {bad[:10]}"
+        assert reg is False, f"rank {r}: ordinary tensors reported as registered"
+
+
+@needs_cuda
+@pytest.mark.parametrize("world", [2, 3])
+def test_ipc_halves_registered(world):
+    """The same with every buffer from ringdp.empty(device="cuda"): all_gather and broadcast
+    read them in place (and drain before the caller gets them back), reduce_scatter stays
+    staged (its input is checked untouched)."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "32"}
+    res = values(run_ranks(_halves, world, "ipc", True, env=env, timeout=480))
+    for r, (checked, bad, reg) in enumerate(res):
+        assert checked > 0
+        assert not bad, f"rank {r}: wrong results: {bad[:10]}"
+        assert reg is True, f"rank {r}: ringdp.empty(device='cuda') buffers were not registered"
+
+
+def _halves_mismatch(rank, world):
+    import ringdp
+
+    _setup(rank)
+    t = torch.ones(1000, device="cuda")
+    try:
+        if rank == 0:  # rank 0 gathers, rank 1 broadcasts
+            out = torch.empty(2000, device="cuda")
+            ringdp.all_gather_into_tensor(out, t, async_op=True).wait()
+        else:
+            ringdp.broadcast(t, 1, async_op=True).wait()
+        torch.cuda.synchronize()
+        ringdp.synchronize()  # the rank that consumed the other's slice reports the mismatch here
+        # the other one (whose own call completed) fails here, when the first has given up
+        ringdp.all_reduce(torch.ones(3, device="cuda"))
+        ringdp.synchronize()
+    except Exception as e:  # RingError
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@needs_cuda
+def test_ipc_halves_mismatch_raises():
+    """Ranks in different collectives (all_gather vs broadcast) fail, naming the rank,
+    instead of mixing them (the slot descriptor carries the collective)."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20"}
+    msgs = values(run_ranks(_halves_mismatch, 2, env=env, timeout=180))
+    for r, m in enumerate(msgs):
+        assert m != "no error", f"rank {r} did not notice the mismatch"
+        assert f"rank {r}" in m, m
+        assert "mismatch" in m or "gave up" in m or "timed out" in m, m
+
+
 # ============================================================== RingDDP on CUDA
 def _ddp_case(rank, world, steps):
     import torch.distributed as dist
@@ -401,7 +539,7 @@ def _backend_ddp(rank, world, steps, spec):
 
     import ringdp
 
-    _nccl_env(rank)  # broadcasts (DDP's start) go to the inner NCCL group in both cases
+    _nccl_env(rank)  # with "cuda:nccl" DDP's broadcasts (its start) go to the inner NCCL group
     _setup(rank)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
@@ -441,6 +579,65 @@ def test_backend_stock_ddp_cuda(spec):
         assert endpoint == (spec.endswith("cuda:ringdp")), f"rank {r}: ringdp's CUDA path ran: {endpoint} ({spec})"
         assert ok, f"rank {r}: dist.all_reduce on {spec} gave a wrong sum"
     assert res[0][1] == res[1][1], "ranks ended with different parameters"
+
+
+def _backend_halves(rank, world):
+    """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM), reduce_scatter (list),
+    all_gather_into_tensor, all_gather (list) and broadcast on CUDA tensors in a default group
+    of "cpu:ringdp,cuda:ringdp": they run on ringdp's CUDA transport (its endpoint exists, the
+    inner NCCL group was never made), with closed-form results."""
+    import torch.distributed as dist
+
+    _setup(rank)
+    n, bad = 4099, []
+    inp = (torch.arange(world * n, device="cuda") % 13 + 2 * rank).float()
+
+    def block(q):
+        return (torch.arange(world * n) % 13).float()[q * n:(q + 1) * n]
+
+    out = torch.empty(n, device="cuda")
+    dist.reduce_scatter_tensor(out, inp)
+    if not torch.equal(out.cpu(), world * block(rank) + world * (world - 1)):
+        bad.append("reduce_scatter_tensor SUM")
+    dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.AVG, async_op=True).wait()
+    if not torch.equal(out.cpu(), block(rank) + (world - 1)):
+        bad.append("reduce_scatter_tensor AVG")
+    dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.5))  # FSDP2's way
+    if not torch.equal(out.cpu(), (world * block(rank) + world * (world - 1)) * 0.5):
+        bad.append("reduce_scatter_tensor PREMUL_SUM")
+    if not torch.equal(inp.cpu(), (torch.arange(world * n) % 13 + 2 * rank).float()):
+        bad.append("reduce_scatter_tensor modified its input")
+    dist.reduce_scatter(out, list(inp.chunk(world)))
+    if not torch.equal(out.cpu(), world * block(rank) + world * (world - 1)):
+        bad.append("reduce_scatter (list)")
+    mine = torch.full((n,), float(rank + 1), device="cuda")
+    gathered = torch.empty(world * n, device="cuda")
+    dist.all_gather_into_tensor(gathered, mine)
+    if not torch.equal(gathered.cpu(), torch.cat([torch.full((n,), float(q + 1)) for q in range(world)])):
+        bad.append("all_gather_into_tensor")
+    outs = [torch.empty(n, device="cuda") for _ in range(world)]
+    dist.all_gather(outs, mine)
+    if [o.cpu().unique().tolist() for o in outs] != [[float(q + 1)] for q in range(world)]:
+        bad.append("all_gather (list)")
+    t = torch.full((n,), float(rank * 10 + 7), device="cuda")
+    dist.broadcast(t, src=world - 1)
+    if not torch.equal(t.cpu(), torch.full((n,), float((world - 1) * 10 + 7))):
+        bad.append("broadcast")
+    import ringdp
+
+    pg = dist.distributed_c10d._get_default_group()
+    native = ringdp.get_communicator(dist.group.WORLD)._cuda is not None and getattr(pg, "_nccl", 1) is None
+    dist.barrier()
+    return bad, native
+
+
+@needs_cuda
+def test_backend_halves_cuda():
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120"}
+    res = values(run_ranks(_backend_halves, 2, env=env, timeout=300, backend="cpu:ringdp,cuda:ringdp"))
+    for r, (bad, native) in enumerate(res):
+        assert not bad, f"rank {r}: wrong results: {bad}"
+        assert native, f"rank {r}: the collectives went to the inner NCCL group instead of ringdp's CUDA path"
 
 
 # ============================================================== large tensors, dead peers, memory

@@ -7,16 +7,17 @@
 //   blob = c->local_blob();                // opaque bytes -> store.set("<prefix>/<rank>")
 //   c->connect({blob_0, ..., blob_n-1});   // collective: open peers' memory / NCCL comm
 //   c->all_reduce(ptr, count, dtype, op, stream, algo);  // any number of times, same order on all ranks
+//   c->reduce_scatter(...), c->all_gather(...), c->broadcast(...)  // likewise (ring only)
 //   c->quiesce();                          // collective: drain, drop peers' mappings
 //   -- store barrier --                    // nobody reads my memory any more
 //   c->destroy();                          // free my own memory
 //
-// all_reduce never blocks the host on the GPU: it makes ringdp's stream wait for everything
+// No collective blocks the host on the GPU: it makes ringdp's stream wait for everything
 // already queued on `stream` (an event), enqueues the ring on ringdp's stream, and makes
 // `stream` wait for the result (another event). Failures detected on the device (a peer
 // that never arrives, a peer that called a different collective, an abort) are recorded in
 // host-mapped memory and raised as RingError by the next check(), synchronize() or
-// all_reduce() call of this rank. Every message names this rank and, where known, the peer.
+// collective call of this rank. Every message names this rank and, where known, the peer.
 //
 // No torch headers anywhere under csrc/cuda: CI compiles these files with plain nvcc.
 #pragma once
@@ -74,6 +75,23 @@ class Comm : public Endpoint {
   // timeout_s <= 0: the creation timeout.
   virtual void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream,
                           int algo, double timeout_s = 0.0) = 0;
+  // The halves alone and broadcast (csrc/ring/ring.cpp), ring only, ordered on `stream` like
+  // all_reduce; count == 0 runs nothing.
+  //   reduce_scatter  torch's reduce_scatter_tensor: `input` holds world blocks of `count`
+  //                   elements (block q for rank q); `output` (count elements) gets the
+  //                   reduction of every rank's block `rank`, AVG applied. The input is
+  //                   not modified (IPC stages it: never read in place).
+  //   all_gather      torch's all_gather_into_tensor: `output` holds world blocks of `count`;
+  //                   block q becomes rank q's `input` (which may be block `rank` of
+  //                   `output`; otherwise it is copied there first, on ringdp's stream).
+  //   broadcast       `count` elements of rank `root`'s `data` into every rank's `data`.
+  // IPC: all_gather and broadcast read registered buffers in place (as all_reduce does).
+  virtual void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op,
+                              uintptr_t stream, double timeout_s = 0.0) = 0;
+  virtual void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
+                          double timeout_s = 0.0) = 0;
+  virtual void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream,
+                         double timeout_s = 0.0) = 0;
   // The largest message (bytes) all_reduce can run one-shot; 0: this transport has no
   // one-shot path (NCCL; IPC above kMaxOneShotWorld ranks).
   virtual size_t oneshot_bytes() const = 0;

@@ -1,14 +1,15 @@
 // The CUDA IPC transport (layout and protocol: ipc_transport.h; kernels: reduce_kernels.cu).
 //
-// Host side of one all_reduce:
-//   1. event on the caller's stream -> ringdp's stream waits on it (no host sync);
+// Host side of one collective (all_reduce, reduce_scatter, all_gather, broadcast):
+//   1. event on the caller's stream -> ringdp's stream waits on it (no host sync); all_gather
+//      then copies the input into its block of the output, on ringdp's stream;
 //   2. the ring engine (csrc/ring/ring.cpp) calls one primitive per slice; each primitive
 //      enqueues one step kernel on ringdp's stream, with the counter targets it must wait
 //      for and the values it publishes (the host only does arithmetic on its own counters);
 //   3. finish(): if the successor read our tensor in place, a drain kernel waits until it is
 //      done; then an event on ringdp's stream -> the caller's stream waits on it.
 // The host never waits for the device here. Device-side failures surface through
-// check() (host-mapped failure record), which every all_reduce calls first.
+// check() (host-mapped failure record), which every collective calls first.
 //
 // Ranks sharing one GPU without MPS: kernels of different processes are time-sliced. A
 // step kernel whose peer has not produced yet spins (sleeping) until the scheduler runs the
@@ -63,8 +64,12 @@ const char* what_name(int32_t w) {
 }
 
 std::string meta_str(const SlotMeta& m) {
-  return cat("call #", m.call, " count=", m.count, " dtype=", dtype_name(static_cast<DType>(m.dtype)),
-             " op=", redop_name(static_cast<RedOp>(m.op)));
+  const auto k = static_cast<ringdp::Kind>(m.coll);
+  return cat("call #", m.call, " ", kind_name(k), " count=", m.count, " dtype=", dtype_name(static_cast<DType>(m.dtype)),
+             k == ringdp::Kind::kAllReduce || k == ringdp::Kind::kReduceScatter
+                 ? cat(" op=", redop_name(static_cast<RedOp>(m.op)))
+                 : std::string(),
+             k == ringdp::Kind::kBroadcast ? cat(" root=", m.root) : std::string());
 }
 
 class IpcComm final : public Comm {
@@ -185,13 +190,10 @@ class IpcComm final : public Comm {
     connected_ = true;
   }
 
-  // ---- the collective -------------------------------------------------------------------
+  // ---- the collectives -------------------------------------------------------------------
   void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int algo,
                   double timeout_s) override {
-    check();
-    if (!connected_ || quiesced_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce on a communicator that is ",
-                          connected_ ? "shut down" : "not connected"));
+    usable("all_reduce");
     if (algo != kAlgoRing && algo != kAlgoOneShot)
       throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (count == 0 || world_ == 1) return;  // nothing moves; AVG over one rank is the identity
@@ -207,31 +209,92 @@ class IpcComm final : public Comm {
                                                     : std::string(" (its one-shot buffer, RINGDP_CUDA_ONESHOT_BYTES)"),
                           "; nothing was run"));
     DeviceGuard g(device_);
-    cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
-    const double t = timeout_s > 0 ? timeout_s : opt_.timeout_s;
-    timeout_ns_ = static_cast<uint64_t>(t * 1e9);
-    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller), "cudaEventRecord on the caller's stream");
-    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
-    ++call_;
+    cudaStream_t caller = enter(stream, timeout_s);
     try {
       if (oneshot) {
         run_oneshot(reinterpret_cast<char*>(data), count, dtype, op);
         finish_call(caller);
       } else {
-        cur_ = Call{reinterpret_cast<char*>(data), count, dtype, op, esize, acc_size(dtype), caller,
-                    read_in_place(data, bytes)};
-        plan_.begin_call(cur_.registered, cur_.esize, cur_.acc, op, world_);
-        RingPlan plan;
-        plan.count = count;
-        plan.world = world_;
-        plan.rank = rank_;
-        plan.slice_elems = geometry().slice_elems(cur_.acc);  // > 0: slot_bytes >= 4096, channels <= 64
-        plan.align = kPackElems;
-        ring_all_reduce(ring_, plan);  // ends with finish()
+        Call c = make_call(ringdp::Kind::kAllReduce, reinterpret_cast<char*>(data), count, dtype, op, caller);
+        c.registered = read_in_place(data, bytes);
+        run_ring(c, 0);
       }
     } catch (...) {
       // A half-enqueued collective leaves our counters out of step with the peers: stop
       // everything (pending kernels exit, peers see our abort flag) and keep failing.
+      poison("a launch failed in the middle of a collective");
+      throw;
+    }
+  }
+
+  void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op, uintptr_t stream,
+                      double timeout_s) override {
+    usable("reduce_scatter");
+    if (count == 0) return;
+    if (input == 0 || output == 0)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": reduce_scatter of a null pointer"));
+    const size_t bytes = count * dtype_size(dtype);
+    DeviceGuard g(device_);
+    cudaStream_t caller = enter(stream, timeout_s);
+    try {
+      if (world_ == 1) {  // the output is the input (AVG over one rank: the identity)
+        copy_block(reinterpret_cast<char*>(output), reinterpret_cast<const char*>(input), bytes);
+        finish_call(caller);
+        return;
+      }
+      // The ring reads the input (world blocks) and writes only the output; staged always
+      // (Planner::begin_call): in place, the partial sums would overwrite the input.
+      Call c = make_call(ringdp::Kind::kReduceScatter, reinterpret_cast<char*>(input), count, dtype, op, caller);
+      c.result = reinterpret_cast<char*>(output);
+      c.result_base = static_cast<size_t>(rank_) * count;
+      run_ring(c, 0);
+    } catch (...) {
+      poison("a launch failed in the middle of a collective");
+      throw;
+    }
+  }
+
+  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
+                  double timeout_s) override {
+    usable("all_gather");
+    if (count == 0) return;
+    if (input == 0 || output == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_gather of a null pointer"));
+    const size_t bytes = count * dtype_size(dtype);
+    DeviceGuard g(device_);
+    cudaStream_t caller = enter(stream, timeout_s);
+    try {
+      // My block of the output first (unless the input is that block): the all-gather starts
+      // from it, and in place the successor reads it there.
+      char* mine = reinterpret_cast<char*>(output) + static_cast<size_t>(rank_) * bytes;
+      copy_block(mine, reinterpret_cast<const char*>(input), bytes);
+      if (world_ == 1) {
+        finish_call(caller);
+        return;
+      }
+      Call c = make_call(ringdp::Kind::kAllGather, reinterpret_cast<char*>(output), count, dtype, RedOp::kSum, caller);
+      c.registered = read_in_place(output, bytes * static_cast<size_t>(world_));
+      run_ring(c, 0);
+    } catch (...) {
+      poison("a launch failed in the middle of a collective");
+      throw;
+    }
+  }
+
+  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, double timeout_s) override {
+    usable("broadcast");
+    if (root < 0 || root >= world_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast from rank ", root,
+                          ", which is not a rank of this group (world size ", world_, ")"));
+    if (count == 0 || world_ == 1) return;
+    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast of a null pointer"));
+    DeviceGuard g(device_);
+    cudaStream_t caller = enter(stream, timeout_s);
+    try {
+      Call c = make_call(ringdp::Kind::kBroadcast, reinterpret_cast<char*>(data), count, dtype, RedOp::kSum, caller);
+      c.root = root;
+      c.registered = read_in_place(data, count * c.esize);
+      run_ring(c, root);
+    } catch (...) {
       poison("a launch failed in the middle of a collective");
       throw;
     }
@@ -365,8 +428,12 @@ class IpcComm final : public Comm {
 
  private:
   struct Call {
-    char* data = nullptr;
-    size_t count = 0;
+    ringdp::Kind kind = ringdp::Kind::kAllReduce;
+    char* data = nullptr;   // the buffer the schedule's slices index (reduce_scatter: the input)
+    char* result = nullptr;  // reduce_scatter: the output, element result_base of the buffer
+    size_t result_base = 0;
+    int root = 0;           // broadcast's source
+    size_t count = 0;       // all_reduce, broadcast: elements; the halves: per rank
     DType dtype = DType::kFloat32;
     RedOp op = RedOp::kSum;
     size_t esize = 4;
@@ -374,6 +441,66 @@ class IpcComm final : public Comm {
     cudaStream_t caller = nullptr;
     bool registered = false;  // the successor reads this call's tensor in place
   };
+
+  // The checks every collective starts with.
+  void usable(const char* what) {
+    check();
+    if (!connected_ || quiesced_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": ", what, " on a communicator that is ",
+                          connected_ ? "shut down" : "not connected"));
+  }
+
+  // Start a collective: ringdp's stream waits for the caller's, the call is counted (every
+  // rank counts the same collectives). Returns the caller's stream.
+  cudaStream_t enter(uintptr_t stream, double timeout_s) {
+    cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
+    const double t = timeout_s > 0 ? timeout_s : opt_.timeout_s;
+    timeout_ns_ = static_cast<uint64_t>(t * 1e9);
+    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller), "cudaEventRecord on the caller's stream");
+    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
+    ++call_;
+    return caller;
+  }
+
+  Call make_call(ringdp::Kind kind, char* data, size_t count, DType dtype, RedOp op, cudaStream_t caller) const {
+    Call c;
+    c.kind = kind;
+    c.data = data;
+    c.count = count;
+    c.dtype = dtype;
+    c.op = op;
+    c.esize = dtype_size(dtype);
+    c.acc = acc_size(dtype);
+    c.caller = caller;
+    return c;
+  }
+
+  // A device-to-device copy on ringdp's stream (nothing when dst == src).
+  void copy_block(char* dst, const char* src, size_t bytes) {
+    if (dst == src || bytes == 0) return;
+    RINGDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+                      "cudaMemcpyAsync (ringdp stream)");
+  }
+
+  // The ring of call `c` (csrc/ring/ring.cpp), one step kernel per primitive; ends with
+  // finish_ring(). Partial sums travel in Acc (all_reduce, reduce_scatter), final values in T.
+  void run_ring(const Call& c, int root) {
+    cur_ = c;
+    plan_.begin_call(cur_.registered, cur_.esize, cur_.acc, cur_.op, world_);
+    const bool reduces = c.kind == ringdp::Kind::kAllReduce || c.kind == ringdp::Kind::kReduceScatter;
+    RingPlan plan;
+    plan.count = c.count;
+    plan.world = world_;
+    plan.rank = rank_;
+    plan.slice_elems = geometry().slice_elems(reduces ? cur_.acc : cur_.esize);  // > 0: slot_bytes >= 4096, channels <= 64
+    plan.align = kPackElems;
+    switch (c.kind) {
+      case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, plan); break;
+      case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, plan); break;
+      case ringdp::Kind::kAllGather: ring_all_gather(ring_, plan); break;
+      case ringdp::Kind::kBroadcast: ring_broadcast(ring_, plan, root); break;
+    }
+  }
 
   void setup() {
     DeviceGuard g(device_);
@@ -526,8 +653,8 @@ class IpcComm final : public Comm {
       case kErrTimeout:
         return cat(me, "timed out after ", static_cast<double>(r.waited_ns) / 1e9, " s waiting for rank ", r.peer,
                    " (channel ", r.channel, ": its counter ", what_name(r.what), " is ", r.seen, ", needed >= ",
-                   r.target, "). Rank ", r.peer, " is stuck, dead, or did not make the same all_reduce calls (every "
-                   "rank must call all_reduce in the same order with the same size, dtype and op)");
+                   r.target, "). Rank ", r.peer, " is stuck, dead, or did not make the same collective calls (every "
+                   "rank must make the same collectives in the same order with the same size, dtype, op and root)");
       case kErrPeerAborted:
         if (r.reason[0] != 0)
           return cat(me, "rank ", r.peer, " ", std::string(r.reason, strnlen(r.reason, kReasonBytes)),
@@ -537,9 +664,10 @@ class IpcComm final : public Comm {
       case kErrHostAbort:
         return cat(me, "aborted: ", abort_reason_.empty() ? std::string("abort requested") : abort_reason_);
       case kErrMismatch:
-        return cat(me, "all_reduce mismatch with rank ", r.peer, ": this rank is at ", meta_str(r.mine), ", rank ",
+        return cat(me, "collective mismatch with rank ", r.peer, ": this rank is at ", meta_str(r.mine), ", rank ",
                    r.peer, " is at ", meta_str(r.theirs),
-                   ". Every rank must call all_reduce in the same order with the same size, dtype and op");
+                   ". Every rank must make the same collectives in the same order with the same size, dtype, op "
+                   "and root");
       case kErrBadDescriptor:
         return cat(me, "rank ", r.peer, " published a slice outside its buffer (offset ", r.theirs.src_off, ", ",
                    r.theirs.bytes, " bytes): memory corruption or mixed ringdp versions");
@@ -604,6 +732,7 @@ void IpcComm::step(StepKind k, const Slice& s) {
   a.avg_div = p.avg_div;
   a.in = p.reads_in ? d : nullptr;
   a.out = p.writes_out ? d : nullptr;
+  if (p.writes_result) a.out = cur_.result + (s.offset - cur_.result_base) * cur_.esize;
   a.src = nullptr;  // from the predecessor's descriptor
   a.dst = p.writes_slot ? base_ + lay_.slot_off(p.produce_index) : nullptr;
   a.dst_chan_stride = p.writes_slot ? geometry().sub_bytes() : 0;
@@ -633,6 +762,8 @@ void IpcComm::step(StepKind k, const Slice& s) {
   g.succ_rank = succ;
   g.call = call_;
   g.total_count = cur_.count;
+  g.coll = static_cast<int32_t>(cur_.kind);
+  g.root = cur_.root;
   g.fail = fail_ctx();
   a.sig = &g;
   RINGDP_CUDA_CHECK(launch_step(a, stream_), "launching a ring step kernel");

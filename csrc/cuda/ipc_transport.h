@@ -53,7 +53,7 @@ static_assert(offsetof(Ctrl, lock) % kLineBytes == 0 && offsetof(Ctrl, posted) %
               "one counter per line");
 
 constexpr uint64_t kMagic = 0x6370696470676e72ull;  // "rngdpipc"
-constexpr uint32_t kVersion = 2;  // 2: Ctrl::reason
+constexpr uint32_t kVersion = 3;  // 2: Ctrl::reason; 3: SlotMeta::coll, root
 
 struct Layout {
   size_t slots = 0;

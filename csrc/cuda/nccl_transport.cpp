@@ -3,15 +3,21 @@
 // Each primitive of the ring (transport.h) becomes, on ringdp's stream:
 //
 //   send                   stage my slice (as Acc for half types)           -> pending send
+//   copy_send              my slice as it is (final values)                 -> pending send
 //   recv_reduce_send       group{ send pending -> next, recv -> rbuf }; sbuf = rbuf (op) mine
 //   recv_reduce_copy_send  group{ send pending, recv -> rbuf }; mine = rbuf (op) mine [AVG]
+//   recv_reduce_copy       group{ send pending, recv -> rbuf }; output = rbuf (op) mine [AVG]
 //   recv_copy_send         group{ send pending, recv -> my slice }
 //   recv                   group{ send pending, recv -> my slice }
 //
 // The slice a step produces is sent in the *next* step's group, together with that step's
 // receive: every rank's k-th group sends what its successor's k-th group receives, so the
 // groups of all ranks match one to one (no deadlock) and sends and receives of a step
-// progress together. Zero-byte slices are skipped on both ends (both know the size).
+// progress together. A broadcast is a chain, not a ring: its root only sends (a pending
+// slice goes out alone before the next copy_send, the last one in finish), its last rank
+// only receives; nothing waits in a cycle. all_gather first copies the input into its block
+// of the output (ringdp's stream). Zero-byte slices are skipped on both ends (both know the
+// size).
 // Everything is stream-ordered: a kernel that writes sbuf starts after the NCCL kernel that
 // sent sbuf's previous content has finished.
 #include "nccl_transport.h"
@@ -190,10 +196,7 @@ class NcclComm final : public Comm {
 
   void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int algo,
                   double timeout_s) override {
-    check();
-    if (!connected_ || quiesced_)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce on a communicator that is ",
-                          connected_ ? "shut down" : "not connected"));
+    usable("all_reduce");
     if (algo != kAlgoRing && algo != kAlgoOneShot)
       throw RingError(cat("ringdp nccl rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (count == 0 || world_ == 1) return;
@@ -203,31 +206,55 @@ class NcclComm final : public Comm {
                           ") requested, but the NCCL transport has no one-shot path (oneshot_bytes 0); "
                           "nothing was run"));
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
-    if (timeout_s > 0) timeout_s_ = timeout_s;
     DeviceGuard g(device_);
-    caller_ = reinterpret_cast<cudaStream_t>(stream);
-    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller_), "cudaEventRecord on the caller's stream");
-    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
-    data_ = reinterpret_cast<char*>(data);
-    dtype_ = dtype;
-    op_ = op;
-    esize_ = dtype_size(dtype);
-    acc_ = acc_size(dtype);
-    pending_ptr_ = nullptr;
-    pending_bytes_ = 0;
-    RingPlan plan;
-    plan.count = count;
-    plan.world = world_;
-    plan.rank = rank_;
-    plan.slice_elems = std::max<size_t>(slot_bytes_ / acc_ / kPackElems * kPackElems, kPackElems);
-    plan.align = kPackElems;
-    try {
-      ring_all_reduce(ring_, plan);
-    } catch (...) {
-      if (fatal_.empty())
-        fatal_ = cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now");
-      throw;
+    enter(stream, timeout_s, reinterpret_cast<char*>(data), dtype, op);
+    run_ring(ringdp::Kind::kAllReduce, count, 0);
+  }
+
+  void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op, uintptr_t stream,
+                      double timeout_s) override {
+    usable("reduce_scatter");
+    if (count == 0) return;
+    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": reduce_scatter of a null pointer"));
+    DeviceGuard g(device_);
+    enter(stream, timeout_s, reinterpret_cast<char*>(input), dtype, op);
+    result_ = reinterpret_cast<char*>(output);
+    result_base_ = static_cast<size_t>(rank_) * count;
+    if (world_ == 1) {  // the output is the input (AVG over one rank: the identity)
+      copy_block(result_, data_, count * esize_);
+      finish_ring();
+      return;
     }
+    run_ring(ringdp::Kind::kReduceScatter, count, 0);
+  }
+
+  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
+                  double timeout_s) override {
+    usable("all_gather");
+    if (count == 0) return;
+    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_gather of a null pointer"));
+    DeviceGuard g(device_);
+    enter(stream, timeout_s, reinterpret_cast<char*>(output), dtype, RedOp::kSum);
+    // My block of the output first (unless the input is that block): the all-gather starts from it.
+    copy_block(data_ + static_cast<size_t>(rank_) * count * esize_, reinterpret_cast<const char*>(input),
+               count * esize_);
+    if (world_ == 1) {
+      finish_ring();
+      return;
+    }
+    run_ring(ringdp::Kind::kAllGather, count, 0);
+  }
+
+  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, double timeout_s) override {
+    usable("broadcast");
+    if (root < 0 || root >= world_)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": broadcast from rank ", root,
+                          ", which is not a rank of this group (world size ", world_, ")"));
+    if (count == 0 || world_ == 1) return;
+    if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": broadcast of a null pointer"));
+    DeviceGuard g(device_);
+    enter(stream, timeout_s, reinterpret_cast<char*>(data), dtype, RedOp::kSum);
+    run_ring(ringdp::Kind::kBroadcast, count, root);
   }
 
   void check() override {
@@ -343,7 +370,7 @@ class NcclComm final : public Comm {
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (waited > timeout_s_) {
         const std::string msg = cat("ringdp nccl rank ", rank_, ": ", what, " timed out after ", waited,
-                                    " s: a peer is stuck or dead, or the ranks made different all_reduce calls");
+                                    " s: a peer is stuck or dead, or the ranks made different collective calls");
         abort(msg);
         throw RingError(msg);
       }
@@ -362,6 +389,62 @@ class NcclComm final : public Comm {
     nccl_check(r1, "ncclSend");
     nccl_check(r2, "ncclRecv");
     nccl_check(r3, "ncclGroupEnd");
+  }
+
+  void usable(const char* what) {
+    check();
+    if (!connected_ || quiesced_)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " on a communicator that is ",
+                          connected_ ? "shut down" : "not connected"));
+  }
+
+  // Start a collective on `data` (the buffer the schedule's slices index): ringdp's stream
+  // waits for the caller's. The caller holds a DeviceGuard for the whole collective.
+  void enter(uintptr_t stream, double timeout_s, char* data, DType dtype, RedOp op) {
+    if (timeout_s > 0) timeout_s_ = timeout_s;
+    caller_ = reinterpret_cast<cudaStream_t>(stream);
+    RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller_), "cudaEventRecord on the caller's stream");
+    RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
+    data_ = data;
+    result_ = nullptr;
+    result_base_ = 0;
+    dtype_ = dtype;
+    op_ = op;
+    esize_ = dtype_size(dtype);
+    acc_ = acc_size(dtype);
+    pending_ptr_ = nullptr;
+    pending_bytes_ = 0;
+  }
+
+  // The ring (csrc/ring/ring.cpp) over data_; ends with finish_ring(). Partial sums travel in
+  // Acc (all_reduce, reduce_scatter: rbuf_ holds one slice of them), final values in T.
+  void run_ring(ringdp::Kind kind, size_t count, int root) {
+    const bool reduces = kind == ringdp::Kind::kAllReduce || kind == ringdp::Kind::kReduceScatter;
+    RingPlan plan;
+    plan.count = count;
+    plan.world = world_;
+    plan.rank = rank_;
+    plan.slice_elems = std::max<size_t>(slot_bytes_ / (reduces ? acc_ : esize_) / kPackElems * kPackElems, kPackElems);
+    plan.align = kPackElems;
+    try {
+      switch (kind) {
+        case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, plan); break;
+        case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, plan); break;
+        case ringdp::Kind::kAllGather: ring_all_gather(ring_, plan); break;
+        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, plan, root); break;
+      }
+    } catch (...) {
+      if (fatal_.empty())
+        fatal_ = cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now");
+      throw;
+    }
+  }
+
+  // A device-to-device copy on ringdp's stream (nothing when dst == src).
+  void copy_block(char* dst, const char* src, size_t bytes) {
+    if (dst == src || bytes == 0) return;
+    RINGDP_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_),
+                      "cudaMemcpyAsync (ringdp stream)");
   }
 
   void launch(StepKind k, const void* in, void* out, const void* src, void* dst, size_t count, int avg_div) {
@@ -420,7 +503,9 @@ class NcclComm final : public Comm {
 
   // The collective in flight.
   cudaStream_t caller_ = nullptr;
-  char* data_ = nullptr;
+  char* data_ = nullptr;      // the buffer the schedule's slices index (reduce_scatter: the input)
+  char* result_ = nullptr;    // reduce_scatter: the output, element result_base_ of the buffer
+  size_t result_base_ = 0;
   DType dtype_ = DType::kFloat32;
   RedOp op_ = RedOp::kSum;
   size_t esize_ = 4;
@@ -434,21 +519,25 @@ class NcclComm final : public Comm {
 
 void NcclComm::step(StepKind k, const Slice& s) {
   char* d = data_ + s.offset * esize_;
-  if (k == StepKind::kSend) {
-    if (acc_ == esize_) {
-      pending_ptr_ = d;  // send my values straight from the tensor
+  if (k == StepKind::kSend || k == StepKind::kCopySend) {
+    // Nothing to receive. A slice still pending (a broadcast's root, slice after slice) goes
+    // out alone first; its receiver's group has a receive only, so nothing waits in a cycle.
+    if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);
+    if (k == StepKind::kCopySend || acc_ == esize_) {
+      pending_ptr_ = d;  // send my values (final ones for copy_send) straight from the tensor
     } else {
       launch(StepKind::kSend, d, nullptr, nullptr, sbuf_, s.count, 0);  // widen to float32
       pending_ptr_ = sbuf_;
     }
-    pending_bytes_ = s.count * acc_;
+    pending_bytes_ = s.count * (k == StepKind::kCopySend ? esize_ : acc_);
     return;
   }
-  const bool partial_in = k == StepKind::kRecvReduceSend || k == StepKind::kRecvReduceCopySend;
+  const bool partial_in = step_partial_in(k);
   void* rdst = partial_in ? static_cast<void*>(rbuf_) : static_cast<void*>(d);
   group(pending_ptr_, pending_bytes_, rdst, s.count * (partial_in ? acc_ : esize_));
   pending_ptr_ = nullptr;
   pending_bytes_ = 0;
+  const int avg_div = step_finalises(k) && op_ == RedOp::kAvg ? world_ : 0;
   switch (k) {
     case StepKind::kRecvReduceSend:
       launch(k, d, nullptr, rbuf_, sbuf_, s.count, 0);
@@ -456,9 +545,12 @@ void NcclComm::step(StepKind k, const Slice& s) {
       pending_bytes_ = s.count * acc_;
       break;
     case StepKind::kRecvReduceCopySend:
-      launch(k, d, d, rbuf_, nullptr, s.count, op_ == RedOp::kAvg ? world_ : 0);
+      launch(k, d, d, rbuf_, nullptr, s.count, avg_div);
       pending_ptr_ = d;
       pending_bytes_ = s.count * esize_;
+      break;
+    case StepKind::kRecvReduceCopy:  // the final value goes to the output; nothing is sent
+      launch(k, d, result_ + (s.offset - result_base_) * esize_, rbuf_, nullptr, s.count, avg_div);
       break;
     case StepKind::kRecvCopySend:
       pending_ptr_ = d;  // received in place: forward it from there
@@ -470,7 +562,8 @@ void NcclComm::step(StepKind k, const Slice& s) {
 }
 
 void NcclComm::finish_ring() {
-  if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);  // not reached by the ring schedule
+  // The last slice produced (a broadcast's root and the middle of its chain) goes out alone.
+  if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);
   pending_ptr_ = nullptr;
   pending_bytes_ = 0;
   RINGDP_CUDA_CHECK(cudaEventRecord(ev_out_, stream_), "cudaEventRecord (ringdp stream)");

@@ -45,6 +45,12 @@ enum class StepKind : int32_t {
   kRecvReduceCopySend = 2,
   kRecvCopySend = 3,
   kRecv = 4,
+  // The standalone halves (transport.h): copy_send starts an all-gather or a broadcast (my
+  // final values, in T, go to the successor; nothing is received), recv_reduce_copy ends a
+  // reduce-scatter (the final value, AVG applied, goes to the *result*, not to the buffer the
+  // schedule indexes; nothing is sent).
+  kCopySend = 5,
+  kRecvReduceCopy = 6,
 };
 
 // True when a pointer allows the 16-byte vector path.
@@ -120,6 +126,8 @@ struct StepPlan {
   uint64_t guard = 0;           // wait succ.consumed >= this before writing (0: no wait)
   bool reads_in = false;        // reads my tensor's slice
   bool writes_out = false;      // writes my tensor's slice
+  bool writes_result = false;   // writes the final value to the call's result (kRecvReduceCopy:
+                                // the reduce-scatter's output, not the tensor the slices index)
   bool in_place = false;        // the produced slice is my registered tensor's slice, read
                                 // in place by the successor (no slot write)
   bool writes_slot = false;     // the produced slice goes to slot produce_index % slots
@@ -128,11 +136,24 @@ struct StepPlan {
   int avg_div = 0;              // world size on the finalising step of an AVG
 };
 
+// Which primitives consume (receive) and produce (send) a slice, and in which element type.
+inline bool step_consumes(StepKind k) { return k != StepKind::kSend && k != StepKind::kCopySend; }
+inline bool step_produces(StepKind k) { return k != StepKind::kRecv && k != StepKind::kRecvReduceCopy; }
+// Partial sums (Acc) go out of send/recv_reduce_send and come into the three recv_reduce_*.
+inline bool step_partial_out(StepKind k) { return k == StepKind::kSend || k == StepKind::kRecvReduceSend; }
+inline bool step_partial_in(StepKind k) {
+  return k == StepKind::kRecvReduceSend || k == StepKind::kRecvReduceCopySend || k == StepKind::kRecvReduceCopy;
+}
+// The steps that compute a final value (AVG divides there).
+inline bool step_finalises(StepKind k) { return k == StepKind::kRecvReduceCopySend || k == StepKind::kRecvReduceCopy; }
+
 class Planner {
  public:
   explicit Planner(size_t slots = 2) : slots_(slots) {}
 
-  // `registered`: my tensor is registered memory that my successor may read in place.
+  // `registered`: my tensor is registered memory that my successor may read in place. A
+  // reduce-scatter must pass false: in place, recv_reduce_send would write its partial sums
+  // over the caller's input (the shared-memory transport stages it for the same reason).
   void begin_call(bool registered, size_t esize, size_t acc, RedOp op, int world) {
     registered_ = registered;
     esize_ = esize;
@@ -146,24 +167,26 @@ class Planner {
   StepPlan step(StepKind k, const Slice& s) {
     StepPlan p;
     p.kind = k;
-    p.consumes = k != StepKind::kSend;
-    p.produces = k != StepKind::kRecv;
-    const bool partial_out = k == StepKind::kSend || k == StepKind::kRecvReduceSend;
-    const bool partial_in = k == StepKind::kRecvReduceSend || k == StepKind::kRecvReduceCopySend;
-    p.reads_in = k == StepKind::kSend || partial_in;
+    p.consumes = step_consumes(k);
+    p.produces = step_produces(k);
+    const bool partial_out = step_partial_out(k);
+    const bool partial_in = step_partial_in(k);
+    p.reads_in = k == StepKind::kSend || k == StepKind::kCopySend || partial_in;
     // Produce in place: final values, or partial sums when they have the tensor's type.
     p.in_place = p.produces && registered_ && s.count > 0 && (!partial_out || acc_ == esize_);
-    if (k == StepKind::kSend) {
-      p.writes_out = false;
+    if (k == StepKind::kSend || k == StepKind::kCopySend) {
+      p.writes_out = false;  // my values go out as they are
     } else if (k == StepKind::kRecvReduceSend) {
       p.writes_out = p.in_place;  // the partial sum replaces my (no longer needed) values
+    } else if (k == StepKind::kRecvReduceCopy) {
+      p.writes_result = true;  // the tensor (the reduce-scatter's input) stays as it was
     } else {
       p.writes_out = true;
     }
     p.writes_slot = p.produces && !p.in_place;
     p.consume_elem_bytes = static_cast<uint32_t>(partial_in ? acc_ : esize_);
     p.produce_elem_bytes = static_cast<uint32_t>(partial_out ? acc_ : esize_);
-    p.avg_div = (k == StepKind::kRecvReduceCopySend && op_ == RedOp::kAvg) ? world_ : 0;
+    p.avg_div = (step_finalises(k) && op_ == RedOp::kAvg) ? world_ : 0;
     if (p.consumes) p.consume_target = ++consumed_;
     // Guards are computed before this step's own in-place slice is recorded: it protects
     // readers of the *previous* in-place slice of the range.

@@ -191,10 +191,15 @@ template <class X> __device__ __forceinline__ X ldcg_any(const X* p) {
 
 template <class T, StepKind K> struct StepTypes {
   using A = typename Num<T>::Acc;
-  static constexpr bool kReadsIn =
-      K == StepKind::kSend || K == StepKind::kRecvReduceSend || K == StepKind::kRecvReduceCopySend;
-  static constexpr bool kReadsSrc = K != StepKind::kSend;
-  using Src = std::conditional_t<K == StepKind::kRecvReduceSend || K == StepKind::kRecvReduceCopySend, A, T>;
+  static constexpr bool kReadsIn = K == StepKind::kSend || K == StepKind::kRecvReduceSend ||
+                                   K == StepKind::kRecvReduceCopySend || K == StepKind::kCopySend ||
+                                   K == StepKind::kRecvReduceCopy;
+  static constexpr bool kReadsSrc = K != StepKind::kSend && K != StepKind::kCopySend;
+  static constexpr bool kWritesOut = K != StepKind::kSend && K != StepKind::kCopySend;
+  static constexpr bool kWritesDst = K != StepKind::kRecv && K != StepKind::kRecvReduceCopy;
+  using Src = std::conditional_t<K == StepKind::kRecvReduceSend || K == StepKind::kRecvReduceCopySend ||
+                                     K == StepKind::kRecvReduceCopy,
+                                 A, T>;
   using Dst = std::conditional_t<K == StepKind::kSend || K == StepKind::kRecvReduceSend, A, T>;
 };
 
@@ -206,11 +211,13 @@ __device__ __forceinline__ void step_elem(T x, typename StepTypes<T, K>::Src y, 
   using A = typename N::Acc;
   if constexpr (K == StepKind::kSend) {
     d = N::to(x);
+  } else if constexpr (K == StepKind::kCopySend) {
+    d = x;
   } else if constexpr (K == StepKind::kRecvReduceSend) {
     A v = Op::f(y, N::to(x));
     d = v;
     o = N::from(v);
-  } else if constexpr (K == StepKind::kRecvReduceCopySend) {
+  } else if constexpr (K == StepKind::kRecvReduceCopySend || K == StepKind::kRecvReduceCopy) {
     A v = Op::f(y, N::to(x));
     if (avg > 0) v = divide(v, avg);
     T t = N::from(v);
@@ -233,8 +240,8 @@ __device__ __forceinline__ void step_body(const T* in, T* out, const void* srcv,
   using Dst = typename ST::Dst;
   const Src* src = static_cast<const Src*>(srcv);
   Dst* dst = static_cast<Dst*>(dstv);
-  const bool w_out = out != nullptr && K != StepKind::kSend;
-  const bool w_dst = dst != nullptr && K != StepKind::kRecv;
+  const bool w_out = out != nullptr && ST::kWritesOut;
+  const bool w_dst = dst != nullptr && ST::kWritesDst;
   if (!w_out && !w_dst) return;
   size_t b = 0;
   if (vec) {
@@ -331,13 +338,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     mine.count = s.total_count;
     mine.dtype = static_cast<int32_t>(a.dtype);
     mine.op = static_cast<int32_t>(a.op);
+    mine.coll = s.coll;
+    mine.root = s.root;
     if (ok && s.pred_posted) {
       const SlotMeta m = load_meta_cg(s.pred_meta + ch);
       const uint64_t eb = s.consume_elem_bytes;
       const uint64_t bytes = static_cast<uint64_t>(a.count) * eb;
       mine.bytes = bytes;
       if (m.call != mine.call || m.count != mine.count || m.dtype != mine.dtype || m.op != mine.op ||
-          m.bytes != bytes) {
+          m.coll != mine.coll || m.root != mine.root || m.bytes != bytes) {
         report(s.fail, kErrMismatch, s.pred_rank, ch, kWaitPosted, s.consume_target, s.consume_target, 0, &mine, &m);
         ok = false;
       } else {
@@ -506,6 +515,7 @@ cudaError_t launch_step_op(const StepArgs& a, cudaStream_t st) {
   switch (a.kind) {
     case StepKind::kRecvReduceSend: return launch_step_t<T, Op, StepKind::kRecvReduceSend>(a, st);
     case StepKind::kRecvReduceCopySend: return launch_step_t<T, Op, StepKind::kRecvReduceCopySend>(a, st);
+    case StepKind::kRecvReduceCopy: return launch_step_t<T, Op, StepKind::kRecvReduceCopy>(a, st);
     default: break;
   }
   return cudaErrorInvalidValue;
@@ -518,6 +528,7 @@ cudaError_t launch_step_dtype(const StepArgs& a, cudaStream_t st) {
     case StepKind::kSend: return launch_step_t<T, OpSum, StepKind::kSend>(a, st);
     case StepKind::kRecvCopySend: return launch_step_t<T, OpSum, StepKind::kRecvCopySend>(a, st);
     case StepKind::kRecv: return launch_step_t<T, OpSum, StepKind::kRecv>(a, st);
+    case StepKind::kCopySend: return launch_step_t<T, OpSum, StepKind::kCopySend>(a, st);
     default: break;
   }
   switch (a.op) {

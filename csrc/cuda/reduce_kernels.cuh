@@ -12,6 +12,12 @@
 //   kRecvReduceCopySend  src[Acc], in[T]               out[T] (final, AVG applied), dst[T]
 //   kRecvCopySend        src[T]                        out[T], dst[T]
 //   kRecv                src[T]                        out[T]
+//   kCopySend            in[T]                         dst[T]              (dst may be null)
+//   kRecvReduceCopy      src[Acc], in[T]               out[T] (final, AVG applied)
+//
+// The standalone halves: kCopySend starts an all-gather or a broadcast (final values, so
+// in T); kRecvReduceCopy ends a reduce-scatter, where `in` is the input's slice and `out`
+// the matching slice of the separate output.
 //
 // Acc is float32 for half types and T otherwise (types.h acc_size): partial sums travel in
 // Acc during the reduce-scatter and are rounded once, by the chunk's owner.
@@ -43,8 +49,9 @@ namespace cuda {
 
 // What a producer publishes with each slice, one per (slot, channel), written before the
 // release of its `posted` counter. The consumer checks it against its own call before it
-// reads a byte: a rank that called all_reduce with another size, dtype or op (or that is a
-// call ahead or behind) is reported instead of producing a silently wrong result.
+// reads a byte: a rank that called another collective (kind), or the same with another
+// size, dtype, op or broadcast root (or that is a call ahead or behind) is reported instead
+// of producing a silently wrong result.
 struct alignas(64) SlotMeta {
   uint64_t call;     // 1-based collective number on the producer
   uint64_t count;    // total elements of the producer's collective
@@ -56,7 +63,9 @@ struct alignas(64) SlotMeta {
   uint64_t chan_stride;
   int32_t dtype;
   int32_t op;
-  int32_t pad[4];
+  int32_t coll;  // the collective (types.h ringdp::Kind); count is per rank for the halves
+  int32_t root;  // broadcast's source rank (0 otherwise)
+  int32_t pad[2];
 };
 static_assert(sizeof(SlotMeta) == 64, "slot descriptor is one 64-byte record");
 
@@ -137,7 +146,9 @@ struct StepSig {
   uint32_t consume_elem_bytes;  // element size of what is consumed
   // Identity of this call, for descriptors and mismatch checks.
   uint64_t call;
-  uint64_t total_count;
+  uint64_t total_count;  // all_reduce, broadcast: the tensor's elements; the halves: per rank
+  int32_t coll;          // ringdp::Kind
+  int32_t root;          // broadcast's source rank
   FailCtx fail;
 };
 
@@ -146,12 +157,12 @@ struct StepArgs {
   DType dtype;
   RedOp op;
   const void* in;   // my tensor's slice (T)
-  void* out;        // my tensor's slice (T), may equal `in`
+  void* out;        // my tensor's slice (T), may equal `in`; kRecvReduceCopy: the output's slice
   const void* src;  // incoming slice (contiguous); with sig, from the producer's descriptor
   void* dst;        // outgoing slice (slot or staging buffer)
   size_t dst_chan_stride;  // 0: dst is contiguous; > 0: channel c writes at dst + c * this
   size_t count;     // elements in the slice (may be 0)
-  int avg_div;      // > 0: divide the final value by this (AVG, kRecvReduceCopySend only)
+  int avg_div;      // > 0: divide the final value by this (AVG; kRecvReduceCopySend, kRecvReduceCopy)
   int channels;     // blocks; the slice split
   const StepSig* sig;  // host copy; launch copies it into the kernel parameters. null: local
 };

@@ -18,6 +18,8 @@ class StepRing final : public RingTransport {
   void recv_reduce_copy_send(const Slice& s) override { o_->step(StepKind::kRecvReduceCopySend, s); }
   void recv_copy_send(const Slice& s) override { o_->step(StepKind::kRecvCopySend, s); }
   void recv(const Slice& s) override { o_->step(StepKind::kRecv, s); }
+  void copy_send(const Slice& s) override { o_->step(StepKind::kCopySend, s); }
+  void recv_reduce_copy(const Slice& s) override { o_->step(StepKind::kRecvReduceCopy, s); }
   void finish() override { o_->finish_ring(); }
 
  private:

@@ -9,7 +9,8 @@
 //                   POSIX shared-memory segment, receiver reads from it.
 //   shm registered  CPU, tensors from ringdp.empty(): receiver reads the sender's tensor
 //                   in place, no staging copy.
-//   cuda ipc / nccl GPU transports (csrc/cuda/), same five primitives, enqueued on a stream.
+//   cuda ipc / nccl GPU transports (csrc/cuda/), the same primitives, enqueued on a stream
+//                   (csrc/cuda/step_ring.h: one step kind per primitive).
 //
 // Each primitive names what the *calling* rank does with its slice `s` of the buffer:
 //
@@ -47,8 +48,9 @@ class RingTransport {
   virtual void recv_reduce_copy_send(const Slice& s) = 0;
   virtual void recv_copy_send(const Slice& s) = 0;
   virtual void recv(const Slice& s) = 0;
-  // The primitives of the standalone halves (reduce_scatter, all_gather, broadcast). Only
-  // the shared-memory transports have them so far; the CUDA ones run all_reduce only.
+  // The primitives of the standalone halves (reduce_scatter, all_gather, broadcast). Every
+  // transport of ringdp has them (shm staged and registered, CUDA IPC and NCCL); the
+  // defaults are for a transport that runs all_reduce only.
   virtual void copy_send(const Slice&) { throw std::logic_error("this transport has no copy_send"); }
   virtual void recv_reduce_copy(const Slice&) { throw std::logic_error("this transport has no recv_reduce_copy"); }
   // Called once after the last primitive of a collective: returns when the caller's

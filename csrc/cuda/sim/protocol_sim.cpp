@@ -1,15 +1,17 @@
 // CPU simulation of the CUDA IPC ring protocol: threads play the ranks, host arrays play
 // device memory, std::atomic counters play the flags. It drives the real ring engine
-// (csrc/ring/ring.cpp) and the real step planner (csrc/cuda/protocol.h), and emulates
-// each step kernel channel by channel with the waits the kernel performs. Independently
+// (csrc/ring/ring.cpp: all_reduce, reduce_scatter, all_gather, broadcast) and the real step
+// planner (csrc/cuda/protocol.h), and emulates each step kernel channel by channel with the
+// waits the kernel performs. Independently
 // of the planner it checks every write against the readers that may still need the bytes:
 //   * a slot is rewritten only after the successor consumed the slice it held;
 //   * a range of a rank's registered tensor that the successor reads in place is rewritten
 //     (by the ring or by the "user" between calls) only after the successor consumed it;
 //   * a consumer finds the descriptor of exactly the slice it expects, before and after
 //     reading (so no overwrite happened underneath it);
-// and it checks the results against closed forms, bitwise identical on every rank. A wait
-// that exceeds a few seconds is reported as a deadlock.
+// and it checks the results against closed forms (all_reduce: bitwise identical on every
+// rank; reduce_scatter: the input untouched too). A wait that exceeds a few seconds is
+// reported as a deadlock.
 //
 // Because every wait is on a monotonic counter, a schedule with *more* ordering than the GPU
 // (here: channels one after another inside a step) can only deadlock more often: passing here
@@ -17,7 +19,8 @@
 //
 // Build and run (tests/test_cuda.py does this when a C++ compiler is present):
 //   g++ -std=c++17 -O1 -pthread -Icsrc csrc/cuda/sim/protocol_sim.cpp csrc/ring/ring.cpp -o /tmp/sim
-//   /tmp/sim            # prints one line per configuration, exits 1 on the first failure
+//   /tmp/sim            # prints a summary, exits 1 on the first failure (naming its argv)
+//   /tmp/sim world count slots channels slice halfish op regmask calls [coll root]   # one
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -65,7 +68,9 @@ struct RankMem {
   int channels = 1;
   size_t slots = 2, slot_bytes = 0;
   std::vector<unsigned char> slot;                 // slots x slot_bytes
-  std::vector<unsigned char> tensor;               // the rank's buffer
+  std::vector<unsigned char> tensor;               // the buffer the schedule indexes (reduce_scatter:
+                                                   // the input; all_gather: the output)
+  std::vector<unsigned char> result;               // reduce_scatter: the output (count elements)
   std::unique_ptr<std::atomic<uint64_t>[]> posted, consumed;
   std::unique_ptr<Meta[]> meta;                    // slots x channels
   // Simulation bookkeeping (not part of the protocol): offset -> (production index of the
@@ -95,7 +100,17 @@ struct Config {
   std::vector<bool> registered;  // per rank: the tensor is registered (read in place)
   int calls;
   unsigned seed;
+  ringdp::Kind coll = ringdp::Kind::kAllReduce;
+  int root = 0;  // broadcast
 };
+
+bool reduces(const Config& c) { return c.coll == ringdp::Kind::kAllReduce || c.coll == ringdp::Kind::kReduceScatter; }
+// Elements of the buffer the schedule indexes.
+size_t buffer_elems(const Config& c) {
+  const bool blocks = c.coll == ringdp::Kind::kReduceScatter || c.coll == ringdp::Kind::kAllGather;
+  return blocks ? c.count * static_cast<size_t>(c.world) : c.count;
+}
+constexpr double kGarbage = -7777.0;  // what a buffer holds where the collective must write
 
 double load(const unsigned char* p, size_t eb) {
   if (eb == 8) {
@@ -139,25 +154,49 @@ class SimRank final {
   void run() {
     const size_t T = cfg_.halfish ? 4 : 8;
     const size_t A = 8;
+    const size_t n_buf = buffer_elems(cfg_);
     for (int call = 1; call <= cfg_.calls; ++call) {
       call_ = call;
       // The "user" writes new input: every in-place slice of the previous call must have
       // been consumed already (the drain guaranteed it).
-      check_tensor_write(0, cfg_.count, "user input before call");
-      for (size_t i = 0; i < cfg_.count; ++i) store(&me_->tensor[i * T], T, input(rank_, i, call));
+      check_tensor_write(0, n_buf, "user input before call");
+      switch (cfg_.coll) {
+        case ringdp::Kind::kAllReduce:
+        case ringdp::Kind::kReduceScatter:
+          for (size_t i = 0; i < n_buf; ++i) store(&me_->tensor[i * T], T, input(rank_, i, call));
+          for (size_t i = 0; i < me_->result.size() / T; ++i) store(&me_->result[i * T], T, kGarbage);
+          break;
+        case ringdp::Kind::kAllGather:  // garbage, then my input copied into my block (as the transport does)
+          for (size_t i = 0; i < n_buf; ++i) store(&me_->tensor[i * T], T, kGarbage);
+          for (size_t i = 0; i < cfg_.count; ++i)
+            store(&me_->tensor[(static_cast<size_t>(rank_) * cfg_.count + i) * T], T, input(rank_, i, call));
+          break;
+        case ringdp::Kind::kBroadcast:
+          for (size_t i = 0; i < n_buf; ++i)
+            store(&me_->tensor[i * T], T, rank_ == cfg_.root ? input(rank_, i, call) : kGarbage);
+          break;
+      }
       {
         std::lock_guard<std::mutex> lk(me_->exp_mu);
         me_->in_place.clear();
       }
-      plan_.begin_call(cfg_.registered[rank_], T, A, cfg_.op, cfg_.world);
+      // reduce_scatter is never read in place (its partial sums would overwrite the input).
+      const bool reg = cfg_.registered[rank_] && cfg_.coll != ringdp::Kind::kReduceScatter;
+      plan_.begin_call(reg, T, A, reduces(cfg_) ? cfg_.op : RedOp::kSum, cfg_.world);
       RingPlan p;
       p.count = cfg_.count;
       p.world = cfg_.world;
       p.rank = rank_;
-      p.slice_elems = geo_.slice_elems(A);  // as the transport sizes it
+      p.slice_elems = geo_.slice_elems(reduces(cfg_) ? A : T);  // as the transport sizes it
       if (p.slice_elems == 0) die("slot geometry gives empty slices");
       p.align = kPackElems;
-      ring_all_reduce(ring_, p);
+      result_base_ = static_cast<size_t>(rank_) * cfg_.count;
+      switch (cfg_.coll) {
+        case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, p); break;
+        case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, p); break;
+        case ringdp::Kind::kAllGather: ring_all_gather(ring_, p); break;
+        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, p, cfg_.root); break;
+      }
     }
   }
 
@@ -265,9 +304,11 @@ class SimRank final {
       for (size_t i = b; i < e; ++i) {
         double x = in[i - b], y = sv[i - b], o = 0, d = 0;
         switch (k) {
-          case StepKind::kSend: d = x; break;
+          case StepKind::kSend:
+          case StepKind::kCopySend: d = x; break;
           case StepKind::kRecvReduceSend: d = o = apply(cfg_.op, y, x); break;
-          case StepKind::kRecvReduceCopySend: {
+          case StepKind::kRecvReduceCopySend:
+          case StepKind::kRecvReduceCopy: {
             double v = apply(cfg_.op, y, x);
             if (p.avg_div) v = v / p.avg_div;
             if (T == 4) v = static_cast<float>(v);  // round once, at the owner
@@ -277,6 +318,12 @@ class SimRank final {
           default: o = d = y; break;
         }
         if (p.writes_out) store(&me_->tensor[(s.offset + i) * T], T, o);
+        if (p.writes_result) {
+          if (s.offset < result_base_ || s.offset + s.count > result_base_ + me_->result.size() / T)
+            die("rank " + std::to_string(rank_) + ": recv_reduce_copy of elements " + std::to_string(s.offset) +
+                ".. outside this rank's block of the result");
+          store(&me_->result[(s.offset - result_base_ + i) * T], T, o);
+        }
         if (dst) store(dst + (i - b) * p.produce_elem_bytes, p.produce_elem_bytes, d);
       }
       // --- descriptor and publication
@@ -305,6 +352,7 @@ class SimRank final {
   Planner plan_;
   std::mt19937 rng_;
   int call_ = 0;
+  size_t result_base_ = 0;  // reduce_scatter: the buffer element where the result starts
   std::map<size_t, size_t> in_place_len_;
   SlotGeometry geo_;
   StepRing<SimRank> ring_{this};
@@ -312,6 +360,91 @@ class SimRank final {
 
 std::vector<RankMem*> g_mems;
 RankMem* SimRank::mem(int r) const { return g_mems[r % cfg_.world]; }
+
+// (kind_name lives in the CPU kernels, which the simulation does not link)
+std::string coll_name(const Config& c) {
+  switch (c.coll) {
+    case ringdp::Kind::kAllReduce: return "all_reduce";
+    case ringdp::Kind::kReduceScatter: return "reduce_scatter";
+    case ringdp::Kind::kAllGather: return "all_gather";
+    case ringdp::Kind::kBroadcast: return "broadcast";
+  }
+  return "?";
+}
+
+bool check_results(const Config& cfg) {
+  const size_t T = cfg.halfish ? 4 : 8;
+  const int n = cfg.world;
+  const int call = cfg.calls;  // the last call's values
+  auto fail = [&](int r, const char* what, size_t i, double got, double want) {
+    std::fprintf(stderr, "FAIL: %s: wrong %s: rank %d element %zu: got %.17g want %.17g\n", coll_name(cfg).c_str(),
+                 what, r, i, got, want);
+    return false;
+  };
+  // The reduction of every rank's element i of the input, rounded once to T, as the owner does.
+  auto reduced = [&](size_t i) {
+    double acc = input(0, i, call);
+    double mx = acc, mn = acc;
+    for (int r = 1; r < n; ++r) {
+      double v = input(r, i, call);
+      acc += v;
+      mx = std::max(mx, v);
+      mn = std::min(mn, v);
+    }
+    double want = cfg.op == RedOp::kMax ? mx : cfg.op == RedOp::kMin ? mn : acc;
+    if (cfg.op == RedOp::kAvg) want = acc / n;
+    if (T == 4) want = static_cast<float>(want);
+    return want;
+  };
+  switch (cfg.coll) {
+    case ringdp::Kind::kAllReduce:
+      // Closed form, identical bytes on every rank.
+      for (size_t i = 0; i < cfg.count; ++i) {
+        const double want = reduced(i);
+        for (int r = 0; r < n; ++r) {
+          const double got = load(&g_mems[r]->tensor[i * T], T);
+          if (got != want) return fail(r, "result", i, got, want);
+          if (std::memcmp(&g_mems[r]->tensor[i * T], &g_mems[0]->tensor[i * T], T) != 0) {
+            std::fprintf(stderr, "FAIL: rank %d element %zu differs bitwise from rank 0\n", r, i);
+            return false;
+          }
+        }
+      }
+      return true;
+    case ringdp::Kind::kReduceScatter:
+      // Rank r's output: the reduction of block r of every rank's input; the input untouched.
+      for (int r = 0; r < n; ++r) {
+        for (size_t i = 0; i < cfg.count; ++i) {
+          const double want = reduced(static_cast<size_t>(r) * cfg.count + i);
+          const double got = load(&g_mems[r]->result[i * T], T);
+          if (got != want) return fail(r, "output", i, got, want);
+        }
+        for (size_t i = 0; i < cfg.count * static_cast<size_t>(n); ++i) {
+          const double got = load(&g_mems[r]->tensor[i * T], T);
+          if (got != input(r, i, call)) return fail(r, "input (modified)", i, got, input(r, i, call));
+        }
+      }
+      return true;
+    case ringdp::Kind::kAllGather:
+      // Block q of every rank's output: rank q's input.
+      for (int r = 0; r < n; ++r)
+        for (int q = 0; q < n; ++q)
+          for (size_t i = 0; i < cfg.count; ++i) {
+            const size_t e = static_cast<size_t>(q) * cfg.count + i;
+            const double got = load(&g_mems[r]->tensor[e * T], T);
+            if (got != input(q, i, call)) return fail(r, "output", e, got, input(q, i, call));
+          }
+      return true;
+    case ringdp::Kind::kBroadcast:
+      for (int r = 0; r < n; ++r)
+        for (size_t i = 0; i < cfg.count; ++i) {
+          const double got = load(&g_mems[r]->tensor[i * T], T);
+          if (got != input(cfg.root, i, call)) return fail(r, "tensor", i, got, input(cfg.root, i, call));
+        }
+      return true;
+  }
+  return false;
+}
 
 bool run(const Config& cfg) {
   const size_t T = cfg.halfish ? 4 : 8;
@@ -322,7 +455,8 @@ bool run(const Config& cfg) {
     // Slot bytes such that every channel's sub-buffer holds >= 8 Acc elements.
     const size_t per = (cfg.slice_elems / cfg.channels + 7) / 8 * 8;
     mems.back()->init(cfg.channels, cfg.slots, std::max<size_t>(per, 8) * 8 * cfg.channels);
-    mems.back()->tensor.assign(std::max<size_t>(cfg.count, 1) * T, 0);
+    mems.back()->tensor.assign(std::max<size_t>(buffer_elems(cfg), 1) * T, 0);
+    if (cfg.coll == ringdp::Kind::kReduceScatter) mems.back()->result.assign(cfg.count * T, 0);
     g_mems.push_back(mems.back().get());
   }
   std::vector<std::unique_ptr<SimRank>> ranks;
@@ -330,32 +464,7 @@ bool run(const Config& cfg) {
   std::vector<std::thread> th;
   for (int r = 0; r < cfg.world; ++r) th.emplace_back([&, r] { ranks[r]->run(); });
   for (auto& t : th) t.join();
-  // Results of the last call: closed form, identical bytes on every rank.
-  for (size_t i = 0; i < cfg.count; ++i) {
-    double acc = input(0, i, cfg.calls);
-    double mx = acc, mn = acc;
-    for (int r = 1; r < cfg.world; ++r) {
-      double v = input(r, i, cfg.calls);
-      acc += v;
-      mx = std::max(mx, v);
-      mn = std::min(mn, v);
-    }
-    double want = cfg.op == RedOp::kMax ? mx : cfg.op == RedOp::kMin ? mn : acc;
-    if (cfg.op == RedOp::kAvg) want = acc / cfg.world;
-    if (T == 4) want = static_cast<float>(want);
-    for (int r = 0; r < cfg.world; ++r) {
-      double got = load(&g_mems[r]->tensor[i * T], T);
-      if (got != want) {
-        std::fprintf(stderr, "FAIL: wrong result: rank %d element %zu: got %.17g want %.17g\n", r, i, got, want);
-        return false;
-      }
-      if (std::memcmp(&g_mems[r]->tensor[i * T], &g_mems[0]->tensor[i * T], T) != 0) {
-        std::fprintf(stderr, "FAIL: rank %d element %zu differs bitwise from rank 0\n", r, i);
-        return false;
-      }
-    }
-  }
-  return true;
+  return check_results(cfg);
 }
 
 // The channel arithmetic of the IPC transport (protocol.h choose_channels): every rank's
@@ -390,10 +499,20 @@ void check_channels() {
   std::printf("protocol_sim: channel arithmetic ok (%zu cases)\n", sizeof(cases) / sizeof(cases[0]));
 }
 
+void print_config(const Config& c) {
+  int mask = 0;
+  for (int r = 0; r < c.world; ++r) mask |= c.registered[r] ? (1 << r) : 0;
+  std::fprintf(stderr, "  config (argv): %d %zu %d %d %zu %d %d %d %d %d %d\n", c.world, c.count, c.slots, c.channels,
+               c.slice_elems, c.halfish ? 1 : 0, static_cast<int>(c.op), mask, c.calls, static_cast<int>(c.coll),
+               c.root);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 10) {  // one configuration: world count slots channels slice halfish op registeredmask calls
+  // One configuration: world count slots channels slice halfish op registeredmask calls
+  // [coll root] (coll: types.h ringdp::Kind, 0 all_reduce .. 3 broadcast).
+  if (argc == 10 || argc == 12) {
     Config c;
     c.world = std::atoi(argv[1]);
     c.count = std::strtoull(argv[2], nullptr, 10);
@@ -404,6 +523,10 @@ int main(int argc, char** argv) {
     c.op = static_cast<RedOp>(std::atoi(argv[7]));
     const int mask = std::atoi(argv[8]);
     c.calls = std::atoi(argv[9]);
+    if (argc == 12) {
+      c.coll = static_cast<ringdp::Kind>(std::atoi(argv[10]));
+      c.root = std::atoi(argv[11]);
+    }
     c.seed = 7;
     for (int r = 0; r < c.world; ++r) c.registered.push_back((mask >> r) & 1);
     const bool ok = run(c);
@@ -435,10 +558,7 @@ int main(int argc, char** argv) {
             c.registered.resize(world);
             for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
             if (!run(c)) {
-              int mask = 0;
-              for (int r = 0; r < world; ++r) mask |= c.registered[r] ? (1 << r) : 0;
-              std::fprintf(stderr, "  config (argv): %d %zu %d %d %zu %d %d %d %d\n", world, count, slots, channels,
-                           c.slice_elems, c.halfish ? 1 : 0, static_cast<int>(c.op), mask, c.calls);
+              print_config(c);
               return 1;
             }
             ++n_ok;
@@ -447,7 +567,48 @@ int main(int argc, char** argv) {
       }
     }
   }
-  std::printf("protocol_sim: %d configurations passed (world 2-5, staged/registered/mixed, fp64 and fp32-with-fp64-partials)\n",
-              n_ok);
+  std::printf("protocol_sim: %d all_reduce configurations passed (world 2-5, staged/registered/mixed, fp64 and "
+              "fp32-with-fp64-partials)\n", n_ok);
+  // The standalone halves and broadcast: per-rank counts 0, 1, primes and others not divisible
+  // by the world size (each block has its own rounds), each collective twice in a row
+  // (counters carry over), every root.
+  int n_halves = 0;
+  const size_t half_counts[] = {0, 1, 7, 13, 40, 101, 517};
+  const ringdp::Kind colls[] = {ringdp::Kind::kReduceScatter, ringdp::Kind::kAllGather, ringdp::Kind::kBroadcast};
+  for (ringdp::Kind coll : colls) {
+    for (int world = 2; world <= 4; ++world) {
+      for (size_t count : half_counts) {
+        for (int slots : {2, 3}) {
+          for (int channels : {1, 3}) {
+            for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: registered pattern
+              if (quick && slots == 3 && (mode & 1)) continue;
+              Config c;
+              c.coll = coll;
+              c.world = world;
+              c.count = count;
+              c.slots = slots;
+              c.channels = channels;
+              c.slice_elems = (seed % 2) ? 16 : 40;
+              c.halfish = mode & 1;
+              c.op = ops[seed % 4];
+              c.calls = 2;
+              c.root = static_cast<int>(seed % static_cast<unsigned>(world));
+              c.seed = seed++;
+              c.registered.resize(world);
+              for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
+              if (!run(c)) {
+                print_config(c);
+                return 1;
+              }
+              ++n_halves;
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("protocol_sim: %d reduce_scatter/all_gather/broadcast configurations passed (world 2-4, every root)\n",
+              n_halves);
+  std::printf("protocol_sim: %d configurations passed\n", n_ok + n_halves);
   return 0;
 }
