@@ -96,9 +96,10 @@ def timeout_s(timeout, default: float) -> float:
 
 def spin_ns(machine_ranks: int, cfg) -> int:
     """Busy-wait before sleeping: RINGDP_SPIN_US, else long when every rank of the group on
-    this machine has a core and short when they outnumber the cores (hosts simulated with
-    RINGDP_HOST_ID share one machine: 2 simulated hosts x 2 ranks on 2 cores spun 50 us per
-    wait and ran the two-level all-reduce 15-25% slower at 16-256 MiB)."""
+    this machine has a core and short when they outnumber the cores. Hosts simulated with
+    RINGDP_HOST_ID share one machine, so the machine's ranks count, not the host's (2
+    simulated hosts x 2 ranks on 2 cores counted as 2 per host and spun 50 us per wait; an
+    A/B of the two spins on the quiet box showed no difference beyond its noise)."""
     if cfg.spin_us is not None:
         return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
