@@ -191,6 +191,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::call_guard<py::gil_scoped_release>())
       .def("reject", &ShmComm::reject, py::arg("why"), py::arg("timeout_s"), py::arg("tag") = "",
            py::call_guard<py::gil_scoped_release>())
+      .def_property("spin_ns", &ShmComm::spin_ns, &ShmComm::set_spin_ns)
       .def("set_stall_handler",
            [](ShmComm& c, py::function f) { c.set_stall_handler(python_callback(std::move(f), "ringdp stall handler")); })
       .def("flight_record", [](const ShmComm& c) { return records_to_python(c.flight_record()); })

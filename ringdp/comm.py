@@ -255,6 +255,10 @@ class Communicator:
         self.host_key = self.config.host_id or _host_key(self.host)
         # every rank's host key, by rank; how many of the group's ranks share this machine
         self.hosts, self.machine_ranks = self._topology()
+        # the shared-memory waits' spin (ns): (inline calls, calls on the worker beside the caller's compute)
+        self._spins = (policy.spin_ns(self.machine_ranks, self.config),
+                       policy.spin_ns(self.machine_ranks, self.config, torch.get_num_threads()))
+        self._spin_set = self._spins[False]
         self.host_order = list(dict.fromkeys(self.hosts))  # the hosts, by their first rank
         self.host_ranks = [r for r, h in enumerate(self.hosts) if h == self.host_key]  # this host's ranks
         self.local_rank = self.host_ranks.index(self.rank)
@@ -345,7 +349,7 @@ class Communicator:
         c.rank, c.world, c.name, c.host = rdv.rank, rdv.world, _C.shm_segment_name(uid, rdv.rank), self.host
         c.fifo_slots, c.slot_bytes, c.oneshot_bytes = cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes
         c.arena_bytes = int(cfg.arena_gb * (1 << 30))
-        c.spin_ns = policy.spin_ns(self.machine_ranks, cfg)  # the machine's ranks, not only this host's
+        c.spin_ns = self._spin_set = self._spins[False]
         c.stall_warn_s = cfg.stall_warn_s
         c.flight_calls = policy.FLIGHT_RECORD_CALLS
         native = _C.ShmComm(c)  # creates (and owns) this rank's segment
@@ -404,13 +408,25 @@ class Communicator:
                 self._pending -= 1
 
     def _call(self, fn):
-        """Run one collective (on whichever thread runs it); a failure leaves the flight record."""
+        """Run one collective (on whichever thread runs it); a failure leaves the flight record.
+        The shared-memory waits spin as policy.spin_ns says for the thread: on the worker the
+        caller computes meanwhile (async_op), inline it waits."""
         try:
             with self._lock:
+                self._set_spin(threading.current_thread() is self._worker)
                 fn()
         except RingError as e:
             self.dump_flight_record("failed collective", str(e))
             raise
+
+    def _set_spin(self, on_worker: bool) -> None:
+        """Set the shared-memory endpoint's spin for the next call (under the lock, between calls)."""
+        spin = self._spins[on_worker]
+        if spin != self._spin_set:
+            shm = self._shm if self._shm is not None else (self.across.shm if self.across is not None else None)
+            if shm is not None:
+                shm.spin_ns = spin
+            self._spin_set = spin
 
     def _submit(self, fn, async_op: bool, outputs=(), cuda=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is

@@ -1,6 +1,9 @@
 """The Python policy and the one configuration parser: which algorithm for which size and
 world, RINGDP_* overrides, strict errors for malformed values."""
+import os
+
 import pytest
+import torch
 
 from ringdp import policy
 from ringdp.config import Config
@@ -46,7 +49,36 @@ def test_cuda_threshold_is_the_transports_own():
 
 def test_spin():
     assert policy.spin_ns(2, Config.from_env({"RINGDP_SPIN_US": "7"})) == 7000
+    assert policy.spin_ns(2, Config.from_env({"RINGDP_SPIN_US": "7"}), compute_threads=8) == 7000
     assert policy.spin_ns(10_000, Config.from_env({})) == policy.SPIN_NS_OVERSUBSCRIBED
+    cores = len(os.sched_getaffinity(0))
+    assert policy.spin_ns(cores, Config.from_env({})) == policy.SPIN_NS  # a core per rank
+    # beside the caller's compute (the worker thread): each rank needs its threads + 1 cores
+    assert policy.spin_ns(cores, Config.from_env({}), compute_threads=1) == policy.SPIN_NS_OVERSUBSCRIBED
+    assert policy.spin_ns(1, Config.from_env({}), compute_threads=cores - 1) == policy.SPIN_NS
+    assert policy.spin_ns(1, Config.from_env({}), compute_threads=cores) == policy.SPIN_NS_OVERSUBSCRIBED
+
+
+def case_spin_by_thread(rank, world):
+    """The endpoint's spin as each call runs: inline (synchronous) and on the worker (async_op)."""
+    import ringdp
+    from ringdp import policy
+    from ringdp.config import Config
+
+    c = ringdp.init()
+    seen = []
+    for async_op in (False, True, False, True):
+        w = ringdp.all_reduce(torch.ones(10), async_op=async_op)
+        if w is not None:
+            w.wait()
+        seen.append(c.shm.spin_ns)
+    cfg = Config.from_env()
+    return seen, [policy.spin_ns(c.machine_ranks, cfg), policy.spin_ns(c.machine_ranks, cfg, torch.get_num_threads())]
+
+
+def test_spin_follows_the_thread(pool):
+    for seen, (inline, worker) in pool.run(case_spin_by_thread):
+        assert seen == [inline, worker, inline, worker], (seen, inline, worker)
 
 
 @pytest.mark.parametrize("env,match", [

@@ -47,6 +47,8 @@ class Link {
 
   int rank() const { return rank_; }
   int world() const { return world_; }
+  // How long a wait spins before sleeping (ShmComm::set_spin_ns).
+  void set_spin_ns(int64_t ns) { policy_.spin_ns = ns; }
   int prev() const { return prev_; }
   int next() const { return next_; }
 

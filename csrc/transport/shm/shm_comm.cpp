@@ -255,6 +255,11 @@ void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char
                     [&] { check_health(owner, what); });
 }
 
+void ShmComm::set_spin_ns(int64_t ns) {
+  wait_policy_.spin_ns = ns < 0 ? 0 : ns;
+  if (link_) link_->set_spin_ns(wait_policy_.spin_ns);
+}
+
 void ShmComm::abort(const std::string& why) {
   if (poison_.empty()) poison_ = why.empty() ? "aborted" : why;
   Control& me = ctrl(cfg_.rank);
