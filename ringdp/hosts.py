@@ -33,7 +33,10 @@ leaders' for all_reduce), where a rank whose in-host step failed, or that reject
 input itself (CrossHost.reject), puts a FAILED row and its reason in the store. Every rank
 of every check group then sees the failure before any gloo step moves data, so no rank
 waits for a peer that left: one rank's bad input or odd call is a RingError on every rank
-within seconds, naming it and why, and the communicator stays usable.
+within seconds, naming it and why, and the communicator stays usable. Each row also has a
+payload slot of one fixed size per group (policy.check_payload_bytes); an all_reduce whose
+cross-host part fits it travels in it and every member reduces the gathered rows in member
+order (_Check.reduce_into): one gloo round trip for a small all-reduce instead of two.
 
 The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
 these steps run on ringdp's worker thread and would interleave with the inner group's
@@ -57,6 +60,7 @@ from .rendezvous import Rendezvous
 
 _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, 0, 0)
+_HEADER = 5  # int64 words of a check row before its payload slot: kind, count, dtype, op, root
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
 
@@ -97,6 +101,7 @@ class CrossHost:
         self._store = comm._store  # (a function) where a failed rank leaves its reason for the call check
         self._reasons = f"{comm.rendezvous._prefix}failed/"
         self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
+        self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
 
     @classmethod
     def create(cls, comm, group) -> "CrossHost":
@@ -167,8 +172,8 @@ class CrossHost:
         if self.path == policy.LEADERS:
             self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag, begin)
             return
-        begin(None)
-        self._gloo(flat, dop, t)
+        if not begin(None, flat):
+            self._gloo(flat, dop, t)
         if code == _types.AVG:
             flat.div_(self.world)
 
@@ -202,8 +207,11 @@ class CrossHost:
             piece = full[off * L:(off + m) * L]
             mine = piece[lr * m:(lr + 1) * m]
             step = functools.partial(self.shm.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
-            begin(step) if off == 0 else step()
-            work = self._gloo_start(mine, dop, t, self.shm, tag)
+            if off == 0:  # (one piece: its block may go with the call check)
+                sent = begin(step, mine if per >= blk else None)
+            else:
+                step()
+            work = None if off == 0 and sent else self._gloo_start(mine, dop, t, self.shm, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
@@ -224,12 +232,13 @@ class CrossHost:
             piece = flat[off:off + per]
             step = (functools.partial(self.shm.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
                     if self.shm is not None else None)
-            if off == 0:
-                begin(step)
+            sent = False
+            if off == 0:  # (one piece: it may go with the leaders' call check)
+                sent = begin(step, piece if per >= n and self.cross is not None else None)
             elif step is not None:
                 step()
             work = None
-            if self.cross is not None:
+            if self.cross is not None and not sent:
                 work = self._gloo_start(piece, dop, t, self.shm, tag)
             if pending is not None:
                 self._spread_piece(*pending, avg, forced, t, tag)
@@ -245,7 +254,8 @@ class CrossHost:
             piece.div_(self.world)
 
     def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
-        self._gloo_wait(work, t, self.shm, tag)
+        if work is not None:  # (None: the block went with the call check)
+            self._gloo_wait(work, t, self.shm, tag)
         if avg:
             mine.div_(self.world)
         self.shm.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
@@ -321,11 +331,16 @@ class CrossHost:
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
-    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step) -> None:
+    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> bool:
         """Start a call (module doc): its first in-host step (`step()`; None: none), then the
         call check in this rank's check group with the step's outcome. Raises the step's own
         error on a rank whose step failed (after its FAILED row is in), a RingError naming
-        the ranks and their calls or reasons on the others."""
+        the ranks and their calls or reasons on the others.
+
+        `payload`: an all_reduce's cross-host part (after the step). When it fits the check
+        row's slot (policy.check_payload_bytes) it travels with the check and is reduced here,
+        in place, from every member's row in member (host) order, the same on every member;
+        returns True then (the caller skips its gloo step)."""
         failure = None
         if step is not None:
             try:
@@ -333,11 +348,15 @@ class CrossHost:
             except RingError as e:
                 failure = e
         group, ranks = self._check_group(what)
+        sent = False
         if group is not None:
-            self._check(what, tensor, code, root, t, tag, group, ranks,
-                        None if failure is None else str(failure)).wait()
+            check = self._check(what, tensor, code, root, t, tag, group, ranks,
+                                None if failure is None else str(failure), payload)
+            check.wait()
+            sent = check.reduce_into(payload)
         if failure is not None:
             raise failure
+        return sent
 
     def reject(self, what: str, why: str, t, tag) -> None:
         """This rank rejected its input to `what` (Communicator._prepare): take part without
@@ -366,12 +385,15 @@ class CrossHost:
             return None
         return functools.partial(self.shm.broadcast, torch.empty(0), 0, policy.ALGO_CODES[policy.RING], t, tag)
 
-    def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure) -> "_Check":
-        """Start the call check (module doc): one all-gather of 5 integers among `ranks` before
+    def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
+               payload=None) -> "_Check":
+        """Start the call check (module doc): one all-gather of a row per member among `ranks` before
         a cross-host step moves data. gloo kills the process on a size mismatch (its pair
         thread throws and std::terminate runs); ringdp raises a RingError naming each rank's
         call on every rank instead, and tells this host's peers. `failure`: this rank's reason
-        for a FAILED row (left in the store first)."""
+        for a FAILED row (left in the store first). A row is 5 integers (the call) and a payload
+        slot of policy.check_payload_bytes (one size for every call on the group, so that rows
+        never differ in size); `payload`, an all_reduce's data, goes in it when it fits."""
         if failure is None:
             mine = [_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root]
             dtype = str(tensor.dtype)
@@ -382,14 +404,21 @@ class CrossHost:
             except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
                 pass
             mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
-        mine = torch.tensor(mine, dtype=torch.int64)
+        slot = policy.check_payload_bytes(len(ranks))
+        row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
+        row[:_HEADER] = torch.tensor(mine, dtype=torch.int64)
+        nbytes = 0 if payload is None or failure is not None else payload.numel() * payload.element_size()
+        fused = 0 < nbytes <= slot and what == "all_reduce"
+        if fused:
+            row[_HEADER:].view(torch.uint8)[:nbytes].copy_(payload.reshape(-1).view(torch.uint8))
+        mine = row
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
         # Who learns a failed check from this rank: every rank of the group is in a check
         # group and reads the same verdict there, except the non-leaders of the uneven
         # all_reduce, whom their leader tells (a rejected in-host call). Telling peers that
         # learn it themselves would put one more in-host call on some ranks of the host only.
         tell = self.shm if self.path == policy.LEADERS and what == "all_reduce" else None
-        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell)
+        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, code if fused else None)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)
         return check
@@ -462,8 +491,9 @@ class CrossHost:
 class _Check:
     """A started call check (CrossHost._check): wait() once, before the first gloo step."""
 
-    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell):
+    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell, fused_op=None):
         self.host, self.what, self.ranks, self.tell = host, what, ranks, tell
+        self.fused_op = fused_op  # the op's code when this rank's all-reduce data is in its row
         self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
         self.work, self.done = None, False
 
@@ -473,7 +503,7 @@ class _Check:
         self.done = True
         h = self.host
         h._wait(self.what, self.work, self.t, self.tell, self.tag, self.ranks)
-        rows = self.every.view(len(self.ranks), -1).tolist()
+        rows = self.every.view(len(self.ranks), -1)[:, :_HEADER].tolist()
         if int(self.mine[0]) == _FAILED:
             return  # this rank failed the call itself: it raises its own error (CrossHost._begin)
         failed = [(m, row[1]) for m, row in zip(self.ranks, rows) if row[0] == _FAILED]
@@ -495,3 +525,25 @@ class _Check:
 
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
         h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", self.tell, self.t, self.tag)
+
+    def reduce_into(self, payload) -> bool:
+        """After wait(): the all-reduce of the members' payloads into `payload`, in member
+        order, when the data went with the check (every row the same call, so every member
+        made the same decision and sent its data); False when it did not."""
+        if self.fused_op is None:
+            return False
+        nbytes = payload.numel() * payload.element_size()
+        rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
+        out = payload.reshape(-1)
+        for k in range(len(self.ranks)):
+            x = rows[k].view(torch.uint8)[:nbytes].view(payload.dtype)
+            if k == 0:
+                out.copy_(x)
+            elif self.fused_op == _types.MIN:
+                torch.minimum(out, x, out=out)
+            elif self.fused_op == _types.MAX:
+                torch.maximum(out, x, out=out)
+            else:  # SUM (AVG: SUM here, the caller divides)
+                out.add_(x)
+        self.host.fused_calls += 1
+        return True

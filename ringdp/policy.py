@@ -153,6 +153,22 @@ def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
     return TWO_LEVEL if len(set(local_sizes)) == 1 else LEADERS
 
 
+# Across hosts every call check all-gathers one fixed-size row per member of its gloo group:
+# the call (5 int64) and a payload slot of check_payload_bytes(members). An all_reduce whose
+# cross-host part fits the slot travels in it, and its members reduce the rows themselves:
+# one gloo round trip per call instead of two (the check, then the data). The size is a
+# constant, never configured: rows of different sizes on two ranks would kill gloo (its pair
+# thread throws, std::terminate), the very failure the check exists to prevent.
+CHECK_PAYLOAD_TOTAL_BYTES = 64 << 10
+
+
+def check_payload_bytes(members: int) -> int:
+    """The payload slot of one member's check row (bytes, a multiple of 64): at most
+    CHECK_PAYLOAD_TOTAL_BYTES for the whole group, so that a check costs the same few KiB
+    whatever the number of hosts."""
+    return CHECK_PAYLOAD_TOTAL_BYTES // max(1, members) // 64 * 64
+
+
 def two_level_piece_bytes(nbytes: int, min_piece_bytes: int, max_pieces: int | None = None) -> int:
     """Bytes per piece of a two-level all-reduce of `nbytes`: at most `max_pieces` pieces
     (None: HIER_MAX_PIECES, read at each call), each at least `min_piece_bytes`

@@ -40,6 +40,7 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
         ringdp.policy.HIER_MAX_PIECES = max_pieces
 
     c = _as_host(rank, hosts, hierarchy)
+    from ringdp import policy
     bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: ringdp.all_reduce(t, op=op, async_op=a), DTYPES,
                                      SIZES)
     t = value(rank, 21, torch.float32).reshape(7, 3)  # a 2-d tensor, not a multiple of the local size
@@ -62,7 +63,8 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
             ok = ok and torch.equal(t, expected("SUM", world, 4099, torch.float32))
         registered = ok
     return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
-            "registered": registered, "machine_ranks": c.machine_ranks}
+            "registered": registered, "machine_ranks": c.machine_ranks,
+            "fused": (c.across.fused_calls, policy.check_payload_bytes(len(c.across.cross_ranks) or 1))}
 
 
 def _check_matrix(res, path, locals_):
@@ -71,6 +73,10 @@ def _check_matrix(res, path, locals_):
         assert out["local"] == locals_[r]
         # simulated hosts share this machine: the spin policy counts all the group's ranks here
         assert out["machine_ranks"] == len(res), (r, out["machine_ranks"])
+        # the small all-reduces went with the call check (its payload slot: 1-7 elements, and
+        # 4099 float32 on two hosts), the others by gloo; a non-leader has no cross-host step
+        fused, slot = out["fused"]
+        assert (fused > 0) == (path != "leaders" or locals_[r][0] == 0), (r, path, out["fused"])
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         if path == "flat":
             assert isinstance(out["registered"], str) and "spans 2 hosts" in out["registered"], out["registered"]

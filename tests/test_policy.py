@@ -59,6 +59,15 @@ def test_spin():
     assert policy.spin_ns(1, Config.from_env({}), compute_threads=cores) == policy.SPIN_NS_OVERSUBSCRIBED
 
 
+def test_check_payload_bytes():
+    # one slot per member of a gloo group across hosts, the group's total bounded, 64-byte multiples
+    assert policy.check_payload_bytes(2) == policy.CHECK_PAYLOAD_TOTAL_BYTES // 2
+    for members in (1, 2, 3, 7, 16, 128, 1000):
+        slot = policy.check_payload_bytes(members)
+        assert slot % 64 == 0 and slot * members <= policy.CHECK_PAYLOAD_TOTAL_BYTES, (members, slot)
+    assert policy.check_payload_bytes(10 ** 6) == 0  # (no slot: every all-reduce by gloo)
+
+
 def case_spin_by_thread(rank, world):
     """The endpoint's spin as each call runs: inline (synchronous) and on the worker (async_op)."""
     import ringdp
