@@ -59,8 +59,8 @@ from ._native import RingError
 from .rendezvous import Rendezvous
 
 _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
-_FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, 0, 0)
-_HEADER = 5  # int64 words of a check row before its payload slot: kind, count, dtype, op, root
+_FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, ...)
+_HEADER = 6  # int64 words of a check row before its payload slot: kind, count, dtype, op, root, payload bytes
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
 
@@ -390,8 +390,10 @@ class CrossHost:
         """Start the call check (module doc): one all-gather of a row per member among `ranks` before
         a cross-host step moves data. gloo kills the process on a size mismatch (its pair
         thread throws and std::terminate runs); ringdp raises a RingError naming each rank's
-        call on every rank instead, and tells this host's peers. `failure`: this rank's reason
-        for a FAILED row (left in the store first). A row is 5 integers (the call) and a payload
+        call on every rank instead (and, on the uneven all_reduce, tells this host's non-leaders,
+        who are in no check). `failure`: this rank's reason
+        for a FAILED row (left in the store first). A row is 6 integers (the call, and the payload
+        bytes it carries) and a payload
         slot of policy.check_payload_bytes (one size for every call on the group, so that rows
         never differ in size); `payload`, an all_reduce's data, goes in it when it fits."""
         if failure is None:
@@ -405,19 +407,24 @@ class CrossHost:
                 pass
             mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
         slot = policy.check_payload_bytes(len(ranks))
-        row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
-        row[:_HEADER] = torch.tensor(mine, dtype=torch.int64)
         nbytes = 0 if payload is None or failure is not None else payload.numel() * payload.element_size()
         fused = 0 < nbytes <= slot and what == "all_reduce"
+        # the decision is part of the call: members that decided differently (a setting that
+        # differs between ranks, e.g. RINGDP_HIER_PIECE_BYTES) disagree here, not in the data
+        row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
+        row[:_HEADER] = torch.tensor(mine + [nbytes if fused else 0], dtype=torch.int64)
         if fused:
             row[_HEADER:].view(torch.uint8)[:nbytes].copy_(payload.reshape(-1).view(torch.uint8))
         mine = row
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
-        # Who learns a failed check from this rank: every rank of the group is in a check
-        # group and reads the same verdict there, except the non-leaders of the uneven
-        # all_reduce, whom their leader tells (a rejected in-host call). Telling peers that
-        # learn it themselves would put one more in-host call on some ranks of the host only.
-        tell = self.shm if self.path == policy.LEADERS and what == "all_reduce" else None
+        # Whom a failed check tells at once (a rejected in-host call): this host's peers when
+        # they all took part in the call's first in-host step (the checks of the cross-host
+        # groups, which may disagree: a setting that differs between ranks of a host; the
+        # uneven all_reduce's non-leaders, in no check). Each of them then spends the call
+        # after the step alike: rejecting it, or having it rejected. A whole-group check has
+        # no in-host step before it: a rank that failed its input there did not reject on the
+        # host, and telling its peers would put one more in-host call on them only.
+        tell = self.shm if group is not self.whole else None
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, code if fused else None)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)
@@ -518,10 +525,11 @@ class _Check:
         ops = {_types.SUM: "SUM", _types.AVG: "AVG", _types.MIN: "MIN", _types.MAX: "MAX"}
         my_code = int(self.mine[2])
 
-        def call(k, n, d, c, rt):
+        def call(k, n, d, c, rt, fz):
             dtype = self.dtype if d == my_code else f"not {self.dtype}"
             return (f"{kinds.get(k, k)} of {n} elements, dtype {dtype}" + (f", op {ops[c]}" if c in ops else "")
-                    + (f", root {rt}" if k == _KINDS["broadcast"] else ""))
+                    + (f", root {rt}" if k == _KINDS["broadcast"] else "")
+                    + (f", its {fz} bytes with the call check" if fz else ""))
 
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
         h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", self.tell, self.t, self.tag)

@@ -238,6 +238,35 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
 
 
+def case_setting_differs(rank, world, hosts, who):
+    """The ranks in `who` set a smaller RINGDP_HIER_PIECE_BYTES: their 16 KiB all-reduce goes
+    in two pieces by gloo, the other ranks' in one with the call check. Within a host the
+    first in-host step already disagrees (its piece); between hosts only the check can tell:
+    its rows carry the decision. A RingError on every rank, never a wrong result (the data
+    slot of a rank that sent none read as zeros) nor a wait for the timeout."""
+    if rank in who:
+        os.environ["RINGDP_HIER_PIECE_BYTES"] = "8192"
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    t0 = time.monotonic()
+    try:
+        ringdp.all_reduce(value(rank, 4099))
+        return None, time.monotonic() - t0
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("who", [(0,), (0, 1)])  # one rank of host a; all of host a
+def test_setting_that_differs_between_ranks_is_a_ring_error(who):
+    res = values(run_ranks(case_setting_differs, 4, list("aabb"), who, timeout=120))
+    for r, (msg, took) in enumerate(res):
+        assert msg is not None, f"rank {r}: no error (ranks {who} reduced by gloo, the others with the check)"
+        assert took < 10, (r, took, msg)
+    if who == (0, 1):  # only the check saw it: it names both decisions
+        assert "disagree" in res[2][0] and "with the call check" in res[2][0], res[2][0]
+
+
 def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp
