@@ -157,10 +157,12 @@ class CrossHost:
         flat = tensor.view(-1)
         begin = functools.partial(self._begin, "all_reduce", tensor, code, 0, t, tag)
         if n == 0:  # the first in-host step and the call check still run: a rank with another count fails at once
-            ring = policy.ALGO_CODES[policy.RING]
-            begin(None if self.shm is None else
-                  functools.partial(self.shm.reduce_scatter, flat, flat, red, ring, t, tag) if self.path == policy.TWO_LEVEL
-                  else functools.partial(self.shm.all_reduce, flat, red, ring, t, tag))
+            step, ring = None, policy.ALGO_CODES[policy.RING]
+            if self.shm is not None:  # the same kind of step as a non-empty call's
+                two = self.path == policy.TWO_LEVEL
+                step = (functools.partial(self.shm.reduce_scatter, flat, flat, red, ring, t, tag) if two
+                        else functools.partial(self.shm.all_reduce, flat, red, ring, t, tag))
+            begin(step)
             return
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
@@ -363,17 +365,24 @@ class CrossHost:
         data, so that every peer fails at once naming this rank and `why`: this host's peers
         in the call's first in-host step (a rejected call), every other rank through the call
         check (a FAILED row, `why` in the store)."""
-        if self.shm is not None and (self.path == policy.TWO_LEVEL or what == "all_reduce"):
+        if self.shm is not None and self._in_host_first(what):
             self.shm.reject(why[:400], t, tag)
         group, ranks = self._check_group(what)
         if group is not None:
             self._check(what, None, 0, 0, t, tag, group, ranks, f"rank {self.rank} rejected its input: {why}").wait()
 
+    def _in_host_first(self, what: str) -> bool:
+        """Whether `what` starts with an in-host step on every rank of each host, its check then
+        in the cross-host groups: the two-level path, and the uneven path's all_reduce (else
+        gloo alone, checked on the whole group)."""
+        return self.path == policy.TWO_LEVEL or (self.path == policy.LEADERS and what == "all_reduce")
+
     def _check_group(self, what: str):
         """(gloo group, its ranks) of this rank's call check for `what`: the cross-host group
-        on the two-level and flat paths, the leaders' group for the uneven all_reduce (None
-        for a rank not in it: its leader checks for the host), else the whole group."""
-        if self.path == policy.TWO_LEVEL or (self.path == policy.LEADERS and what == "all_reduce"):
+        after an in-host step (the leaders' for the uneven all_reduce: None for a rank not in
+        it, its leader checks for the host), else the whole group (the flat path's cross-host
+        group is the whole group)."""
+        if self._in_host_first(what):
             return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
         return self.whole, self.every_rank
 
@@ -424,7 +433,7 @@ class CrossHost:
         # after the step alike: rejecting it, or having it rejected. A whole-group check has
         # no in-host step before it: a rank that failed its input there did not reject on the
         # host, and telling its peers would put one more in-host call on them only.
-        tell = self.shm if group is not self.whole else None
+        tell = self.shm if self._in_host_first(what) else None
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, code if fused else None)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)

@@ -56,4 +56,12 @@ std::string cat(Args&&... args) {
   return s;
 }
 
+// A broadcast's root must be a rank of the group: every transport checks it the same way
+// (`who` names the reporting rank, e.g. "rank 3" or "ringdp nccl rank 3").
+inline void check_broadcast_root(const std::string& who, int root, int world) {
+  if (root < 0 || root >= world)
+    throw RingError(cat(who, ": broadcast from rank ", root, ", which is not a rank of this group (world size ", world,
+                        ")"));
+}
+
 }  // namespace ringdp

@@ -282,9 +282,7 @@ class IpcComm final : public Comm {
 
   void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, double timeout_s) override {
     usable("broadcast");
-    if (root < 0 || root >= world_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast from rank ", root,
-                          ", which is not a rank of this group (world size ", world_, ")"));
+    check_broadcast_root(cat("ringdp cuda-ipc rank ", rank_), root, world_);
     if (count == 0 || world_ == 1) return;
     if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast of a null pointer"));
     DeviceGuard g(device_);

@@ -104,6 +104,28 @@ struct Config {
   int root = 0;  // broadcast
 };
 
+// One configuration of the sweeps in main(): `mode` bit 0 runs fp32 with fp64 partials,
+// bit 1 a pattern of registered ranks; the slice size and op follow `seed`.
+Config sweep_config(ringdp::Kind coll, int world, size_t count, int slots, int channels, int mode, unsigned seed,
+                    int calls) {
+  static const RedOp ops[] = {RedOp::kSum, RedOp::kMax, RedOp::kAvg, RedOp::kMin};
+  Config c;
+  c.coll = coll;
+  c.world = world;
+  c.count = count;
+  c.slots = slots;
+  c.channels = channels;
+  c.slice_elems = (seed % 2) ? 16 : 40;
+  c.halfish = mode & 1;
+  c.op = ops[seed % 4];
+  c.calls = calls;
+  c.root = static_cast<int>(seed % static_cast<unsigned>(world));  // (broadcast)
+  c.seed = seed;
+  c.registered.resize(world);
+  for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed + 1) % 3 != 0) : false;
+  return c;
+}
+
 bool reduces(const Config& c) { return c.coll == ringdp::Kind::kAllReduce || c.coll == ringdp::Kind::kReduceScatter; }
 // Elements of the buffer the schedule indexes.
 size_t buffer_elems(const Config& c) {
@@ -538,25 +560,13 @@ int main(int argc, char** argv) {
   int n_ok = 0;
   unsigned seed = 1;
   const size_t counts[] = {0, 1, 7, 8, 33, 100, 517, 2048, 4099};
-  const RedOp ops[] = {RedOp::kSum, RedOp::kMax, RedOp::kAvg, RedOp::kMin};
   for (int world = 2; world <= 5; ++world) {
     for (size_t count : counts) {
       for (int slots : {2, 3, 5}) {
         for (int channels : {1, 3}) {
           for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: registered pattern
             if (quick && (slots == 3 || (count % 2 == 1 && count > 1))) continue;
-            Config c;
-            c.world = world;
-            c.count = count;
-            c.slots = slots;
-            c.channels = channels;
-            c.slice_elems = (seed % 2) ? 16 : 40;
-            c.halfish = mode & 1;
-            c.op = ops[seed % 4];
-            c.calls = 3;
-            c.seed = seed++;
-            c.registered.resize(world);
-            for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
+            const Config c = sweep_config(ringdp::Kind::kAllReduce, world, count, slots, channels, mode, seed++, 3);
             if (!run(c)) {
               print_config(c);
               return 1;
@@ -582,20 +592,7 @@ int main(int argc, char** argv) {
           for (int channels : {1, 3}) {
             for (int mode = 0; mode < 4; ++mode) {  // bit0: halfish, bit1: registered pattern
               if (quick && slots == 3 && (mode & 1)) continue;
-              Config c;
-              c.coll = coll;
-              c.world = world;
-              c.count = count;
-              c.slots = slots;
-              c.channels = channels;
-              c.slice_elems = (seed % 2) ? 16 : 40;
-              c.halfish = mode & 1;
-              c.op = ops[seed % 4];
-              c.calls = 2;
-              c.root = static_cast<int>(seed % static_cast<unsigned>(world));
-              c.seed = seed++;
-              c.registered.resize(world);
-              for (int r = 0; r < world; ++r) c.registered[r] = (mode & 2) ? ((r + seed) % 3 != 0) : false;
+              const Config c = sweep_config(coll, world, count, slots, channels, mode, seed++, 2);
               if (!run(c)) {
                 print_config(c);
                 return 1;

@@ -381,9 +381,7 @@ void ShmComm::all_gather(const void* input, void* output, size_t count, DType dt
 
 void ShmComm::broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
                         const std::string& tag) {
-  if (root < 0 || root >= cfg_.world)
-    throw RingError(cat("rank ", cfg_.rank, ": broadcast from rank ", root, ", which is not a rank of this group (",
-                        "world size ", cfg_.world, ")"));
+  check_broadcast_root(cat("rank ", cfg_.rank), root, cfg_.world);
   Call c;
   c.kind = Kind::kBroadcast;
   c.dtype = dtype;
