@@ -20,6 +20,9 @@ Modes, all in the same run, on the same data and initial weights:
                 ringdp/backend.py; a group beside the default gloo one: --modes to add it)
     ring_serial RingDDP(overlap=False): every all-reduce after backward (--modes to add
                 it; the difference to `ring` is what overlapping brings)
+    torch_nocomm torch DDP whose comm hook returns the bucket untouched: no communication,
+                only DDP's reducer (gradients copied into buckets and back, its hooks and
+                bookkeeping). The floor of any backend under stock DDP (--modes to add it)
 
 Timing. Every rank runs the same mode at the same time (a barrier before each timed
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
@@ -51,7 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
 
-ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp")
+ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm")
 
 
 def parse_args(argv=None):
@@ -109,6 +112,15 @@ def ringdp_group():
     return _ringdp_group
 
 
+def _no_comm_hook(state, bucket):
+    """torch_nocomm's DDP comm hook: the bucket comes back as it went in, no communication."""
+    import torch
+
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
 def wrap(mode: str, module, args):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -123,6 +135,11 @@ def wrap(mode: str, module, args):
     if mode == "torch_ringdp":
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return DDP(module, process_group=ringdp_group(), **kw)
+    if mode == "torch_nocomm":
+        kw = {} if cap is None else {"bucket_cap_mb": cap}
+        ddp = DDP(module, **kw)
+        ddp.register_comm_hook(None, _no_comm_hook)
+        return ddp
     if mode in ("ring", "ring_view", "ring_serial"):
         return RingDDP(module, bucket_cap_mb=cap, gradient_as_bucket_view=(mode == "ring_view"),
                        overlap=(mode != "ring_serial"))
@@ -209,7 +226,8 @@ def plot(rows, path: Path, title: str):
     fig, ax = plt.subplots(figsize=(2.2 + 2.2 * len(hiddens), 4.2))
     width = 0.8 / len(modes)
     colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
-              "ring_view": "#2ca02c", "ring_serial": "#9467bd", "torch_ringdp": "#ff7f0e"}
+              "ring_view": "#2ca02c", "ring_serial": "#9467bd", "torch_ringdp": "#ff7f0e",
+              "torch_nocomm": "#c5b0d5"}
     for j, mode in enumerate(modes):
         for k, h in enumerate(hiddens):
             r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)
@@ -249,7 +267,7 @@ def main_rank(rank, world, args):
             for h in sorted({r["hidden"] for r in rows}):
                 t = {r["mode"]: r for r in rows if r["hidden"] == h}
                 if "torch" in t:
-                    for m in ("ring", "ring_view", "torch_ringdp"):
+                    for m in ("ring", "ring_view", "torch_ringdp", "torch_nocomm"):
                         if m in t:
                             print(f"H={h}: {m} step / torch DDP(gloo) step = {t[m]['step_ms'] / t['torch']['step_ms']:.2f}"
                                   f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")
