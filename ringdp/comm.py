@@ -35,7 +35,8 @@ collective runs in submission order: inline when nothing is queued and the call 
 synchronous, else on one background worker thread. CPU collectives complete on the host.
 CUDA collectives are stream-ordered like torch's NCCL ones: ringdp's stream waits for the
 caller's stream (an event), the ring runs on ringdp's stream, and the caller's stream waits
-for the result at once (async_op=False) or in Work.wait(); the host never waits for the GPU.
+for the result at once (inline, the transport orders the current stream itself) or in
+Work.wait(); the host never waits for the GPU (docs/cuda.md, "The Python side").
 """
 from __future__ import annotations
 
@@ -428,20 +429,27 @@ class Communicator:
                 shm.spin_ns = spin
             self._spin_set = spin
 
-    def _submit(self, fn, async_op: bool, outputs=(), cuda=None) -> Work | None:
+    def _submit(self, fn, async_op: bool, outputs=()) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
         synchronous, else behind the queued ones on the worker thread."""
+        if self._take_inline(async_op):
+            self._call(fn)
+            return None
+        return self._enqueue(fn, async_op, outputs)
+
+    def _take_inline(self, async_op: bool) -> bool:
+        """Whether this call runs inline, on the calling thread (synchronous, nothing queued);
+        if not, it is counted as pending until the worker has run it (_enqueue)."""
         if self._closed or not self.group_alive:
             raise RingError(self._unusable())
         with self._pending_lock:
             inline = self._pending == 0 and not async_op
             if not inline:
                 self._pending += 1
-        if inline:
-            self._call(fn)
-            if cuda is not None:
-                _join_stream(cuda)
-            return None
+        return inline
+
+    def _enqueue(self, fn, async_op: bool, outputs, cuda=None) -> Work | None:
+        """Queue `fn` (counted pending by _take_inline) behind the worker's queued calls."""
         if self._worker is None:
             self._start_worker()
         fut = Future()
@@ -494,7 +502,7 @@ class Communicator:
         if output.is_cuda:
             return self._run_cuda(
                 output.device, [output, input], [output], async_op,
-                lambda ep: ep.native.reduce_scatter_tensor(output, input, code, ep.stream.cuda_stream, t))
+                lambda ep, stream: ep.native.reduce_scatter_tensor(output, input, code, stream, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
@@ -515,7 +523,7 @@ class Communicator:
             "all_gather")
         if output.is_cuda:
             return self._run_cuda(output.device, [output, input], [output], async_op,
-                                  lambda ep: ep.native.all_gather_tensor(output, input, ep.stream.cuda_stream, t))
+                                  lambda ep, stream: ep.native.all_gather_tensor(output, input, stream, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
@@ -539,7 +547,7 @@ class Communicator:
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
         if tensor.is_cuda:
             return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                                  lambda ep: ep.native.broadcast_tensor(tensor, src, ep.stream.cuda_stream, t))
+                                  lambda ep, stream: ep.native.broadcast_tensor(tensor, src, stream, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
@@ -551,15 +559,23 @@ class Communicator:
         ep = self._cuda_endpoint(tensor.device)
         a = policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
         return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                              lambda ep: ep.native.all_reduce_tensor(tensor, code, ep.stream.cuda_stream, a, t))
+                              lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t))
 
     def _run_cuda(self, device, tensors, outputs, async_op, enqueue):
-        """A CUDA collective, stream-ordered like torch's NCCL ones (module doc): an event on
-        the current stream (on the calling thread), every tensor it touches recorded on
-        ringdp's stream (the caching allocator keeps them until ringdp is done), then in
-        submission order: ringdp's stream waits on the event, `enqueue(endpoint)` puts the
-        ring on ringdp's stream (passing that stream as the caller's), an event `done` after."""
+        """A CUDA collective, stream-ordered like torch's NCCL ones (module doc).
+        `enqueue(endpoint, stream)` makes ringdp's stream wait for `stream`, puts the ring on
+        ringdp's stream and makes `stream` wait for its end (csrc/cuda, no host sync).
+        Inline (synchronous, nothing queued): `stream` is the current stream, nothing else.
+        Queued (on the worker, later): an event on the current stream, recorded on the
+        calling thread, and every tensor it touches recorded on ringdp's stream (the caching
+        allocator keeps them until ringdp is done); then, in submission order, ringdp's stream
+        waits on the event, `enqueue` runs with ringdp's own stream as `stream`, and an event
+        `done` after it is what Work.wait() makes the waiter's stream wait on."""
         ep = self._cuda_endpoint(device)
+        if self._take_inline(async_op):
+            caller = torch.cuda.current_stream(device).cuda_stream
+            self._call(lambda: enqueue(ep, caller))
+            return None
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))  # on the calling thread
         done = torch.cuda.Event()
@@ -568,10 +584,10 @@ class Communicator:
 
         def run():
             ep.stream.wait_event(ready)
-            enqueue(ep)
+            enqueue(ep, ep.stream.cuda_stream)
             done.record(ep.stream)
 
-        return self._submit(run, async_op, outputs=outputs, cuda=(ep, done))
+        return self._enqueue(run, async_op, outputs, cuda=(ep, done))
 
     def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
         threshold = policy.oneshot_threshold(transport, self.world, self.config, capacity)
