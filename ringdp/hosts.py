@@ -5,8 +5,7 @@ A ``CrossHost`` is made by the Communicator at set-up (collective) when its rank
 more than one host, and holds what the hierarchy needs: the path (policy.cross_host_path),
 this host's shared-memory endpoint (its ranks only; None on the flat path or for a rank
 alone on its host) and the gloo group of this rank's cross-host step (None for a rank in
-none: a non-leader on the uneven path), and on uneven hosts a gloo group of every rank for
-the collectives other than all_reduce. Its collectives run where the Communicator runs
+none: a non-leader on the uneven path). Its collectives run where the Communicator runs
 every collective (inline or on its worker thread, under its lock):
 
     path        all_reduce                 reduce_scatter / all_gather / broadcast
@@ -14,9 +13,11 @@ every collective (inline or on its worker thread, under its lock):
     (even)      each block, in-host AG,    step over H blocks, cross-host step one block per
                 pipelined in pieces        host (RS: in-host first; AG: across first;
                                            broadcast: across to src's local rank, then in-host)
-    LEADERS     in-host AR, leaders' gloo  gloo on the whole group (a second gloo group,
-    (uneven)    AR, in-host broadcast,     every rank's)
-                pipelined in pieces
+    LEADERS     in-host AR, leaders' gloo  the host's part inside the host (RS: in-host AR
+    (uneven)    AR, in-host broadcast,     of the input; AG: in-host AG), the leaders' gloo
+                pipelined in pieces        step over host segments padded to the largest
+                                           host, then in-host broadcast from the leader
+                                           (broadcast: in src's host first, then across)
     FLAT        gloo on the whole group    gloo on the whole group
 
 Every rank ends with the same bytes: gloo gives its members one result and the in-host
@@ -28,8 +29,8 @@ Every call starts the same way (CrossHost._begin): its first in-host step (the d
 or a header-only agreement for all_gather and broadcast), which fails on every rank of the
 host alike when one of them rejected its input or called something else; then the call
 check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
-cross-host group; the whole group for the gloo-only collectives; on uneven hosts the
-leaders' for all_reduce), where a rank whose in-host step failed, or that rejected its
+cross-host group: on uneven hosts the leaders', who check for their hosts; the whole group
+on the flat path), where a rank whose in-host step failed, or that rejected its
 input itself (CrossHost.reject), puts a FAILED row and its reason in the store. Every rank
 of every check group then sees the failure before any gloo step moves data, so no rank
 waits for a peer that left: one rank's bad input or odd call is a RingError on every rank
@@ -80,7 +81,7 @@ def _gloo_opts(cls, **fields):
 class CrossHost:
     """The cross-host part of one communicator (module doc)."""
 
-    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int], whole=None):
+    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int]):
         self.rank, self.world, self.config = comm.rank, comm.world, comm.config
         self.hosts, self.host_order = comm.hosts, comm.host_order  # every rank's host key; hosts by first rank
         self.by_host = _by_host(comm)  # each host's ranks, hosts in host order
@@ -94,10 +95,11 @@ class CrossHost:
         self.shm = shm  # this host's shared-memory endpoint
         self.cross = cross  # the gloo group of this rank's cross-host step
         self.cross_ranks = cross_ranks  # its members (ranks of the communicator's group)
-        # the gloo group of every rank for reduce_scatter, all_gather and broadcast: the
-        # cross-host group itself on the flat path, a second one on uneven hosts (LEADERS)
-        self.whole = cross if path == policy.FLAT else whole
-        self._pad = torch.empty(0)  # the two-level path's padded copy of a tensor (grows; reused)
+        self.host_index = comm.host_order.index(comm.host_key)  # this rank's host: by_host[host_index]
+        self.whole = cross if path == policy.FLAT else None  # the gloo group of every rank (the flat path's)
+        # scratch buffers by role (_scratch: grow, reused): a fresh buffer's first touch costs
+        # more than the copies through it (issue 12: 2-8x a gloo step's time on this VM)
+        self._buffers: dict[str, torch.Tensor] = {}
         self._store = comm._store  # (a function) where a failed rank leaves its reason for the call check
         self._reasons = f"{comm.rendezvous._prefix}failed/"
         self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
@@ -138,15 +140,20 @@ class CrossHost:
             return dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
                                   use_local_synchronization=True)
 
-        # every rank's group first: torch numbers the groups a rank makes, so the leaders'
-        # own one (only theirs) must come after it
-        whole = gloo_group(list(range(comm.world)), "whole") if path == policy.LEADERS else None
         cross = gloo_group(members, name) if members else None
-        return cls(comm, path, shm, cross, members if members else [], whole)
+        if not members and not comm._backend:
+            # Every rank makes one torch.distributed group here, the leaders' non-leaders a
+            # group of their own (never used): torch names a group made with local
+            # synchronization after the number of groups the rank knows, so ranks that made
+            # different numbers would name their next common group differently and wait for
+            # each other until the timeout (another communicator's, or the user's own).
+            gloo_group([comm.rank], f"alone{comm.rank}")
+        return cls(comm, path, shm, cross, members if members else [])
 
     def close(self) -> None:
         """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
         self.shm = self.cross = self.whole = None
+        self._buffers.clear()
 
     # ---- all_reduce ------------------------------------------------------------------------
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
@@ -182,9 +189,7 @@ class CrossHost:
     def _padded(self, flat, size: int):
         """`flat` copied into the first elements of a reused buffer of `size`, the rest zero
         (its values never reach the result: each rank keeps only its first n elements)."""
-        if self._pad.numel() < size or self._pad.dtype != flat.dtype:
-            self._pad = torch.empty(size, dtype=flat.dtype)
-        full = self._pad[:size]
+        full = self._scratch("pad", size, flat.dtype)
         full[:flat.numel()].copy_(flat)
         full[flat.numel():].zero_()
         return full
@@ -267,24 +272,52 @@ class CrossHost:
     # order, the rank with local rank l of every host, so its member k is host k's. Blocks
     # are ordered "by local rank, then host" (l*H + k) for the in-host step, which then moves
     # H blocks per rank, and the cross-host step 1 block per rank and host: both ring-optimal.
-    # FLAT and LEADERS: gloo on the group of every rank (`whole`).
+    # LEADERS (hosts of different sizes): the leaders' group (member k: host k's first rank)
+    # moves host segments (host k's ranks' blocks, in its local order) padded to the largest
+    # host's, since gloo's collectives move blocks of one size; each host's part of the work
+    # is done inside the host before (RS, AG) or after (broadcast) it, and every rank of a
+    # host ends in an in-host step after the leader's gloo step, so that a leader's failed
+    # check or gloo step reaches its host's ranks in the same call.
+    # FLAT: gloo on the group of every rank (`whole`).
     def reduce_scatter(self, output, input, code, forced, t, tag) -> None:
         """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
         rank then host, reduce-scattered inside the host (H blocks each: this local rank's
         rank on every host, summed over this host), then reduce-scattered across hosts by the
-        gloo group of this local rank (block k: host k's). AVG: SUM, then / world size."""
+        gloo group of this local rank (block k: host k's). LEADERS: the input all-reduced
+        inside the host (a copy), reduce-scattered across hosts by the leaders in padded host
+        segments, each host's segment broadcast inside the host. AVG: SUM, then / world size."""
         red = _types.SUM if code == _types.AVG else code
         opts = _gloo_opts(ReduceScatterOptions, reduceOp=_GLOO_OPS[red])
         n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
         blocks = input.reshape(self.world, n)
-        if self.path != policy.TWO_LEVEL:
+        if self.path == policy.FLAT:
             self._begin("reduce_scatter", output, code, 0, t, tag, None)
             if n:
                 self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts),
                              t, ranks=self.every_rank)
+        elif self.path == policy.LEADERS:
+            summed = self._scratch("input", input.numel(), input.dtype)
+            summed.copy_(input.reshape(-1))  # (the input is not modified)
+            self._begin("reduce_scatter", output, code, 0, t, tag, None if self.shm is None else functools.partial(
+                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag))
+            if n:
+                seg = self._segment_elements(n)
+                mine = self._scratch("segment", seg, output.dtype)
+                if self.cross is not None:
+                    padded = self._scratch("segments", len(self.by_host) * seg, output.dtype)
+                    rows = summed.view(self.world, n)
+                    for k, ranks in enumerate(self.by_host):
+                        used = len(ranks) * n
+                        torch.index_select(rows, 0, torch.tensor(ranks), out=padded[k * seg:k * seg + used].view(-1, n))
+                        padded[k * seg + used:(k + 1) * seg].zero_()
+                    self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(mine, padded, opts), t,
+                                 self.shm, tag)
+                self._host_broadcast(mine[:self.local_size * n], 0, forced, t, tag)
+                out.copy_(mine[self.local_rank * n:(self.local_rank + 1) * n])
         else:
-            ordered = blocks.index_select(0, self._by_local_then_host).view(-1)
-            part = torch.empty(len(self.host_order) * n, dtype=output.dtype)
+            ordered = self._scratch("input", input.numel(), input.dtype)
+            torch.index_select(blocks, 0, self._by_local_then_host, out=ordered.view(self.world, n))
+            part = self._scratch("segment", len(self.host_order) * n, output.dtype)
             self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
                 self.shm.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag))
             if n:
@@ -296,41 +329,96 @@ class CrossHost:
     def all_gather(self, output, input, forced, t, tag) -> None:
         """all_gather_into_tensor across hosts. TWO_LEVEL: this rank's input all-gathered
         across hosts by the gloo group of its local rank (one block per host), those H blocks
-        all-gathered inside the host, then put in rank order."""
+        all-gathered inside the host, then put in rank order. LEADERS: the inputs all-gathered
+        inside the host (the host's segment), the segments, padded, all-gathered across hosts
+        by the leaders and put in rank order, the result broadcast inside the host."""
         n = input.numel()
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+        if self.path == policy.LEADERS:
+            seg = self._segment_elements(n)
+            host = self._scratch("segment", seg, input.dtype)
+            part = host[:self.local_size * n]
+            self._begin("all_gather", input, -1, 0, t, tag, None if self.shm is None else functools.partial(
+                self.shm.all_gather, part, mine, self._host_algo(part, forced), t, tag))
+            if n == 0:
+                return
+            if self.cross is not None:
+                if self.shm is None:
+                    part.copy_(mine)
+                host[part.numel():].zero_()
+                every = self._scratch("segments", len(self.by_host) * seg, input.dtype)
+                self._across("all_gather", lambda: self.cross._allgather_base(every, host, opts), t, self.shm, tag)
+                rows = out.view(self.world, n)
+                for k, ranks in enumerate(self.by_host):
+                    rows[ranks] = every[k * seg:k * seg + len(ranks) * n].view(len(ranks), n)
+            self._host_broadcast(out, 0, forced, t, tag)
+            return
         self._begin("all_gather", input, -1, 0, t, tag,
                     self._host_agree(t, tag) if self.path == policy.TWO_LEVEL else None)
         if n == 0:
             return
-        if self.path != policy.TWO_LEVEL:
+        if self.path == policy.FLAT:
             self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, ranks=self.every_rank)
             return
-        across = torch.empty(len(self.host_order) * n, dtype=input.dtype)
+        across = self._scratch("segment", len(self.host_order) * n, input.dtype)
         self._across("all_gather", lambda: self.cross._allgather_base(across, mine, opts), t, self.shm, tag)
-        full = torch.empty(self.world * n, dtype=input.dtype)
+        full = self._scratch("segments", self.world * n, input.dtype)
         self.shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
         out.view(self.world, n).index_copy_(0, self._by_local_then_host, full.view(self.world, n))
 
     def broadcast(self, tensor, src, forced, t, tag) -> None:
         """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
         from src's host to the rank with that local rank on every host, then each host
-        broadcasts from that rank inside the host."""
+        broadcasts from that rank inside the host. LEADERS: src's host broadcasts from src
+        inside the host (its leader has the data), the leaders' group across hosts from src's
+        host's leader, then every other host from its leader inside the host (src's host: a
+        header-only in-host step after the leader's gloo step)."""
         flat = tensor.view(-1)  # (contiguous: Communicator._check)
-        self._begin("broadcast", tensor, -1, src, t, tag,
-                    self._host_agree(t, tag) if self.path == policy.TWO_LEVEL else None)
+        self._begin("broadcast", tensor, -1, src, t, tag, None if self.path == policy.FLAT else self._host_agree(t, tag))
         if tensor.numel() == 0:
             return
-        if self.path != policy.TWO_LEVEL:
+        if self.path == policy.FLAT:
             opts = _gloo_opts(BroadcastOptions, rootRank=src)
             self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
             return
         k_src = self.host_order.index(self.hosts[src])
         lr_src = self.by_host[k_src].index(src)
+        if self.path == policy.LEADERS:
+            on_src_host = k_src == self.host_index
+            if on_src_host:
+                self._host_broadcast(flat, lr_src, forced, t, tag)
+            if self.cross is not None:
+                opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
+                self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
+            if not on_src_host:
+                self._host_broadcast(flat, 0, forced, t, tag)
+            elif self.shm is not None:
+                self._host_agree(t, tag)()
+            return
         if self.local_rank == lr_src:  # (the other local ranks' cross groups move nothing)
             opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
             self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
+
+    def _scratch(self, role: str, numel: int, dtype) -> torch.Tensor:
+        """A buffer of `numel` elements of `dtype` for `role` (one per role, so that the roles
+        of one call never overlap), grown when too small and reused: one call at a time runs
+        here (the Communicator's lock). Its contents are the caller's to set."""
+        nbytes = numel * dtype.itemsize
+        buf = self._buffers.get(role)
+        if buf is None or buf.numel() < nbytes:
+            buf = self._buffers[role] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+        return buf[:nbytes].view(dtype)
+
+    def _segment_elements(self, n: int) -> int:
+        """LEADERS: elements of one host's segment in the leaders' gloo steps, `n` per rank of
+        the largest host (gloo moves blocks of one size)."""
+        return max(len(ranks) for ranks in self.by_host) * n
+
+    def _host_broadcast(self, tensor, root: int, forced, t, tag) -> None:
+        """Broadcast `tensor` inside this host from local rank `root` (nothing alone on it)."""
+        if self.shm is not None:
+            self.shm.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
     def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> bool:
@@ -373,15 +461,15 @@ class CrossHost:
 
     def _in_host_first(self, what: str) -> bool:
         """Whether `what` starts with an in-host step on every rank of each host, its check then
-        in the cross-host groups: the two-level path, and the uneven path's all_reduce (else
-        gloo alone, checked on the whole group)."""
-        return self.path == policy.TWO_LEVEL or (self.path == policy.LEADERS and what == "all_reduce")
+        in the cross-host groups: every collective of the two-level and uneven paths (else, on
+        the flat path, gloo alone, checked on the whole group)."""
+        return self.path != policy.FLAT
 
     def _check_group(self, what: str):
         """(gloo group, its ranks) of this rank's call check for `what`: the cross-host group
-        after an in-host step (the leaders' for the uneven all_reduce: None for a rank not in
-        it, its leader checks for the host), else the whole group (the flat path's cross-host
-        group is the whole group)."""
+        after an in-host step (the leaders' on uneven hosts: None for a rank not in it, its
+        leader checks for the host), else the whole group (the flat path's cross-host group
+        is the whole group)."""
         if self._in_host_first(what):
             return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
         return self.whole, self.every_rank

@@ -115,6 +115,36 @@ def test_one_rank_per_host_is_gloo():
     _check_matrix(res, "flat", [(0, 1), (0, 1)])
 
 
+def case_later_groups(rank, world, hosts):
+    """After ringdp set up across hosts: a second communicator on the same group (its own
+    gloo groups) and a group the user makes with local synchronization both work (torch
+    names such a group after the number of groups the rank already knows)."""
+    from datetime import timedelta
+
+    import ringdp
+    from ringdp.comm import Communicator
+
+    c = _as_host(rank, hosts, timeout=20)
+    flat = Communicator(timeout=20, config=c.config.replace(hierarchy=False))
+    t = value(rank, 1001)
+    flat.all_reduce(t)
+    ok = [c.cross_path, flat.cross_path, torch.equal(t, expected("SUM", world, 1001, torch.float32))]
+    g = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=20),
+                       use_local_synchronization=True)
+    t = value(rank, 33)
+    dist.all_reduce(t, group=g)
+    t2 = value(rank, 33)
+    ringdp.all_reduce(t2)
+    flat.close()
+    return ok + [torch.equal(t, t2)]
+
+
+@pytest.mark.parametrize("hosts,path", [("aaab", "leaders"), ("aabb", "two_level")])
+def test_later_groups_after_set_up(hosts, path):
+    for r, (p, flat, ok, same) in enumerate(values(run_ranks(case_later_groups, len(hosts), list(hosts), timeout=120))):
+        assert (p, flat) == (path, "flat") and ok and same, (r, p, flat, ok, same)
+
+
 def case_collectives(rank, world, hosts, hierarchy=None):
     """reduce_scatter_tensor, all_gather_into_tensor and broadcast across hosts: the closed
     forms of tests/test_collectives.py (every rank's values depend on rank and index, every
@@ -303,6 +333,7 @@ def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
         "all_reduce": lambda: ringdp.all_reduce(value(rank, 4099)),  # hosts, rank 0 inside its host
         "broadcast": lambda: ringdp.broadcast(value(rank, 4099), 3),
         "all_gather": lambda: ringdp.all_gather_into_tensor(torch.empty(world * 4099), value(rank, 4099)),
+        "reduce_scatter": lambda: ringdp.reduce_scatter_tensor(torch.empty(4099), value(rank, world * 4099)),
     }
     t = value(rank, 4099)
     ringdp.all_reduce(t)  # works once
@@ -318,7 +349,8 @@ def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
 
 
 @pytest.mark.parametrize("hosts,kind", [("aabb", "all_reduce"), ("aaab", "all_reduce"), ("aabb", "broadcast"),
-                                        ("aabb", "all_gather")])
+                                        ("aabb", "all_gather"), ("aaab", "broadcast"), ("aaab", "all_gather"),
+                                        ("aaab", "reduce_scatter")])
 def test_whole_host_dies_is_a_ring_error(hosts, kind):
     hosts = list(hosts)
     victims = [r for r, h in enumerate(hosts) if h == "b"]
