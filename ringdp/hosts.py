@@ -37,7 +37,10 @@ waits for a peer that left: one rank's bad input or odd call is a RingError on e
 within seconds, naming it and why, and the communicator stays usable. Each row also has a
 payload slot of one fixed size per group (policy.check_payload_bytes); an all_reduce whose
 cross-host part fits it travels in it and every member reduces the gathered rows in member
-order (_Check.reduce_into): one gloo round trip for a small all-reduce instead of two.
+order (_reduce_rows): one gloo round trip for a small all-reduce instead of two. The other
+collectives' cross-host step goes in the rows the same way when its data fits (what each
+member would send: the reduce-scatter's blocks, the all-gather's input, the broadcast's
+tensor), and each member makes the step's result from the rows.
 
 The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
 these steps run on ringdp's worker thread and would interleave with the inner group's
@@ -181,7 +184,10 @@ class CrossHost:
         if self.path == policy.LEADERS:
             self._leaders(flat, red, dop, code == _types.AVG, forced, t, tag, begin)
             return
-        if not begin(None, flat):
+        rows = begin(None, flat)
+        if rows is not None:
+            _reduce_rows(flat, rows, red)
+        else:
             self._gloo(flat, dop, t)
         if code == _types.AVG:
             flat.div_(self.world)
@@ -214,11 +220,14 @@ class CrossHost:
             piece = full[off * L:(off + m) * L]
             mine = piece[lr * m:(lr + 1) * m]
             step = functools.partial(self.shm.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
+            rows = None
             if off == 0:  # (one piece: its block may go with the call check)
-                sent = begin(step, mine if per >= blk else None)
+                rows = begin(step, mine if per >= blk else None)
             else:
                 step()
-            work = None if off == 0 and sent else self._gloo_start(mine, dop, t, self.shm, tag)
+            if rows is not None:
+                _reduce_rows(mine, rows, red)
+            work = None if rows is not None else self._gloo_start(mine, dop, t, self.shm, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
@@ -239,13 +248,15 @@ class CrossHost:
             piece = flat[off:off + per]
             step = (functools.partial(self.shm.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
                     if self.shm is not None else None)
-            sent = False
+            rows = None
             if off == 0:  # (one piece: it may go with the leaders' call check)
-                sent = begin(step, piece if per >= n and self.cross is not None else None)
+                rows = begin(step, piece if per >= n and self.cross is not None else None)
             elif step is not None:
                 step()
             work = None
-            if self.cross is not None and not sent:
+            if rows is not None:
+                _reduce_rows(piece, rows, red)
+            elif self.cross is not None:
                 work = self._gloo_start(piece, dop, t, self.shm, tag)
             if pending is not None:
                 self._spread_piece(*pending, avg, forced, t, tag)
@@ -285,44 +296,47 @@ class CrossHost:
         rank on every host, summed over this host), then reduce-scattered across hosts by the
         gloo group of this local rank (block k: host k's). LEADERS: the input all-reduced
         inside the host (a copy), reduce-scattered across hosts by the leaders in padded host
-        segments, each host's segment broadcast inside the host. AVG: SUM, then / world size."""
+        segments, each host's segment broadcast inside the host. AVG: SUM, then / world size.
+        A cross-host step whose input fits the call check's rows goes with them (_begin)."""
         red = _types.SUM if code == _types.AVG else code
         opts = _gloo_opts(ReduceScatterOptions, reduceOp=_GLOO_OPS[red])
         n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
         blocks = input.reshape(self.world, n)
+
+        def scatter(group, result, send, me, ranks=None, shm=None):
+            """The cross-host step: `result` = block `me` of `send` reduced over `group`."""
+            if rows is not None:
+                _reduce_rows(result, [x[me * result.numel():(me + 1) * result.numel()] for x in rows], red)
+            elif n:
+                self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, shm, tag,
+                             ranks)
+
         if self.path == policy.FLAT:
-            self._begin("reduce_scatter", output, code, 0, t, tag, None)
-            if n:
-                self._across("reduce_scatter", lambda: self.whole._reduce_scatter_base(out, blocks.reshape(-1), opts),
-                             t, ranks=self.every_rank)
+            send = blocks.reshape(-1)
+            rows = self._begin("reduce_scatter", output, code, 0, t, tag, None, send)
+            scatter(self.whole, out, send, self.rank, self.every_rank)
         elif self.path == policy.LEADERS:
             summed = self._scratch("input", input.numel(), input.dtype)
             summed.copy_(input.reshape(-1))  # (the input is not modified)
-            self._begin("reduce_scatter", output, code, 0, t, tag, None if self.shm is None else functools.partial(
-                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag))
+            seg = self._segment_elements(n)
+            leader = self.cross is not None and n > 0
+            padded = self._scratch("segments", len(self.by_host) * seg, output.dtype) if leader else None
+            rows = self._begin("reduce_scatter", output, code, 0, t, tag, None if self.shm is None else functools.partial(
+                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag),
+                functools.partial(self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
             if n:
-                seg = self._segment_elements(n)
                 mine = self._scratch("segment", seg, output.dtype)
-                if self.cross is not None:
-                    padded = self._scratch("segments", len(self.by_host) * seg, output.dtype)
-                    rows = summed.view(self.world, n)
-                    for k, ranks in enumerate(self.by_host):
-                        used = len(ranks) * n
-                        torch.index_select(rows, 0, torch.tensor(ranks), out=padded[k * seg:k * seg + used].view(-1, n))
-                        padded[k * seg + used:(k + 1) * seg].zero_()
-                    self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(mine, padded, opts), t,
-                                 self.shm, tag)
+                if leader:
+                    scatter(self.cross, mine, padded, self.host_index, shm=self.shm)
                 self._host_broadcast(mine[:self.local_size * n], 0, forced, t, tag)
                 out.copy_(mine[self.local_rank * n:(self.local_rank + 1) * n])
         else:
             ordered = self._scratch("input", input.numel(), input.dtype)
             torch.index_select(blocks, 0, self._by_local_then_host, out=ordered.view(self.world, n))
             part = self._scratch("segment", len(self.host_order) * n, output.dtype)
-            self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
-                self.shm.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag))
-            if n:
-                self._across("reduce_scatter", lambda: self.cross._reduce_scatter_base(out, part, opts), t, self.shm,
-                             tag)
+            rows = self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
+                self.shm.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag), part)
+            scatter(self.cross, out, part, self.host_index, shm=self.shm)
         if code == _types.AVG:
             out.div_(self.world)
 
@@ -331,37 +345,48 @@ class CrossHost:
         across hosts by the gloo group of its local rank (one block per host), those H blocks
         all-gathered inside the host, then put in rank order. LEADERS: the inputs all-gathered
         inside the host (the host's segment), the segments, padded, all-gathered across hosts
-        by the leaders and put in rank order, the result broadcast inside the host."""
+        by the leaders and put in rank order, the result broadcast inside the host. A
+        cross-host step whose input fits the call check's rows goes with them (_begin)."""
         n = input.numel()
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+
+        def gather(group, result, send, ranks=None, shm=None):
+            """The cross-host step: `result` = every member's `send`, in member order."""
+            if rows is not None:
+                for k, x in enumerate(rows):
+                    result[k * send.numel():(k + 1) * send.numel()].copy_(x)
+            elif n:
+                self._across("all_gather", lambda: group._allgather_base(result, send, opts), t, shm, tag, ranks)
+
+        if self.path == policy.FLAT:
+            rows = self._begin("all_gather", input, -1, 0, t, tag, None, mine)
+            gather(self.whole, out, mine, self.every_rank)
+            return
         if self.path == policy.LEADERS:
             seg = self._segment_elements(n)
             host = self._scratch("segment", seg, input.dtype)
             part = host[:self.local_size * n]
-            self._begin("all_gather", input, -1, 0, t, tag, None if self.shm is None else functools.partial(
-                self.shm.all_gather, part, mine, self._host_algo(part, forced), t, tag))
+            if self.shm is None:
+                part.copy_(mine)
+            host[part.numel():].zero_()
+            rows = self._begin("all_gather", input, -1, 0, t, tag, None if self.shm is None else functools.partial(
+                self.shm.all_gather, part, mine, self._host_algo(part, forced), t, tag),
+                host if self.cross is not None else None)
             if n == 0:
                 return
             if self.cross is not None:
-                if self.shm is None:
-                    part.copy_(mine)
-                host[part.numel():].zero_()
                 every = self._scratch("segments", len(self.by_host) * seg, input.dtype)
-                self._across("all_gather", lambda: self.cross._allgather_base(every, host, opts), t, self.shm, tag)
-                rows = out.view(self.world, n)
+                gather(self.cross, every, host, shm=self.shm)
+                blocks = out.view(self.world, n)
                 for k, ranks in enumerate(self.by_host):
-                    rows[ranks] = every[k * seg:k * seg + len(ranks) * n].view(len(ranks), n)
+                    blocks[ranks] = every[k * seg:k * seg + len(ranks) * n].view(len(ranks), n)
             self._host_broadcast(out, 0, forced, t, tag)
             return
-        self._begin("all_gather", input, -1, 0, t, tag,
-                    self._host_agree(t, tag) if self.path == policy.TWO_LEVEL else None)
+        rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_agree(t, tag), mine)
         if n == 0:
             return
-        if self.path == policy.FLAT:
-            self._across("all_gather", lambda: self.whole._allgather_base(out, mine, opts), t, ranks=self.every_rank)
-            return
         across = self._scratch("segment", len(self.host_order) * n, input.dtype)
-        self._across("all_gather", lambda: self.cross._allgather_base(across, mine, opts), t, self.shm, tag)
+        gather(self.cross, across, mine, shm=self.shm)
         full = self._scratch("segments", self.world * n, input.dtype)
         self.shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
         out.view(self.world, n).index_copy_(0, self._by_local_then_host, full.view(self.world, n))
@@ -370,35 +395,62 @@ class CrossHost:
         """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
         from src's host to the rank with that local rank on every host, then each host
         broadcasts from that rank inside the host. LEADERS: src's host broadcasts from src
-        inside the host (its leader has the data), the leaders' group across hosts from src's
-        host's leader, then every other host from its leader inside the host (src's host: a
-        header-only in-host step after the leader's gloo step)."""
+        inside the host (its first in-host step: its leader has the data), the leaders'
+        group across hosts from src's host's leader, then every other host from its leader
+        inside the host (src's host: a header-only in-host step after the leader's gloo
+        step). A tensor that fits the call check's rows goes with them (_begin)."""
         flat = tensor.view(-1)  # (contiguous: Communicator._check)
-        self._begin("broadcast", tensor, -1, src, t, tag, None if self.path == policy.FLAT else self._host_agree(t, tag))
-        if tensor.numel() == 0:
-            return
         if self.path == policy.FLAT:
-            opts = _gloo_opts(BroadcastOptions, rootRank=src)
-            self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
+            rows = self._begin("broadcast", tensor, -1, src, t, tag, None, flat)
+            if rows is not None:
+                flat.copy_(rows[src])
+            elif flat.numel():
+                opts = _gloo_opts(BroadcastOptions, rootRank=src)
+                self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
             return
         k_src = self.host_order.index(self.hosts[src])
         lr_src = self.by_host[k_src].index(src)
-        if self.path == policy.LEADERS:
-            on_src_host = k_src == self.host_index
-            if on_src_host:
-                self._host_broadcast(flat, lr_src, forced, t, tag)
-            if self.cross is not None:
+
+        def across():
+            """The cross-host step of the group that carries it: from its member k_src."""
+            if rows is not None:
+                if self.host_index != k_src:
+                    flat.copy_(rows[k_src])
+            elif flat.numel():
                 opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
                 self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
+
+        if self.path == policy.LEADERS:
+            on_src_host = k_src == self.host_index
+            first = (functools.partial(self.shm.broadcast, flat, lr_src, self._host_algo(flat, forced), t, tag)
+                     if on_src_host and self.shm is not None else self._host_agree(t, tag))
+            rows = self._begin("broadcast", tensor, -1, src, t, tag, first, flat if self.cross is not None else None)
+            if flat.numel() == 0:
+                return
+            if self.cross is not None:
+                across()
             if not on_src_host:
                 self._host_broadcast(flat, 0, forced, t, tag)
             elif self.shm is not None:
                 self._host_agree(t, tag)()
             return
-        if self.local_rank == lr_src:  # (the other local ranks' cross groups move nothing)
-            opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
-            self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
+        carries = self.local_rank == lr_src  # (the other local ranks' cross groups move nothing)
+        rows = self._begin("broadcast", tensor, -1, src, t, tag, self._host_agree(t, tag), flat if carries else None)
+        if flat.numel() == 0:
+            return
+        if carries:
+            across()
         self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
+
+    def _host_segments(self, padded, blocks, seg: int):
+        """LEADERS: `padded` = `blocks` (a row per rank) in host segments of `seg` elements,
+        host k's ranks' rows in its local order, then zeros; returns `padded`."""
+        n = blocks.shape[1]
+        for k, ranks in enumerate(self.by_host):
+            used = len(ranks) * n
+            torch.index_select(blocks, 0, torch.tensor(ranks), out=padded[k * seg:k * seg + used].view(-1, n))
+            padded[k * seg + used:(k + 1) * seg].zero_()
+        return padded
 
     def _scratch(self, role: str, numel: int, dtype) -> torch.Tensor:
         """A buffer of `numel` elements of `dtype` for `role` (one per role, so that the roles
@@ -421,16 +473,17 @@ class CrossHost:
             self.shm.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
-    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> bool:
+    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> list | None:
         """Start a call (module doc): its first in-host step (`step()`; None: none), then the
         call check in this rank's check group with the step's outcome. Raises the step's own
         error on a rank whose step failed (after its FAILED row is in), a RingError naming
         the ranks and their calls or reasons on the others.
 
-        `payload`: an all_reduce's cross-host part (after the step). When it fits the check
-        row's slot (policy.check_payload_bytes) it travels with the check and is reduced here,
-        in place, from every member's row in member (host) order, the same on every member;
-        returns True then (the caller skips its gloo step)."""
+        `payload`: what this rank's cross-host step would send (a tensor, read after the
+        step, or a function making it after the step). When it fits the check row's slot (policy.check_payload_bytes) it travels with
+        the check, and the members' payloads come back, in member (host) order, as tensors
+        of its dtype and size: the caller makes its cross-host step's result from them
+        instead of running it (one gloo round trip instead of two). None: it did not go."""
         failure = None
         if step is not None:
             try:
@@ -438,15 +491,19 @@ class CrossHost:
             except RingError as e:
                 failure = e
         group, ranks = self._check_group(what)
-        sent = False
+        rows = None
+        if callable(payload):  # made from the step's result
+            payload = payload() if failure is None else None
         if group is not None:
             check = self._check(what, tensor, code, root, t, tag, group, ranks,
                                 None if failure is None else str(failure), payload)
             check.wait()
-            sent = check.reduce_into(payload)
+            rows = check.payloads(payload)
         if failure is not None:
             raise failure
-        return sent
+        if rows is not None:
+            self.fused_calls += 1
+        return rows
 
     def reject(self, what: str, why: str, t, tag) -> None:
         """This rank rejected its input to `what` (Communicator._prepare): take part without
@@ -505,7 +562,7 @@ class CrossHost:
             mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
         slot = policy.check_payload_bytes(len(ranks))
         nbytes = 0 if payload is None or failure is not None else payload.numel() * payload.element_size()
-        fused = 0 < nbytes <= slot and what == "all_reduce"
+        fused = 0 < nbytes <= slot
         # the decision is part of the call: members that decided differently (a setting that
         # differs between ranks, e.g. RINGDP_HIER_PIECE_BYTES) disagree here, not in the data
         row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
@@ -522,7 +579,7 @@ class CrossHost:
         # no in-host step before it: a rank that failed its input there did not reject on the
         # host, and telling its peers would put one more in-host call on them only.
         tell = self.shm if self._in_host_first(what) else None
-        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, code if fused else None)
+        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)
         return check
@@ -595,9 +652,9 @@ class CrossHost:
 class _Check:
     """A started call check (CrossHost._check): wait() once, before the first gloo step."""
 
-    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell, fused_op=None):
+    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell, fused=False):
         self.host, self.what, self.ranks, self.tell = host, what, ranks, tell
-        self.fused_op = fused_op  # the op's code when this rank's all-reduce data is in its row
+        self.fused = fused  # this rank's payload is in its row
         self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
         self.work, self.done = None, False
 
@@ -631,24 +688,26 @@ class _Check:
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
         h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", self.tell, self.t, self.tag)
 
-    def reduce_into(self, payload) -> bool:
-        """After wait(): the all-reduce of the members' payloads into `payload`, in member
-        order, when the data went with the check (every row the same call, so every member
-        made the same decision and sent its data); False when it did not."""
-        if self.fused_op is None:
-            return False
+    def payloads(self, payload) -> list | None:
+        """After wait(): the members' payloads (each `payload`'s dtype and size, views of the
+        gathered rows), in member order, when the data went with the check (every row the
+        same call, so every member made the same decision and sent its data); else None."""
+        if not self.fused:
+            return None
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
-        out = payload.reshape(-1)
-        for k in range(len(self.ranks)):
-            x = rows[k].view(torch.uint8)[:nbytes].view(payload.dtype)
-            if k == 0:
-                out.copy_(x)
-            elif self.fused_op == _types.MIN:
-                torch.minimum(out, x, out=out)
-            elif self.fused_op == _types.MAX:
-                torch.maximum(out, x, out=out)
-            else:  # SUM (AVG: SUM here, the caller divides)
-                out.add_(x)
-        self.host.fused_calls += 1
-        return True
+        return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
+
+
+def _reduce_rows(out, rows, code: int) -> None:
+    """`out` = the reduction of `rows` (op `code`; AVG: SUM, the caller divides), in row
+    order, the same on every member."""
+    for k, x in enumerate(rows):
+        if k == 0:
+            out.copy_(x)
+        elif code == _types.MIN:
+            torch.minimum(out, x, out=out)
+        elif code == _types.MAX:
+            torch.maximum(out, x, out=out)
+        else:
+            out.add_(x)
