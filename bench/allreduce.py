@@ -21,7 +21,7 @@ Series (each size measures them back to back, in this order):
                   tensors, nccl for CUDA tensors; --baseline to choose, --no-baseline to skip)
     ringdp        ringdp.all_reduce on an ordinary tensor (staged through the transport)
     ringdp-reg    ringdp.all_reduce on a tensor from ringdp.empty (registered memory)
-    ringdp-flat   (--hosts only) ringdp.all_reduce on a communicator made with
+    ringdp-flat   (--hosts only) ringdp's collective on a communicator made with
                   RINGDP_HIERARCHY=0: the inter-host engine (gloo) on the whole group
 With --algo ring,oneshot the ringdp series are split per forced algorithm (ringdp:ring,
 ringdp:oneshot, ringdp-reg:ring, ...), each call passing algo= to ringdp.all_reduce; a
@@ -97,10 +97,10 @@ ringdp series call ringdp.reduce_scatter_tensor / all_gather_into_tensor / broad
 registered series allocates input and output with ringdp.empty), the baseline
 torch.distributed's; no roofline for these (roof "-"). --algo applies to all_reduce only.
 
-Across hosts (--hosts H, CPU all_reduce only): the ranks are H simulated hosts on this
+Across hosts (--hosts H, CPU tensors, every --coll): the ranks are H simulated hosts on this
 machine, rank r on host r*H // world (RINGDP_HOST_ID sim0, sim1, ...; world defaults to
 2H). The series are then gloo (flat, the whole group over loopback TCP), ringdp (the
-hierarchical all-reduce policy.cross_host_path chooses: two_level, or leaders on uneven
+hierarchical path policy.cross_host_path chooses: two_level, or leaders on uneven
 hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
 steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
 it under torchrun on each host without --hosts: ringdp finds the hosts itself.
@@ -299,7 +299,9 @@ class Collective:
                 bad += int((t[a:b].cpu() != self._g(0, i).to(self.dtype)).sum())
         return bad
 
-    def call(self, bufs, op, baseline: bool, group=None) -> None:
+    def call(self, bufs, op, baseline: bool, group=None, comm=None) -> None:
+        """One call: torch.distributed's on the baseline's group, else ringdp's on `comm` (a
+        Communicator; None: the module functions, on the default group's)."""
         if baseline:
             # torch 2.13 names them *_single (the *_tensor names warn as deprecated)
             if self.name == "reduce_scatter":
@@ -309,8 +311,9 @@ class Collective:
             else:
                 dist.broadcast(bufs[0], src=0, group=group)
             return
-        fn = getattr(ringdp, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor",
-                              "broadcast": "broadcast"}[self.name], None)
+        fn = getattr(ringdp if comm is None else comm, {"reduce_scatter": "reduce_scatter_tensor",
+                                                        "all_gather": "all_gather_into_tensor",
+                                                        "broadcast": "broadcast"}[self.name], None)
         if fn is None:
             raise RuntimeError(f"this ringdp ({ringdp.__file__}) has no {self.name}")
         if self.name == "reduce_scatter":
@@ -487,7 +490,8 @@ class Caller:
     def alloc(self, s: Series, count: int):
         if s.kind == "ringdp-reg":
             t = ringdp.empty(count, dtype=self.dtype, device=str(self.device))
-            if not ringdp.is_registered(t):
+            alone = self.cross_path is not None and self.comm.local_size == 1  # nothing in-host to register for
+            if not ringdp.is_registered(t) and not alone:
                 raise RuntimeError("ringdp.empty returned a tensor that is not registered")
             return t
         return torch.empty(count, dtype=self.dtype, device=self.device)
@@ -545,7 +549,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
             coll.fill(t)
 
         def run():
-            coll.call(t, c.op, s.kind == "baseline", c.group)
+            coll.call(t, c.op, s.kind == "baseline", c.group, c.flat_comm if s.kind == "ringdp-flat" else None)
 
         def check() -> int:
             return coll.wrong(t)
@@ -583,8 +587,8 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
         algo = c.algo(s, nbytes)
         factor = c.factor(s, algo)
         roof = factor * nbytes * c.contention / memcpy_Bps if factor is not None else None
-    else:
-        algo, factor, roof = "-", None, None
+    else:  # (across hosts: the path, as for all_reduce)
+        algo, factor, roof = c.algo(s, nbytes) if c.cross_path is not None else "-", None, None
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
         "collective": coll.name if coll else "all_reduce",
@@ -843,8 +847,8 @@ def parse_args(argv: list[str] | None = None):
     args.colls = list(dict.fromkeys(x.strip() for x in args.coll.split(",") if x.strip()))
     if not args.colls or set(args.colls) - set(COLLS):
         ap.error(f"--coll takes a comma list of {', '.join(COLLS)}")
-    if args.hosts > 1 and (args.colls != ["all_reduce"] or args.device != "cpu"):
-        ap.error("--hosts: across hosts ringdp runs the CPU all_reduce only (--coll all_reduce, --device cpu)")
+    if args.hosts > 1 and args.device != "cpu":
+        ap.error("--hosts: across hosts ringdp runs CPU tensors only (--device cpu)")
     if args.hosts > args.world:
         ap.error(f"--hosts {args.hosts} needs at least as many ranks (--world {args.world})")
     if args.factor <= 1.0:

@@ -83,9 +83,27 @@ def test_bench_hosts(tmp_path):
     assert len(rows) == 4 * 3  # 4K, 16K, 64K
 
 
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_hosts_uneven_other_collectives(tmp_path):
+    """--hosts 2 --world 3 (hosts a,a,b: the leaders' path) with reduce_scatter, all_gather
+    and broadcast: every series exact, the registered series too (the rank alone on its host
+    gets ordinary memory from ringdp.empty)."""
+    cmd = [sys.executable, str(BENCH), "--hosts", "2", "--world", "3", "--coll", "reduce_scatter,all_gather,broadcast",
+           "-b", "4K", "-e", "16K", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for coll in ("reduce_scatter", "all_gather", "broadcast"):
+        payload = json.loads((tmp_path / f"{coll}_cpu_w3_float32_hosts2.json").read_text())
+        assert payload["hosts"] == ["sim0", "sim0", "sim1"] and payload["cross_path"] == "leaders"
+        rows = payload["rows"]
+        assert {(r["series"], r["algo"]) for r in rows} == {("gloo", "-"), ("ringdp", "leaders"),
+                                                             ("ringdp-reg", "leaders"), ("ringdp-flat", "flat")}
+        assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows) and len(rows) == 4 * 2, coll
+
+
 def test_bench_hosts_rejects_what_needs_one_host():
-    """--hosts with a collective, device or series that needs one host: a clear usage error."""
-    for extra, why in ((["--coll", "reduce_scatter"], "CPU all_reduce only"),
+    """--hosts with a device or series that needs one host: a clear usage error."""
+    for extra, why in ((["--device", "cuda"], "CPU tensors only"),
                        (["--series", "baseline,ringdp-flat"], "ringdp-flat needs ringdp too"),
                        (["--world", "1"], "at least as many ranks")):
         proc = subprocess.run([sys.executable, str(BENCH), "--hosts", "2", *extra], cwd=REPO,
