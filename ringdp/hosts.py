@@ -321,9 +321,10 @@ class CrossHost:
             seg = self._segment_elements(n)
             leader = self.cross is not None and n > 0
             padded = self._scratch("segments", len(self.by_host) * seg, output.dtype) if leader else None
-            rows = self._begin("reduce_scatter", output, code, 0, t, tag, None if self.shm is None else functools.partial(
-                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag),
-                functools.partial(self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
+            step = None if self.shm is None else functools.partial(
+                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag)
+            rows = self._begin("reduce_scatter", output, code, 0, t, tag, step, functools.partial(
+                self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
             if n:
                 mine = self._scratch("segment", seg, output.dtype)
                 if leader:
@@ -480,10 +481,11 @@ class CrossHost:
         the ranks and their calls or reasons on the others.
 
         `payload`: what this rank's cross-host step would send (a tensor, read after the
-        step, or a function making it after the step). When it fits the check row's slot (policy.check_payload_bytes) it travels with
-        the check, and the members' payloads come back, in member (host) order, as tensors
-        of its dtype and size: the caller makes its cross-host step's result from them
-        instead of running it (one gloo round trip instead of two). None: it did not go."""
+        step, or a function making it after the step). When it fits the check row's slot
+        (policy.check_payload_bytes) it travels with the check, and the members' payloads
+        come back, in member (host) order, as tensors of its dtype and size: the caller makes
+        its cross-host step's result from them instead of running it (one gloo round trip
+        instead of two). None: it did not go."""
         failure = None
         if step is not None:
             try:

@@ -154,9 +154,11 @@ def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
 
 
 # Across hosts every call check all-gathers one fixed-size row per member of its gloo group:
-# the call (5 int64) and a payload slot of check_payload_bytes(members). An all_reduce whose
-# cross-host part fits the slot travels in it, and its members reduce the rows themselves:
-# one gloo round trip per call instead of two (the check, then the data). The size is a
+# the call (6 int64) and a payload slot of check_payload_bytes(members). A collective whose
+# cross-host step's data fits the slot travels in it, and its members make the step's result
+# from the rows themselves (all_reduce: reduce them; reduce_scatter: reduce their blocks;
+# all_gather: place them; broadcast: take the root's): one gloo round trip per call instead
+# of two (the check, then the data). The size is a
 # constant, never configured: rows of different sizes on two ranks would kill gloo (its pair
 # thread throws, std::terminate), the very failure the check exists to prevent.
 CHECK_PAYLOAD_TOTAL_BYTES = 64 << 10
