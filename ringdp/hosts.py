@@ -492,7 +492,7 @@ class CrossHost:
                 step()
             except RingError as e:
                 failure = e
-        group, ranks = self._check_group(what)
+        group, ranks = self._check_group()
         rows = None
         if callable(payload):  # made from the step's result
             payload = payload() if failure is None else None
@@ -512,26 +512,17 @@ class CrossHost:
         data, so that every peer fails at once naming this rank and `why`: this host's peers
         in the call's first in-host step (a rejected call), every other rank through the call
         check (a FAILED row, `why` in the store)."""
-        if self.shm is not None and self._in_host_first(what):
+        if self.shm is not None:  # (every call with a host endpoint starts in-host)
             self.shm.reject(why[:400], t, tag)
-        group, ranks = self._check_group(what)
+        group, ranks = self._check_group()
         if group is not None:
             self._check(what, None, 0, 0, t, tag, group, ranks, f"rank {self.rank} rejected its input: {why}").wait()
 
-    def _in_host_first(self, what: str) -> bool:
-        """Whether `what` starts with an in-host step on every rank of each host, its check then
-        in the cross-host groups: every collective of the two-level and uneven paths (else, on
-        the flat path, gloo alone, checked on the whole group)."""
-        return self.path != policy.FLAT
-
-    def _check_group(self, what: str):
-        """(gloo group, its ranks) of this rank's call check for `what`: the cross-host group
-        after an in-host step (the leaders' on uneven hosts: None for a rank not in it, its
-        leader checks for the host), else the whole group (the flat path's cross-host group
-        is the whole group)."""
-        if self._in_host_first(what):
-            return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
-        return self.whole, self.every_rank
+    def _check_group(self):
+        """(gloo group, its ranks) of this rank's call check: its cross-host group (the whole
+        group on the flat path; the leaders' on uneven hosts: (None, None) for a rank not in
+        it, its leader checks for the host)."""
+        return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
 
     def _host_agree(self, t, tag):
         """A header-only in-host call (no data: every rank of the host at the same call, none
@@ -573,14 +564,13 @@ class CrossHost:
             row[_HEADER:].view(torch.uint8)[:nbytes].copy_(payload.reshape(-1).view(torch.uint8))
         mine = row
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
-        # Whom a failed check tells at once (a rejected in-host call): this host's peers when
-        # they all took part in the call's first in-host step (the checks of the cross-host
+        # Whom a failed check tells at once (a rejected in-host call): this host's peers, who
+        # all took part in the call's first in-host step (the checks of the cross-host
         # groups, which may disagree: a setting that differs between ranks of a host; the
-        # uneven all_reduce's non-leaders, in no check). Each of them then spends the call
-        # after the step alike: rejecting it, or having it rejected. A whole-group check has
-        # no in-host step before it: a rank that failed its input there did not reject on the
-        # host, and telling its peers would put one more in-host call on them only.
-        tell = self.shm if self._in_host_first(what) else None
+        # uneven path's non-leaders, in no check). Each of them then spends the call after
+        # the step alike: rejecting it, or having it rejected. The flat path has no in-host
+        # step, and no host endpoint to tell.
+        tell = self.shm
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)
