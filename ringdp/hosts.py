@@ -94,6 +94,9 @@ class CrossHost:
         # with local rank l on host k
         self._by_local_then_host = (torch.tensor([ranks[lr] for lr in range(self.local_size) for ranks in self.by_host])
                                     if path == policy.TWO_LEVEL else None)
+        # LEADERS' host segments (reduce_scatter, all_gather): host k's ranks, in its local order
+        self._host_rank_index = ([torch.tensor(ranks) for ranks in self.by_host] if path == policy.LEADERS
+                                 else None)
         self.path = path
         self.shm = shm  # this host's shared-memory endpoint
         self.cross = cross  # the gloo group of this rank's cross-host step
@@ -379,8 +382,8 @@ class CrossHost:
                 every = self._scratch("segments", len(self.by_host) * seg, input.dtype)
                 gather(self.cross, every, host, shm=self.shm)
                 blocks = out.view(self.world, n)
-                for k, ranks in enumerate(self.by_host):
-                    blocks[ranks] = every[k * seg:k * seg + len(ranks) * n].view(len(ranks), n)
+                for k, index in enumerate(self._host_rank_index):
+                    blocks.index_copy_(0, index, every[k * seg:k * seg + index.numel() * n].view(-1, n))
             self._host_broadcast(out, 0, forced, t, tag)
             return
         rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_agree(t, tag), mine)
@@ -447,9 +450,9 @@ class CrossHost:
         """LEADERS: `padded` = `blocks` (a row per rank) in host segments of `seg` elements,
         host k's ranks' rows in its local order, then zeros; returns `padded`."""
         n = blocks.shape[1]
-        for k, ranks in enumerate(self.by_host):
-            used = len(ranks) * n
-            torch.index_select(blocks, 0, torch.tensor(ranks), out=padded[k * seg:k * seg + used].view(-1, n))
+        for k, index in enumerate(self._host_rank_index):
+            used = index.numel() * n
+            torch.index_select(blocks, 0, index, out=padded[k * seg:k * seg + used].view(-1, n))
             padded[k * seg + used:(k + 1) * seg].zero_()
         return padded
 
