@@ -13,7 +13,13 @@ no dropout), each layer and the root fully_shard-ed over the group's DeviceMesh;
 backward), optimizer step, zero_grad. --mixed: MixedPrecisionPolicy(param_dtype=bfloat16,
 reduce_dtype=float32).
 
-Timing as bench/ddp_step.py: both modes in the same run, rounds interleaved (gloo, ringdp,
+Modes: gloo and ringdp (the group's backend); alone: the same FSDP2 model over a mesh of the
+rank alone (a gloo group of one), so every all-gather and reduce-scatter is a local copy: FSDP2's
+own machinery and the compute with no traffic between ranks, the floor any backend's step
+stands on (as ddp_step.py's torch_nocomm is DDP's). Its losses differ (each rank trains on its own
+batch only) and are not compared.
+
+Timing as bench/ddp_step.py: the modes in the same run, rounds interleaved (gloo, ringdp,
 gloo, ...), a barrier before each timed block of --iters steps after --warmup untimed ones,
 a block's figure is the max over ranks of the wall time per step, reported the median over
 --rounds (first --warmup-rounds not recorded). Output: a table and the ratio on rank 0,
@@ -32,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
 
-MODES = ("gloo", "ringdp")
+MODES = ("gloo", "ringdp", "alone")
 
 
 def parse_args(argv=None):
@@ -79,7 +85,9 @@ def run(rank, world, args):
     import ringdp  # noqa: F401 -- registers the backend
 
     torch.set_num_threads(args.threads)
-    groups = {"gloo": dist.new_group(backend="gloo"), "ringdp": dist.new_group(backend="cpu:ringdp")}
+    alone, _ = dist.new_subgroups(group_size=1, backend="gloo")
+    groups = {"gloo": dist.new_group(backend="gloo"), "ringdp": dist.new_group(backend="cpu:ringdp"),
+              "alone": alone}
     models = {m: build(args, groups[m]) for m in MODES}
     g = torch.Generator().manual_seed(rank)
     data = [torch.randn(args.batch, args.seq, args.d_model, generator=g) for _ in range(2)]
@@ -110,7 +118,7 @@ def run(rank, world, args):
     rows = [{"mode": m, "step_ms": statistics.median(blocks[m]), "best_ms": min(blocks[m]),
              "blocks_ms": blocks[m], "params": n_params} for m in MODES]
     same = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["gloo"], losses["ringdp"]))
-    for g_ in groups.values():
+    for g_ in (groups["gloo"], groups["ringdp"]):
         dist.destroy_process_group(g_)
     return rows, same
 
@@ -131,7 +139,8 @@ def main_rank(rank, world, args):
             for r in rows:
                 print(f"{r['mode']:>8} {r['step_ms']:>9.1f} {r['best_ms']:>9.1f}")
             t = {r["mode"]: r["step_ms"] for r in rows}
-            print(f"FSDP2 step on cpu:ringdp / on gloo = {t['ringdp'] / t['gloo']:.2f} "
+            print(f"FSDP2 step on cpu:ringdp / on gloo = {t['ringdp'] / t['gloo']:.2f}, "
+                  f"with no traffic (alone) / on gloo = {t['alone'] / t['gloo']:.2f} "
                   f"({rows[0]['params'] / 1e6:.1f}M parameters, world {world}, mixed={args.mixed}); "
                   f"max relative loss difference {same:.2e}")
             print(f"wrote {out}")

@@ -31,3 +31,20 @@ def test_ddp_step_smoke(tmp_path):
     assert doc["machine"]["world_size"] == 2
     assert (tmp_path / "ddp_step_cpu_w2.png").stat().st_size > 10_000
     assert "ring step / torch DDP(gloo) step" in r.stdout
+
+
+def test_fsdp_step_smoke(tmp_path):
+    """bench/fsdp_step.py on a tiny model: gloo, ringdp and alone (the no-traffic floor) rows,
+    gloo and ringdp train to the same losses."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
+    cmd = [sys.executable, str(ROOT / "bench" / "fsdp_step.py"), "--world", "2", "--d-model", "32", "--layers", "2",
+           "--batch", "2", "--seq", "8", "--iters", "2", "--warmup", "1", "--rounds", "2", "--warmup-rounds", "0",
+           "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    doc = json.loads((tmp_path / "fsdp_step_cpu_w2.json").read_text())
+    assert [x["mode"] for x in doc["rows"]] == ["gloo", "ringdp", "alone"]
+    for x in doc["rows"]:
+        assert x["step_ms"] > 0 and len(x["blocks_ms"]) == 2 and x["best_ms"] <= x["step_ms"]
+    assert doc["max_rel_loss_diff"] < 1e-5
+    assert "with no traffic (alone) / on gloo" in r.stdout
