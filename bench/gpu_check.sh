@@ -231,6 +231,7 @@ smoke)
   cuda_test 60 "test_cuda_halves[ipc-2]"
   cuda_test 60 "test_ipc_halves_registered[2]"
   cuda_test 45 test_ipc_halves_mismatch_raises
+  cuda_test 45 "test_ipc_broadcast_roots_disagree_raises[many-slices]"
   cuda_test 45 "test_ipc_mismatch_raises[ring]"
   cuda_test 45 "test_ipc_mismatch_raises[oneshot]"
   cuda_test 45 "test_stream_ordering[ipc]"

@@ -475,6 +475,36 @@ def test_ipc_halves_mismatch_raises():
         assert "mismatch" in m or "gave up" in m or "timed out" in m, m
 
 
+def _roots_disagree(rank, world, numel):
+    import ringdp
+
+    _setup(rank)
+    t = torch.full((numel,), float(rank + 1), device="cuda")
+    try:
+        ringdp.broadcast(t, rank)  # every rank believes it is the root
+        torch.cuda.synchronize()
+        ringdp.synchronize()
+    except Exception as e:  # RingError
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@needs_cuda
+@pytest.mark.parametrize("numel", [1000, 5 << 20], ids=["one-slice", "many-slices"])
+def test_ipc_broadcast_roots_disagree_raises(numel):
+    """Two ranks that both believe they are the broadcast's root both fail in that call,
+    naming the mismatch (the chain is closed: the root checks its predecessor's descriptor,
+    ring.cpp ring_broadcast), instead of each keeping its own values. With more slices than
+    slots too: the check comes before either waits for a slot the other never frees."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20", "RINGDP_CUDA_SLOT_BYTES": str(1 << 20),
+           "RINGDP_CUDA_SLOTS": "2"}
+    msgs = values(run_ranks(_roots_disagree, 2, numel, env=env, timeout=180))
+    for r, m in enumerate(msgs):
+        assert m != "no error", f"rank {r} returned from a broadcast whose ranks disagree on the root"
+        assert f"rank {r}" in m, m
+        assert "mismatch" in m or "gave up" in m, m
+
+
 # ============================================================== RingDDP on CUDA
 def _ddp_case(rank, world, steps):
     import torch.distributed as dist

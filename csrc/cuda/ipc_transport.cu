@@ -75,6 +75,9 @@ std::string meta_str(const SlotMeta& m) {
 class IpcComm final : public Comm {
  public:
   static constexpr const char* kName = "cuda-ipc";
+  // Its call check rides on the slices' descriptors (step_kernel): a broadcast's root checks
+  // the empty slice that closes the chain (transport.h closes_chain).
+  static constexpr bool kClosesChain = true;
 
   explicit IpcComm(const Options& o) : opt_(o), rank_(o.rank), world_(o.world), ring_(this) {
     if (world_ < 1 || rank_ < 0 || rank_ >= world_)

@@ -118,6 +118,7 @@ struct Blob {
 class NcclComm final : public Comm {
  public:
   static constexpr const char* kName = "nccl";
+  static constexpr bool kClosesChain = false;  // (no descriptors to check: the messages are bare)
 
   explicit NcclComm(const Options& o)
       : opt_(o), rank_(o.rank), world_(o.world), api_(load(o.nccl_library)), ring_(this) {

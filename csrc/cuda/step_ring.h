@@ -1,7 +1,7 @@
 // The RingTransport the shared ring engine (csrc/ring/ring.cpp) drives in the CUDA
 // transports: every primitive becomes one call of Owner::step(StepKind, Slice), finish()
-// becomes Owner::finish_ring(). The owner (IpcComm, NcclComm, the protocol simulation)
-// decides what a step enqueues. Torch- and CUDA-free.
+// becomes Owner::finish_ring(), closes_chain() is Owner::kClosesChain. The owner (IpcComm,
+// NcclComm, the protocol simulation) decides what a step enqueues. Torch- and CUDA-free.
 #pragma once
 #include "../transport/transport.h"
 #include "protocol.h"
@@ -20,6 +20,7 @@ class StepRing final : public RingTransport {
   void recv(const Slice& s) override { o_->step(StepKind::kRecv, s); }
   void copy_send(const Slice& s) override { o_->step(StepKind::kCopySend, s); }
   void recv_reduce_copy(const Slice& s) override { o_->step(StepKind::kRecvReduceCopy, s); }
+  bool closes_chain() const override { return Owner::kClosesChain; }
   void finish() override { o_->finish_ring(); }
 
  private:

@@ -54,7 +54,10 @@
 //                    AG steps 1..n-2  recv_copy_send(C r-k)
 //                    AG step n-1      recv(C r+1)
 //   broadcast        root: copy_send, middle of the chain: recv_copy_send, the rank
-//                    before the root: recv -- slice by slice, so the n-1 hops overlap.
+//                    before the root: recv -- slice by slice, so the n-1 hops overlap;
+//                    where the transport closes the chain (transport.h closes_chain), the
+//                    rank before the root starts and ends with send(empty), the root takes
+//                    them with recv(empty) after its first copy_send and at the end.
 // Bytes each rank sends: reduce_scatter and all_gather (n-1)/n of the n-block buffer each
 // (nccl-tests busbw = algbw * (n-1)/n); broadcast the whole buffer once (busbw = algbw).
 #include "ring.h"
@@ -163,13 +166,30 @@ void ring_all_gather(RingTransport& t, const RingPlan& p) {
 void ring_broadcast(RingTransport& t, const RingPlan& p, int root) {
   const int n = p.world;
   const int pos = ring::chain_pos(n, p.rank, root);
+  // Closing the chain (transport.h closes_chain): the rank before the root sends the root an
+  // empty slice twice, first of all (it waits for nothing) and after its last slice arrived;
+  // the root takes the first after its own first slice went out and the second at the end.
+  // The first: two ranks that both believe they are the root each take the other's first
+  // slice, and fail on it, before either waits for a slot the other would never free. The
+  // second: the root returns only once the whole chain took its slices with descriptors
+  // agreeing with its own (else a rank failed, and the root stops on its abort flag).
+  const bool close = t.closes_chain() && p.count > 0;
+  const Slice empty{0, 0};
   if (n > 1) {
+    if (close && pos == n - 1) t.send(empty);
     for (size_t b = 0; b < p.count; b += p.slice_elems) {
       const Slice s{b, p.count - b < p.slice_elems ? p.count - b : p.slice_elems};
-      if (pos == 0) t.copy_send(s);            // the root: its values go out
-      else if (pos < n - 1) t.recv_copy_send(s);  // the middle: keep and forward
-      else t.recv(s);                          // the rank before the root: keep
+      if (pos == 0) {  // the root: its values go out
+        t.copy_send(s);
+        if (close && b == 0) t.recv(empty);
+      } else if (pos < n - 1) {  // the middle: keep and forward
+        t.recv_copy_send(s);
+      } else {  // the rank before the root: keep
+        t.recv(s);
+      }
     }
+    if (close && pos == n - 1) t.send(empty);
+    if (close && pos == 0) t.recv(empty);
   }
   t.finish();
 }

@@ -53,6 +53,14 @@ class RingTransport {
   // defaults are for a transport that runs all_reduce only.
   virtual void copy_send(const Slice&) { throw std::logic_error("this transport has no copy_send"); }
   virtual void recv_reduce_copy(const Slice&) { throw std::logic_error("this transport has no recv_reduce_copy"); }
+  // Whether a broadcast closes its chain into a ring: the rank before the root sends the
+  // root empty slices (ring.cpp ring_broadcast says when). For a transport whose call check
+  // rides on the slices (cuda-ipc: each consumer compares its predecessor's descriptor with its
+  // own call), so that the root, too, checks its predecessor's call and returns only after
+  // the whole chain agreed with it: a rank that believes it is the root while another rank
+  // disagrees fails instead of keeping its own values. A transport that checks every call
+  // before any data moves (shm: headers) does not need it.
+  virtual bool closes_chain() const { return false; }
   // Called once after the last primitive of a collective: returns when the caller's
   // buffer may be reused (no peer still reads it) and every result is in place.
   virtual void finish() = 0;

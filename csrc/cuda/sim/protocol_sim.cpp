@@ -11,7 +11,10 @@
 //     reading (so no overwrite happened underneath it);
 // and it checks the results against closed forms (all_reduce: bitwise identical on every
 // rank; reduce_scatter: the input untouched too). A wait that exceeds a few seconds is
-// reported as a deadlock.
+// reported as a deadlock. A broadcast whose ranks disagree on the root runs too: a consumer
+// compares the descriptor's root with its own and stops, raising its abort flag, as the step
+// kernel does; a rank waiting on an aborted peer stops as well. Every rank that believes it is
+// the root must stop (the chain is closed: transport.h closes_chain), none may deadlock.
 //
 // Because every wait is on a monotonic counter, a schedule with *more* ordering than the GPU
 // (here: channels one after another inside a step) can only deadlock more often: passing here
@@ -46,18 +49,21 @@ namespace {
 std::atomic<bool> g_failed{false};
 std::mutex g_print;
 
+// Report and end the process. The lock is held to the end, so a thread that sees g_failed
+// and waits for it (wait_geq) cannot end the process before the message is out.
 [[noreturn]] void die(const std::string& m) {
-  {
-    std::lock_guard<std::mutex> lk(g_print);
-    std::fprintf(stderr, "FAIL: %s\n", m.c_str());
-  }
+  std::lock_guard<std::mutex> lk(g_print);
+  g_failed = true;
+  std::fprintf(stderr, "FAIL: %s\n", m.c_str());
   std::fflush(stderr);
+  std::fflush(stdout);
   std::_Exit(1);
 }
 
 struct Meta {
   std::atomic<uint64_t> index{~0ull};  // production index of the slice described
   uint64_t call = 0;
+  int root = 0;           // the producer's broadcast root (the kernel's SlotMeta compares it)
   bool in_place = false;  // a slice of the producer's registered tensor, read in place
   size_t offset = 0;      // element offset in the producer's tensor when in place
   size_t bytes = 0;
@@ -73,6 +79,7 @@ struct RankMem {
   std::vector<unsigned char> result;               // reduce_scatter: the output (count elements)
   std::unique_ptr<std::atomic<uint64_t>[]> posted, consumed;
   std::unique_ptr<Meta[]> meta;                    // slots x channels
+  std::atomic<int> abort{0};                       // the rank stopped (a mismatch, or a peer's abort)
   // Simulation bookkeeping (not part of the protocol): offset -> (production index of the
   // slice read in place there << 8) | 1, this call.
   std::mutex exp_mu;
@@ -102,7 +109,16 @@ struct Config {
   unsigned seed;
   ringdp::Kind coll = ringdp::Kind::kAllReduce;
   int root = 0;  // broadcast
+  std::vector<int> roots;  // non-empty: each rank's own idea of the root (a mismatch case)
+  int root_of(int r) const { return roots.empty() ? root : roots[static_cast<size_t>(r)]; }
 };
+
+// How a rank's run ended in a mismatch case.
+enum class Outcome { kDone, kMismatch, kPeerAborted };
+struct Stop {
+  Outcome why;
+};
+std::vector<Outcome> g_outcomes;
 
 // One configuration of the sweeps in main(): `mode` bit 0 runs fp32 with fp64 partials,
 // bit 1 a pattern of registered ranks; the slice size and op follow `seed`.
@@ -195,7 +211,7 @@ class SimRank final {
           break;
         case ringdp::Kind::kBroadcast:
           for (size_t i = 0; i < n_buf; ++i)
-            store(&me_->tensor[i * T], T, rank_ == cfg_.root ? input(rank_, i, call) : kGarbage);
+            store(&me_->tensor[i * T], T, rank_ == cfg_.root_of(rank_) ? input(rank_, i, call) : kGarbage);
           break;
       }
       {
@@ -217,30 +233,40 @@ class SimRank final {
         case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, p); break;
         case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, p); break;
         case ringdp::Kind::kAllGather: ring_all_gather(ring_, p); break;
-        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, p, cfg_.root); break;
+        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, p, cfg_.root_of(rank_)); break;
       }
     }
   }
+
+  // As IpcComm: the call check rides on the descriptors, so a broadcast closes its chain.
+  static constexpr bool kClosesChain = true;
 
   // Driven by StepRing (csrc/cuda/step_ring.h), the forwarder the CUDA transports use.
   void finish_ring() {
     const uint64_t drain = plan_.end_call();
     RankMem* succ = mem(rank_ + 1);
     if (drain)
-      for (int c = 0; c < me_->channels; ++c) wait_geq(succ->consumed[c], drain, "drain (succ consumed)", c);
+      for (int c = 0; c < me_->channels; ++c) wait_geq(succ->consumed[c], drain, "drain (succ consumed)", c, succ);
   }
 
  private:
   RankMem* mem(int r) const;
 
-  void wait_geq(std::atomic<uint64_t>& a, uint64_t target, const char* what, int ch) {
+  // Wait for a peer's counter, as the kernel's wait_geq: stop when that peer aborted.
+  void wait_geq(std::atomic<uint64_t>& a, uint64_t target, const char* what, int ch, const RankMem* peer) {
     const auto t0 = std::chrono::steady_clock::now();
     uint64_t v;
     while ((v = a.load(std::memory_order_acquire)) < target) {
-      if (g_failed.load()) std::_Exit(1);
+      if (g_failed.load()) {
+        std::lock_guard<std::mutex> lk(g_print);  // die() ends the process while holding it
+        std::_Exit(1);
+      }
+      if (peer->abort.load(std::memory_order_acquire)) {
+        me_->abort.store(1, std::memory_order_release);
+        throw Stop{Outcome::kPeerAborted};
+      }
       std::this_thread::yield();
       if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(5)) {
-        g_failed = true;
         die("rank " + std::to_string(rank_) + " deadlocked waiting " + what + " channel " + std::to_string(ch) +
             ": value " + std::to_string(v) + " < target " + std::to_string(target));
       }
@@ -287,24 +313,28 @@ class SimRank final {
       const unsigned char* src = nullptr;
       Meta* m = nullptr;
       if (p.consumes) {
-        wait_geq(pred->posted[ch], p.consume_target, "pred posted", ch);
+        wait_geq(pred->posted[ch], p.consume_target, "pred posted", ch, pred);
         m = &pred->meta[((p.consume_target - 1) % pred->slots) * C + ch];
         if (m->index.load(std::memory_order_acquire) != p.consume_target - 1 || m->call != static_cast<uint64_t>(call_))
           die("rank " + std::to_string(rank_) + ": descriptor of slice " + std::to_string(p.consume_target - 1) +
               " was overwritten or is stale (holds slice " + std::to_string(m->index.load()) + ")");
+        if (m->root != my_root()) {  // the kernel's kErrMismatch: report, raise the abort flag
+          me_->abort.store(1, std::memory_order_release);
+          throw Stop{Outcome::kMismatch};
+        }
         if (m->bytes != s.count * p.consume_elem_bytes) die("descriptor bytes mismatch");
         // Channel-local source, as step_kernel computes it: an in-place slice is contiguous,
         // a staged one has a fixed sub-buffer per channel.
         src = m->in_place ? &pred->tensor[(m->offset + b) * T]
                           : &pred->slot[((p.consume_target - 1) % pred->slots) * pred->slot_bytes + ch * geo_.sub_bytes()];
       }
-      if (p.guard) wait_geq(succ->consumed[ch], p.guard, "succ consumed (guard)", ch);
+      if (p.guard) wait_geq(succ->consumed[ch], p.guard, "succ consumed (guard)", ch, succ);
       // --- independent write checks
       if (p.writes_slot && p.produce_index + 1 > me_->slots &&
           succ->consumed[ch].load() < p.produce_index + 1 - me_->slots)
         die("rank " + std::to_string(rank_) + " rewrites slot of slice " + std::to_string(p.produce_index - me_->slots) +
             " before the successor consumed it");
-      if (p.writes_out) {
+      if (p.writes_out && e > b) {  // (an empty range writes nothing: the chain's closing slice)
         std::lock_guard<std::mutex> lk(me_->exp_mu);
         auto it = me_->in_place.find(s.offset);
         if (it != me_->in_place.end() && succ->consumed[ch].load() < (it->second >> 8) + 1)
@@ -352,6 +382,7 @@ class SimRank final {
       if (p.produces) {
         Meta& mm = me_->meta[(p.produce_index % me_->slots) * C + ch];
         mm.call = call_;
+        mm.root = my_root();
         mm.in_place = p.in_place;
         mm.offset = s.offset;
         mm.bytes = s.count * p.produce_elem_bytes;
@@ -368,6 +399,8 @@ class SimRank final {
   }
 
  private:
+  int my_root() const { return cfg_.coll == ringdp::Kind::kBroadcast ? cfg_.root_of(rank_) : 0; }
+
   const Config& cfg_;
   int rank_;
   RankMem* me_;
@@ -468,6 +501,23 @@ bool check_results(const Config& cfg) {
   return false;
 }
 
+// A broadcast whose ranks disagree on the root: every rank that believes it is the root
+// stops (none keeps its own values as if the call had run), and some rank names the mismatch.
+bool check_mismatch(const Config& cfg) {
+  bool named = false;
+  for (int r = 0; r < cfg.world; ++r) {
+    const Outcome o = g_outcomes[static_cast<size_t>(r)];
+    named = named || o == Outcome::kMismatch;
+    if (cfg.root_of(r) == r && o == Outcome::kDone) {
+      std::fprintf(stderr, "FAIL: broadcast with disagreeing roots: rank %d (root in its own eyes) returned as if "
+                   "the call had run\n", r);
+      return false;
+    }
+  }
+  if (!named) std::fprintf(stderr, "FAIL: broadcast with disagreeing roots: no rank reported the mismatch\n");
+  return named;
+}
+
 bool run(const Config& cfg) {
   const size_t T = cfg.halfish ? 4 : 8;
   std::vector<std::unique_ptr<RankMem>> mems;
@@ -484,8 +534,22 @@ bool run(const Config& cfg) {
   std::vector<std::unique_ptr<SimRank>> ranks;
   for (int r = 0; r < cfg.world; ++r) ranks.emplace_back(new SimRank(cfg, r, g_mems[r]));
   std::vector<std::thread> th;
-  for (int r = 0; r < cfg.world; ++r) th.emplace_back([&, r] { ranks[r]->run(); });
+  g_outcomes.assign(static_cast<size_t>(cfg.world), Outcome::kDone);
+  for (int r = 0; r < cfg.world; ++r)
+    th.emplace_back([&, r] {
+      try {
+        ranks[r]->run();
+      } catch (const Stop& s) {
+        g_outcomes[static_cast<size_t>(r)] = s.why;
+      }
+    });
   for (auto& t : th) t.join();
+  if (!cfg.roots.empty()) return check_mismatch(cfg);
+  for (int r = 0; r < cfg.world; ++r)
+    if (g_outcomes[static_cast<size_t>(r)] != Outcome::kDone) {
+      std::fprintf(stderr, "FAIL: rank %d stopped in a matching call\n", r);
+      return false;
+    }
   return check_results(cfg);
 }
 
@@ -527,6 +591,11 @@ void print_config(const Config& c) {
   std::fprintf(stderr, "  config (argv): %d %zu %d %d %zu %d %d %d %d %d %d\n", c.world, c.count, c.slots, c.channels,
                c.slice_elems, c.halfish ? 1 : 0, static_cast<int>(c.op), mask, c.calls, static_cast<int>(c.coll),
                c.root);
+  if (!c.roots.empty()) {
+    std::fprintf(stderr, "  each rank's root (a disagreement case, not in argv):");
+    for (int r : c.roots) std::fprintf(stderr, " %d", r);
+    std::fprintf(stderr, "\n");
+  }
 }
 
 }  // namespace
@@ -606,6 +675,24 @@ int main(int argc, char** argv) {
   }
   std::printf("protocol_sim: %d reduce_scatter/all_gather/broadcast configurations passed (world 2-4, every root)\n",
               n_halves);
-  std::printf("protocol_sim: %d configurations passed\n", n_ok + n_halves);
+  // Broadcasts whose ranks disagree on the root: one slice and several, staged and registered.
+  int n_mismatch = 0;
+  const std::vector<std::vector<int>> disagreements = {{0, 1}, {1, 0}, {0, 0, 1}, {2, 1, 2}, {0, 1, 2}, {1, 1, 1, 3}, {1, 1, 3, 3},
+                                                      {0, 3, 0, 3}};
+  for (const auto& roots : disagreements) {
+    for (size_t count : {1, 100}) {
+      for (int mode = 0; mode < 4; mode += 2) {
+        Config c = sweep_config(ringdp::Kind::kBroadcast, static_cast<int>(roots.size()), count, 2, 2, mode, seed++, 1);
+        c.roots = roots;
+        if (!run(c)) {
+          print_config(c);
+          return 1;
+        }
+        ++n_mismatch;
+      }
+    }
+  }
+  std::printf("protocol_sim: %d broadcasts with disagreeing roots stopped every would-be root\n", n_mismatch);
+  std::printf("protocol_sim: %d configurations passed\n", n_ok + n_halves + n_mismatch);
   return 0;
 }
