@@ -6,9 +6,12 @@
 #   bash bench/gpu_check.sh build OUT   facts (nvidia-smi, torch, nvcc, NCCL); build ringdp
 #                                       with CUDA in place; stop at once (exit 3) unless
 #                                       ringdp.build_info()["cuda"] is True
-#   bash bench/gpu_check.sh smoke OUT   world-2 correctness: IPC and NCCL tests of
-#                                       tests/test_cuda.py (ranks time-sliced, no MPS),
-#                                       all_reduce, the halves and broadcast, the backend
+#   bash bench/gpu_check.sh smoke OUT   world-2 correctness of the IPC transport
+#                                       (tests/test_cuda.py, ranks time-sliced, no MPS):
+#                                       all_reduce, the halves and broadcast, mismatches,
+#                                       streams, Work, RingDDP, memory, a killed peer
+#   bash bench/gpu_check.sh nccl OUT    world-2 correctness of the NCCL transport, and the
+#                                       torch.distributed backend on CUDA (cuda:ringdp)
 #   bash bench/gpu_check.sh mps OUT     MPS started (pipe/log under /tmp, after quitting a
 #                                       daemon a killed run left): world 2-4 tests with
 #                                       truly concurrent ranks; MPS quit on every exit path
@@ -19,7 +22,7 @@
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, smoke 300 s, mps 300 s, bench 420 s: 23 minutes in all; steps get at most
+# build 360 s, smoke 300 s, nccl 180 s, mps 300 s, bench 420 s: 26 minutes in all; steps get at most
 # what is left) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
@@ -30,8 +33,8 @@ set -uo pipefail
 
 PHASE="${1:-}"
 OUT_ARG="${2:-}"
-PHASES="build smoke mps bench"
-usage() { echo "usage: bash bench/gpu_check.sh {build|smoke|mps|bench} OUT_DIR" >&2; exit 2; }
+PHASES="build smoke nccl mps bench"
+usage() { echo "usage: bash bench/gpu_check.sh {build|smoke|nccl|mps|bench} OUT_DIR" >&2; exit 2; }
 [ -n "$PHASE" ] && [ -n "$OUT_ARG" ] || usage
 case " $PHASES " in *" $PHASE "*) ;; *) usage ;; esac
 
@@ -40,7 +43,7 @@ ROOT="$(pwd)"
 mkdir -p "$OUT_ARG" || exit 2
 OUT="$(cd "$OUT_ARG" && pwd)"
 PY="${PYTHON:-python3}"
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; *) DEFAULT_BUDGET=300 ;; esac
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; nccl) DEFAULT_BUDGET=180 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -223,7 +226,8 @@ EOF
 # ------------------------------------------------------------------ smoke
 smoke)
   need_cuda_build
-  # cheapest first: the bare binding, then the IPC ring and one-shot, streams, DDP; NCCL last
+  # cheapest first: the bare binding, then the IPC ring and one-shot, streams, DDP
+  # (each test ~12-15 s on an H100: 16 of them fit the default budget; NCCL: phase nccl)
   cuda_test 60 test_native_api_ipc
   cuda_test 90 "test_ipc_matrix[2-default]"
   cuda_test 60 "test_ipc_matrix[2-oneshot]"
@@ -240,6 +244,10 @@ smoke)
   cuda_test 60 test_ipc_memory_released
   cuda_test 60 "test_ipc_peer_killed[before]"
   cuda_test 60 "test_ipc_peer_killed[during]"
+  ;;
+# ------------------------------------------------------------------ nccl
+nccl)
+  need_cuda_build
   cuda_test 90 "test_nccl_world2[default]"
   cuda_test 90 "test_cuda_halves[nccl-2]"
   cuda_test 45 "test_stream_ordering[nccl]"
