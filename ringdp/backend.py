@@ -56,6 +56,7 @@ naming the rank, within the group's timeout (or the call's own, when its c10d op
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 
@@ -103,7 +104,10 @@ def _options(opts, cls, field: str):
 class RingWork(dist.Work):
     """A torch.distributed Work over ringdp collectives (module doc). `parts`: ringdp Works
     (or None for parts done inline) that complete in order (one worker thread runs them);
-    `finalize()` runs once after the last (copy-out); the future's value is `outputs`."""
+    `finalize()` runs once after the last (copy-out); the future's value is `outputs`.
+    CUDA: the copy-out runs on the stream that was current where the call was made (whichever
+    thread completes the work: the caller's, or ringdp's worker), after that stream waited
+    for the parts; wait() makes the waiter's stream wait for the copy-out's end."""
 
     def __init__(self, parts, outputs, finalize=None, cuda_devices=None):
         super().__init__()
@@ -113,6 +117,8 @@ class RingWork(dist.Work):
         self._exc = None
         self._lock = threading.Lock()
         self._finalize = finalize
+        self._stream = torch.cuda.current_stream(cuda_devices[0]) if cuda_devices else None
+        self._finished = None  # CUDA: an event after the copy-out, on self._stream
         pending = [w for w in parts if w is not None]
         self._parts = pending
         if not pending:
@@ -126,10 +132,14 @@ class RingWork(dist.Work):
         finalized = False
         if exc is None and self._finalize is not None:
             try:
-                for w in self._parts:  # CUDA parts: the current stream waits for ringdp's
-                    if w._cuda is not None:
-                        w.wait()
-                self._finalize()
+                with self._on_call_stream():
+                    for w in self._parts:  # CUDA parts: the call's stream waits for ringdp's
+                        if w._cuda is not None:
+                            w.wait()
+                    self._finalize()
+                    if self._stream is not None:
+                        self._finished = torch.cuda.Event()
+                        self._finished.record(self._stream)
                 finalized = True
             except BaseException as e:  # noqa: BLE001 -- handed to the waiter
                 exc = e
@@ -140,11 +150,16 @@ class RingWork(dist.Work):
             self._tf.set_exception(exc)
         elif cuda and not finalized:
             # a CUDA-aware future records its event on the current stream: ringdp's, where the
-            # collective ran (after a copy-out, the current stream, where the copy ran)
+            # collective ran (after a copy-out, the call's stream, where the copy ran)
             with torch.cuda.stream(cuda[-1][0].stream):
                 self._tf.set_result(self._outputs)
         else:
-            self._tf.set_result(self._outputs)
+            with self._on_call_stream():
+                self._tf.set_result(self._outputs)
+
+    def _on_call_stream(self):
+        """The stream current where the call was made, made current (CUDA; else nothing)."""
+        return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def wait(self, timeout=timedelta(0)):
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
@@ -152,6 +167,9 @@ class RingWork(dist.Work):
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")
         if self._exc is not None:
             raise self._exc
+        if self._finished is not None:  # after the copy-out, itself after the parts
+            torch.cuda.current_stream(self._stream.device).wait_event(self._finished)
+            return True
         for w in self._parts:
             if w._cuda is not None:
                 w.wait()

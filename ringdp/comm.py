@@ -379,7 +379,13 @@ class Communicator:
         return self._shm
 
     def _cuda_endpoint(self, device) -> "cuda_comm.CudaEndpoint":
-        """The CUDA endpoint, created (collectively) on first use."""
+        """The CUDA endpoint, created (collectively) on first use: never on a communicator that
+        was closed or whose group is gone (its set-up would wait for peers that are not
+        setting up, and close() would never free it). One device per communicator: a tensor
+        on another is refused by _check, before the call."""
+        reason = self._unusable()
+        if reason is not None:
+            raise RingError(reason)
         if self._cuda is None:
             self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
         return self._cuda
@@ -565,7 +571,9 @@ class Communicator:
         """A CUDA collective, stream-ordered like torch's NCCL ones (module doc).
         `enqueue(endpoint, stream)` makes ringdp's stream wait for `stream`, puts the ring on
         ringdp's stream and makes `stream` wait for its end (csrc/cuda, no host sync).
-        Inline (synchronous, nothing queued): `stream` is the current stream, nothing else.
+        Inline (synchronous, nothing queued): `stream` is the current stream, nothing else
+        (no record_stream either: that stream waits for ringdp's before anything after the
+        call, so memory freed there is reused only after the ring).
         Queued (on the worker, later): an event on the current stream, recorded on the
         calling thread, and every tensor it touches recorded on ringdp's stream (the caching
         allocator keeps them until ringdp is done); then, in submission order, ringdp's stream
@@ -576,11 +584,16 @@ class Communicator:
             caller = torch.cuda.current_stream(device).cuda_stream
             self._call(lambda: enqueue(ep, caller))
             return None
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))  # on the calling thread
-        done = torch.cuda.Event()
-        for x in tensors:
-            x.record_stream(ep.stream)
+        try:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))  # on the calling thread
+            done = torch.cuda.Event()
+            for x in tensors:
+                x.record_stream(ep.stream)
+        except BaseException:
+            with self._pending_lock:  # (counted by _take_inline, never queued)
+                self._pending -= 1
+            raise
 
         def run():
             ep.stream.wait_event(ready)
@@ -634,6 +647,12 @@ class Communicator:
             raise ValueError(
                 f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, which this ringdp "
                 f"build does not reduce (build_info(): {build_info()})"
+            )
+        if tensor.is_cuda and self._cuda is not None and tensor.device != self._cuda.device:
+            raise ValueError(
+                f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, but this communicator's CUDA "
+                f"collectives run on {self._cuda.device} (set up by its first CUDA call): one GPU per rank "
+                f"and group, as with torch's NCCL groups"
             )
         if not tensor.is_contiguous():
             raise ValueError(

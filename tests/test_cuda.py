@@ -613,9 +613,10 @@ def test_backend_stock_ddp_cuda(spec):
 
 def _backend_halves(rank, world):
     """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM), reduce_scatter (list),
-    all_gather_into_tensor, all_gather (list) and broadcast on CUDA tensors in a default group
-    of "cpu:ringdp,cuda:ringdp": they run on ringdp's CUDA transport (its endpoint exists, the
-    inner NCCL group was never made), with closed-form results."""
+    all_gather_into_tensor, all_gather (list; also async on a side stream) and broadcast on
+    CUDA tensors in a default group of "cpu:ringdp,cuda:ringdp": they run on ringdp's CUDA
+    transport (its endpoint exists, the inner NCCL group was never made), with closed-form
+    results."""
     import torch.distributed as dist
 
     _setup(rank)
@@ -649,6 +650,17 @@ def _backend_halves(rank, world):
     dist.all_gather(outs, mine)
     if [o.cpu().unique().tolist() for o in outs] != [[float(q + 1)] for q in range(world)]:
         bad.append("all_gather (list)")
+    # async on a side stream, the list form (a copy-out after the ring, run by whichever thread
+    # completes the work): wait() orders the side stream after the copy-out
+    side, big = torch.cuda.Stream(), 1 << 22
+    with torch.cuda.stream(side):
+        src = torch.full((big,), float(rank + 1), device="cuda")
+        for rep in range(4):
+            outs = [torch.zeros(big, device="cuda") for _ in range(world)]
+            dist.all_gather(outs, src, async_op=True).wait()
+            sums = torch.stack([o.sum() for o in outs])  # on the side stream, at once
+            if sums.cpu().tolist() != [float((q + 1) * big) for q in range(world)]:
+                bad.append(f"all_gather (list, async) on a side stream, repetition {rep}")
     t = torch.full((n,), float(rank * 10 + 7), device="cuda")
     dist.broadcast(t, src=world - 1)
     if not torch.equal(t.cpu(), torch.full((n,), float((world - 1) * 10 + 7))):

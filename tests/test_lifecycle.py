@@ -136,6 +136,34 @@ def test_destroyed_subgroup_is_a_clear_error():
         assert u == [30.0] * 8 and v == [1.0] * 8
 
 
+def _closed_cuda(rank, world):
+    """A communicator kept past ringdp.destroy(): its CUDA calls say it was destroyed, and
+    set nothing up (before: the CUDA endpoint was made anew, collectively, on a closed
+    communicator, and never freed)."""
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    ringdp.all_reduce(torch.ones(4))
+    ringdp.destroy()
+    out = []
+    for call in (lambda: comm.empty((4,), device="cuda"), lambda: comm.algo_for(1024, device="cuda")):
+        try:
+            call()
+            out.append(None)
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    return out, comm._cuda is None
+
+
+def test_closed_communicator_sets_no_cuda_endpoint_up():
+    for rank, (out, no_endpoint) in enumerate(values(run_ranks(_closed_cuda, 2))):
+        assert no_endpoint
+        (e1, m1), (e2, m2) = out
+        assert e1 == "ValueError" and e2 == "RingError", out
+        for m in (m1, m2):
+            assert "destroyed" in m and f"rank {rank}" in m, m
+
+
 # ---------------------------------------------------------------------- shutdown
 _RANK_PROGRAM = """
 import os, sys
