@@ -2,6 +2,7 @@
 CUDA training step exposes. One GPU, `--world` ranks on cuda:0 (run under MPS).
 
     python3 bench/cuda_probe.py --world 2 --out DIR
+    RINGDP_CUDA_CHANNELS=8 python3 bench/cuda_probe.py --world 2 --out DIR --name ch8
 
 Latency (8 KiB float32 by default, --bytes), each figure per call, median of 5 blocks:
     native_pipelined_us   the binding alone (csrc/cuda, one-shot), --calls calls back to back,
@@ -17,7 +18,11 @@ RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SG
     exposed_ms            ring_ms - none_ms
     last_exposed_comm_ms  RingDDP's own figure: backward's wait for reductions after autograd
     allreduce_alone_ms    ringdp.all_reduce of all gradients in one tensor (the same bytes)
-Writes DIR/cuda_probe_w<world>.json (rank 0) and prints it.
+Also recorded: channels_setting (RINGDP_CUDA_CHANNELS, or "auto") and endpoint (what
+ringdp's CUDA endpoint says of itself: transport, channels, slots). The IPC ring's blocks spin
+while they wait for a peer, on SMs the backward's kernels would use: the channel count is
+the knob between the ring's bandwidth and the compute it leaves room for.
+Writes DIR/cuda_probe_w<world>[_<name>].json (rank 0) and prints it.
 """
 from __future__ import annotations
 
@@ -154,6 +159,9 @@ def rank_main(rank, world, port, a):
     res["ring_ms"] = statistics.median(ring)
     res["exposed_ms"] = res["ring_ms"] - res["none_ms"]
     res["last_exposed_comm_ms"] = statistics.median(exposed)
+    res["channels_setting"] = os.environ.get("RINGDP_CUDA_CHANNELS") or "auto"
+    ep = ringdp.get_communicator()._cuda
+    res["endpoint"] = ep.native.describe() if ep is not None else None
     g = torch.ones(sum(p.numel() for p in net.parameters()), device="cuda")
 
     def alone():
@@ -169,7 +177,8 @@ def rank_main(rank, world, port, a):
     res["allreduce_alone_ms"] = _median_block(alone)
     if rank == 0:
         os.makedirs(a.out, exist_ok=True)
-        with open(os.path.join(a.out, f"cuda_probe_w{world}.json"), "w") as f:
+        name = f"cuda_probe_w{world}" + (f"_{a.name}" if a.name else "")
+        with open(os.path.join(a.out, f"{name}.json"), "w") as f:
             json.dump(res, f, indent=1)
         print(json.dumps(res, indent=1))
     dist.barrier()
@@ -185,6 +194,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=2560)
     ap.add_argument("--rank", type=int, default=-1)
     ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--name", default="", help="suffix of the output file")
     a = ap.parse_args()
     if a.rank >= 0:
         rank_main(a.rank, a.world, a.port, a)
@@ -197,7 +207,7 @@ def main():
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     args = ["--world", str(a.world), "--port", str(port), "--out", a.out, "--bytes", str(a.bytes), "--calls",
-            str(a.calls), "--hidden", str(a.hidden)]
+            str(a.calls), "--hidden", str(a.hidden), "--name", a.name]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r)] + args, env=env) for r in range(a.world)]
     rc = 0
     for p in procs:

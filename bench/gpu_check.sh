@@ -18,11 +18,14 @@
 #   bash bench/gpu_check.sh bench OUT   device copy bandwidth, then bench/allreduce.py
 #                                       --device cuda for the ipc and nccl transports, world
 #                                       2 and 4 (under MPS when it starts)
+#   bash bench/gpu_check.sh probe OUT   bench/cuda_probe.py at world 2 under MPS for
+#                                       RINGDP_CUDA_CHANNELS auto, 32, 16, 8, 4: small-call
+#                                       latency, RingDDP's step against no communication
 #
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, smoke 300 s, nccl 180 s, mps 300 s, bench 420 s: 26 minutes in all; steps get at most
+# build 360 s, smoke 300 s, nccl 180 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
 # what is left) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
@@ -33,8 +36,8 @@ set -uo pipefail
 
 PHASE="${1:-}"
 OUT_ARG="${2:-}"
-PHASES="build smoke nccl mps bench"
-usage() { echo "usage: bash bench/gpu_check.sh {build|smoke|nccl|mps|bench} OUT_DIR" >&2; exit 2; }
+PHASES="build smoke nccl mps bench probe"
+usage() { echo "usage: bash bench/gpu_check.sh {build|smoke|nccl|mps|bench|probe} OUT_DIR" >&2; exit 2; }
 [ -n "$PHASE" ] && [ -n "$OUT_ARG" ] || usage
 case " $PHASES " in *" $PHASE "*) ;; *) usage ;; esac
 
@@ -43,7 +46,7 @@ ROOT="$(pwd)"
 mkdir -p "$OUT_ARG" || exit 2
 OUT="$(cd "$OUT_ARG" && pwd)"
 PY="${PYTHON:-python3}"
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; nccl) DEFAULT_BUDGET=180 ;; *) DEFAULT_BUDGET=300 ;; esac
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; nccl) DEFAULT_BUDGET=180 ;; probe) DEFAULT_BUDGET=240 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -64,7 +67,7 @@ if [ -z "${GPU_CHECK_INNER:-}" ]; then
   [ "$RC" -eq 124 ] || [ "$RC" -eq 137 ] && echo "phase killed by its timeout (${BUDGET}s)" >> "$WORK/phase.log"
   # a step still running when the phase was killed: end its process group (its own id)
   if [ -s "$WORK/current.pgid" ]; then kill -KILL -- "-$(cat "$WORK/current.pgid")" 2>/dev/null; fi
-  if [ "$PHASE" = mps ] || [ "$PHASE" = bench ]; then  # the inner quit it, unless it was killed
+  if [ "$PHASE" = mps ] || [ "$PHASE" = bench ] || [ "$PHASE" = probe ]; then  # the inner quit it, unless killed
     CUDA_MPS_PIPE_DIRECTORY="$MPS_DIR/pipe" timeout 10 nvidia-cuda-mps-control <<< quit > /dev/null 2>&1 || true
   fi
   # the summary needs the standard library only: python3 even when PYTHON is something else
@@ -321,6 +324,20 @@ EOF
     --device cuda --world 2 "${SWEEP[@]}" -e 64M --no-baseline --name nccl || true
   step bench_nccl_w4 70 env RINGDP_TRANSPORT=nccl RINGDP_NCCL_HOSTID_PER_RANK=1 "$PY" bench/allreduce.py \
     --device cuda --world 4 "${SWEEP[@]}" -e 64M --no-baseline --name nccl || true
+  copy_mps_logs
+  ;;
+# ------------------------------------------------------------------ probe
+probe)
+  need_cuda_build
+  mps_start
+  mkdir -p "$WORK/probe"
+  # the IPC ring's spinning blocks against the backward's kernels: RingDDP's step for each
+  # channel count (auto: as many as the SMs allow, up to 64 per rank)
+  for CH in auto 32 16 8 4; do
+    if [ "$CH" = auto ]; then CH_ENV=(-u RINGDP_CUDA_CHANNELS); else CH_ENV=(RINGDP_CUDA_CHANNELS="$CH"); fi
+    step "probe_ch$CH" 45 env "${CH_ENV[@]}" RINGDP_TRANSPORT=ipc "$PY" bench/cuda_probe.py --world 2 \
+      --out "$WORK/probe" --name "ch$CH" || true
+  done
   copy_mps_logs
   ;;
 esac

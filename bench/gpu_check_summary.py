@@ -15,6 +15,8 @@ the logs, the junit XML of the tests and the benchmark JSON files, and writes OU
            #wrong, per series: latency at 8 KiB, best
            busbw, %roof at >= 64 MiB (for the IPC ring: >= 70% is the target), speedup over
            the nccl baseline where it ran
+    probe  per bench/cuda_probe.py file (one per RINGDP_CUDA_CHANNELS setting): the channel
+           setting, the endpoint, latency and RingDDP step figures
 
 Everything is read defensively: a missing, truncated or malformed file becomes a string
 saying so in its place, never an exception (a phase killed by its timeout still gets its
@@ -211,6 +213,20 @@ def bench_summary(work: str, steps: list[dict]) -> dict:
     return out
 
 
+PROBE_KEYS = ("channels_setting", "endpoint", "mps", "native_host_us", "ringdp_host_us", "native_pipelined_us",
+              "ringdp_pipelined_us", "ringdp_roundtrip_us", "none_ms", "ring_ms", "exposed_ms",
+              "last_exposed_comm_ms", "allreduce_alone_ms")
+
+
+def probe_summary(work: str) -> dict:
+    """probe: per cuda_probe file, its key figures (a damaged file: what read_json says)."""
+    out: dict = {}
+    for f in sorted(glob.glob(os.path.join(work, "probe", "*.json"))):
+        d = read_json(f)
+        out[os.path.basename(f)[:-5]] = ({k: d.get(k) for k in PROBE_KEYS} if isinstance(d, dict) else d)
+    return {"probes": out}
+
+
 def summarize(phase: str, work: str, rc: int, seconds: int) -> dict:
     steps = read_steps(work)
     if rc in (124, 137):
@@ -233,6 +249,8 @@ def summarize(phase: str, work: str, rc: int, seconds: int) -> dict:
             s.update(tests_summary(work, steps))
         elif phase == "bench":
             s.update(bench_summary(work, steps))
+        elif phase == "probe":
+            s.update(probe_summary(work))
     except Exception as e:  # noqa: BLE001 -- the summary must be written whatever happened
         s["summary_error"] = f"{type(e).__name__}: {e}"
     if rc == 3 and "error" not in s:
@@ -249,7 +267,7 @@ def main(argv: list[str]) -> int:
     with open(out, "w") as f:
         json.dump(s, f, indent=1)
         f.write("\n")
-    brief = {k: v for k, v in s.items() if k not in ("steps", "sweeps", "facts")}
+    brief = {k: v for k, v in s.items() if k not in ("steps", "sweeps", "facts", "probes")}
     print(json.dumps(brief, indent=1)[:4000])
     return 0
 

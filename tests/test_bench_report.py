@@ -202,6 +202,22 @@ def test_gpu_check_summary_tests_without_junit(tmp_path):
     assert s["steps"][-1]["status"] == "killed"
 
 
+def test_gpu_check_summary_probe(tmp_path):
+    """probe: the key figures of each cuda_probe file, a truncated one said so."""
+    work = tmp_path / "work"
+    (work / "probe").mkdir(parents=True)
+    good = json.loads((RESULTS / "cuda_probe_w2_H100.json").read_text())
+    good.update(channels_setting="8", endpoint="cuda-ipc rank 0/2: 8 channels")
+    (work / "probe" / "cuda_probe_w2_ch8.json").write_text(json.dumps(good))
+    (work / "probe" / "cuda_probe_w2_chauto.json").write_text(json.dumps(good)[:40])
+    (work / "steps.tsv").write_text("probe_ch8\t0\t30\tok\tpython3 bench/cuda_probe.py\n")
+    s = _summary(tmp_path, "probe")
+    assert s["status"] == "ok"
+    p8 = s["probes"]["cuda_probe_w2_ch8"]
+    assert p8["channels_setting"] == "8" and p8["ring_ms"] == good["ring_ms"] and p8["none_ms"] == good["none_ms"]
+    assert "unreadable" in s["probes"]["cuda_probe_w2_chauto"]
+
+
 def test_gpu_check_summary_usage():
     r = subprocess.run([sys.executable, str(BENCH / "gpu_check_summary.py")], capture_output=True, text=True)
     assert r.returncode == 2
