@@ -23,6 +23,8 @@ Modes, all in the same run, on the same data and initial weights:
     torch_nocomm torch DDP whose comm hook returns the bucket untouched: no communication,
                 only DDP's reducer (gradients copied into buckets and back, its hooks and
                 bookkeeping). The floor of any backend under stock DDP (--modes to add it)
+    torch_ringdp_view, torch_nocomm_view  the same with gradient_as_bucket_view=True (stock
+                DDP's own option: .grad are views of the buckets, no copies in and out)
 
 Timing. Every rank runs the same mode at the same time (a barrier before each timed
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
@@ -54,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
 
-ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm")
+ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm",
+             "torch_ringdp_view", "torch_nocomm_view")
 
 
 def parse_args(argv=None):
@@ -132,12 +135,12 @@ def wrap(mode: str, module, args):
     if mode in ("torch", "torch_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return DDP(module, gradient_as_bucket_view=(mode == "torch_view"), **kw)
-    if mode == "torch_ringdp":
+    if mode in ("torch_ringdp", "torch_ringdp_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
-        return DDP(module, process_group=ringdp_group(), **kw)
-    if mode == "torch_nocomm":
+        return DDP(module, process_group=ringdp_group(), gradient_as_bucket_view=mode.endswith("_view"), **kw)
+    if mode in ("torch_nocomm", "torch_nocomm_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
-        ddp = DDP(module, **kw)
+        ddp = DDP(module, gradient_as_bucket_view=mode.endswith("_view"), **kw)
         ddp.register_comm_hook(None, _no_comm_hook)
         return ddp
     if mode in ("ring", "ring_view", "ring_serial"):
@@ -227,7 +230,7 @@ def plot(rows, path: Path, title: str):
     width = 0.8 / len(modes)
     colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
               "ring_view": "#2ca02c", "ring_serial": "#9467bd", "torch_ringdp": "#ff7f0e",
-              "torch_nocomm": "#c5b0d5"}
+              "torch_nocomm": "#c5b0d5", "torch_ringdp_view": "#ffbb78", "torch_nocomm_view": "#e7dcef"}
     for j, mode in enumerate(modes):
         for k, h in enumerate(hiddens):
             r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)
@@ -267,7 +270,8 @@ def main_rank(rank, world, args):
             for h in sorted({r["hidden"] for r in rows}):
                 t = {r["mode"]: r for r in rows if r["hidden"] == h}
                 if "torch" in t:
-                    for m in ("ring", "ring_view", "torch_ringdp", "torch_nocomm"):
+                    for m in ("ring", "ring_view", "torch_view", "torch_ringdp", "torch_nocomm", "torch_ringdp_view",
+                              "torch_nocomm_view"):
                         if m in t:
                             print(f"H={h}: {m} step / torch DDP(gloo) step = {t[m]['step_ms'] / t['torch']['step_ms']:.2f}"
                                   f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ddp_step_smoke(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
     cmd = [sys.executable, str(ROOT / "bench" / "ddp_step.py"), "--world", "2", "--hidden", "64,128", "--layers", "2",
-           "--iters", "2", "--warmup", "1", "--rounds", "1", "--warmup-rounds", "0", "--modes", "none,torch,ring,ring_view,torch_view,ring_serial,torch_ringdp,torch_nocomm",
+           "--iters", "2", "--warmup", "1", "--rounds", "1", "--warmup-rounds", "0", "--modes", "none,torch,ring,ring_view,torch_view,ring_serial,torch_ringdp,torch_nocomm,torch_ringdp_view,torch_nocomm_view",
            "--out-dir", str(tmp_path), "--plot"]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
@@ -22,7 +22,8 @@ def test_ddp_step_smoke(tmp_path):
     rows = doc["rows"]
     assert {(x["hidden"], x["mode"]) for x in rows} == {(h, m) for h in (64, 128)
                                                        for m in ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial",
-                                                                 "torch_ringdp", "torch_nocomm")}
+                                                                 "torch_ringdp", "torch_nocomm", "torch_ringdp_view",
+                                                                 "torch_nocomm_view")}
     for x in rows:
         assert x["step_ms"] > 0 and len(x["blocks_ms"]) == 1 and x["best_ms"] <= x["mean_ms"]
         assert x["params"] == 2 * (x["hidden"] ** 2 + x["hidden"])
