@@ -587,8 +587,10 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
         algo = c.algo(s, nbytes)
         factor = c.factor(s, algo)
         roof = factor * nbytes * c.contention / memcpy_Bps if factor is not None else None
-    else:  # (across hosts: the path, as for all_reduce)
-        algo, factor, roof = c.algo(s, nbytes) if c.cross_path is not None else "-", None, None
+    else:  # what runs for what one-shot would stage: all_gather its input, the others the whole
+        # buffer (across hosts: the path, as for all_reduce); no roofline
+        staged = nbytes // n if coll.name == "all_gather" else nbytes
+        algo, factor, roof = c.algo(s, staged), None, None
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
         "collective": coll.name if coll else "all_reduce",

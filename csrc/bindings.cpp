@@ -257,29 +257,31 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                             to_dtype(t.scalar_type()), static_cast<RedOp>(op), stream, algo, timeout_s);
              },
              py::call_guard<py::gil_scoped_release>())
-        // the halves and broadcast on tensors (ring only; cuda_api.h); `stream`: cudaStream_t
+        // the halves and broadcast on tensors (cuda_api.h); `stream`: cudaStream_t, `algo`: ring
+        // or one-shot, as ringdp's policy chose
         .def("reduce_scatter_tensor",
-             [](Comm& c, const torch::Tensor& out, const torch::Tensor& in, int op, uintptr_t stream,
+             [](Comm& c, const torch::Tensor& out, const torch::Tensor& in, int op, uintptr_t stream, int algo,
                 double timeout_s) {
                c.reduce_scatter(reinterpret_cast<uintptr_t>(in.data_ptr()), reinterpret_cast<uintptr_t>(out.data_ptr()),
                                 static_cast<size_t>(out.numel()), same_dtype(out, in), static_cast<RedOp>(op), stream,
-                                timeout_s);
+                                algo, timeout_s);
              },
-             py::arg("output"), py::arg("input"), py::arg("op"), py::arg("stream"), py::arg("timeout_s") = 0.0,
-             py::call_guard<py::gil_scoped_release>())
+             py::arg("output"), py::arg("input"), py::arg("op"), py::arg("stream"), py::arg("algo"),
+             py::arg("timeout_s") = 0.0, py::call_guard<py::gil_scoped_release>())
         .def("all_gather_tensor",
-             [](Comm& c, const torch::Tensor& out, const torch::Tensor& in, uintptr_t stream, double timeout_s) {
+             [](Comm& c, const torch::Tensor& out, const torch::Tensor& in, uintptr_t stream, int algo,
+                double timeout_s) {
                c.all_gather(reinterpret_cast<uintptr_t>(in.data_ptr()), reinterpret_cast<uintptr_t>(out.data_ptr()),
-                            static_cast<size_t>(in.numel()), same_dtype(out, in), stream, timeout_s);
+                            static_cast<size_t>(in.numel()), same_dtype(out, in), stream, algo, timeout_s);
              },
-             py::arg("output"), py::arg("input"), py::arg("stream"), py::arg("timeout_s") = 0.0,
+             py::arg("output"), py::arg("input"), py::arg("stream"), py::arg("algo"), py::arg("timeout_s") = 0.0,
              py::call_guard<py::gil_scoped_release>())
         .def("broadcast_tensor",
-             [](Comm& c, const torch::Tensor& t, int root, uintptr_t stream, double timeout_s) {
+             [](Comm& c, const torch::Tensor& t, int root, uintptr_t stream, int algo, double timeout_s) {
                c.broadcast(reinterpret_cast<uintptr_t>(t.data_ptr()), static_cast<size_t>(t.numel()),
-                           to_dtype(t.scalar_type()), root, stream, timeout_s);
+                           to_dtype(t.scalar_type()), root, stream, algo, timeout_s);
              },
-             py::arg("tensor"), py::arg("root"), py::arg("stream"), py::arg("timeout_s") = 0.0,
+             py::arg("tensor"), py::arg("root"), py::arg("stream"), py::arg("algo"), py::arg("timeout_s") = 0.0,
              py::call_guard<py::gil_scoped_release>())
         .def("reject", &Comm::reject, py::call_guard<py::gil_scoped_release>())
         .def("check", &Comm::check)

@@ -501,14 +501,15 @@ class Communicator:
         block r. The input is not modified. PREMUL_SUM is the caller's: scale the input, then
         SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
         sums would overwrite the input) or one-shot for small inputs (policy.py); CUDA tensors:
-        the ring, staged, on ringdp's stream (as CUDA all_reduce)."""
+        the ring, staged, or one-shot (IPC), on ringdp's stream (as CUDA all_reduce)."""
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,
             "reduce_scatter")
-        if output.is_cuda:
+        if output.is_cuda:  # one-shot stages the whole input
+            a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(
                 output.device, [output, input], [output], async_op,
-                lambda ep, stream: ep.native.reduce_scatter_tensor(output, input, code, stream, t))
+                lambda ep, stream: ep.native.reduce_scatter_tensor(output, input, code, stream, a, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
@@ -522,14 +523,16 @@ class Communicator:
         block q of it becomes rank q's `input` (which may itself be block r of `output`). In
         place, with no staging copy, when every rank's output is registered (ringdp.empty);
         one-shot for small inputs (policy.py). CUDA tensors: the ring on ringdp's stream (the
-        input copied into its block first, unless it is that block); on the IPC transport a
-        registered output (ringdp.empty(device="cuda")) is read in place by the successor."""
+        input copied into its block first, unless it is that block; on the IPC transport a
+        registered output (ringdp.empty(device="cuda")) is read in place by the successor),
+        or one-shot (IPC)."""
         t, _, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag,
             "all_gather")
-        if output.is_cuda:
+        if output.is_cuda:  # one-shot stages this rank's input
+            a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(output.device, [output, input], [output], async_op,
-                                  lambda ep, stream: ep.native.all_gather_tensor(output, input, stream, t))
+                                  lambda ep, stream: ep.native.all_gather_tensor(output, input, stream, a, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
@@ -541,7 +544,8 @@ class Communicator:
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
         every rank: a pipelined chain src -> src+1 -> ... along the ring (in place when every
         rank's tensor is registered), or one-shot for small tensors (policy.py). CUDA tensors:
-        the chain on ringdp's stream (IPC: registered tensors read in place)."""
+        the chain on ringdp's stream (IPC: registered tensors read in place), or one-shot
+        (IPC)."""
         def check():
             self._check(tensor, None, "broadcast")
             if isinstance(src, bool) or not isinstance(src, int):
@@ -552,8 +556,9 @@ class Communicator:
 
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
         if tensor.is_cuda:
+            a = self._cuda_algo(tensor.device, tensor.numel() * tensor.element_size(), forced)
             return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                                  lambda ep, stream: ep.native.broadcast_tensor(tensor, src, stream, t))
+                                  lambda ep, stream: ep.native.broadcast_tensor(tensor, src, stream, a, t))
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
@@ -561,9 +566,14 @@ class Communicator:
         a = self._shm_algo(tensor.numel() * tensor.element_size(), forced)
         return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
 
+    def _cuda_algo(self, device, nbytes: int, forced: str) -> int:
+        """The algorithm code of a CUDA collective that one-shot would stage `nbytes` for
+        (policy.choose_algo against the endpoint's one-shot capacity)."""
+        ep = self._cuda_endpoint(device)
+        return policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
+
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
-        ep = self._cuda_endpoint(tensor.device)
-        a = policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
+        a = self._cuda_algo(tensor.device, nbytes, forced)
         return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
                               lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t))
 

@@ -65,6 +65,23 @@ def test_bench_forced_algorithms(tmp_path):
 
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_halves_algo_column(tmp_path):
+    """--coll on one host: the algo column says what ran for what one-shot would stage (world
+    3, 128 KiB threshold: a 384 KiB reduce_scatter or broadcast the ring, an all_gather's
+    128 KiB input one-shot; 96 KiB one-shot)."""
+    cmd = [sys.executable, str(BENCH), "--world", "3", "--coll", "reduce_scatter,all_gather,broadcast", "-b", "96K",
+           "-e", "384K", "-f", "4", "--series", "ringdp", "--no-baseline", "--iters", "2", "--warmup", "1",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    want = {"reduce_scatter": "ring", "all_gather": "oneshot", "broadcast": "ring"}
+    for coll, big in want.items():
+        rows = json.loads((tmp_path / f"{coll}_cpu_w3_float32.json").read_text())["rows"]
+        assert {(r["size"], r["algo"]) for r in rows} == {(96 << 10, "oneshot"), (384 << 10, big)}, coll
+        assert all(r["wrong"] == 0 for r in rows), coll
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_hosts(tmp_path):
     """--hosts 2: four ranks as two simulated hosts; the hierarchical series (ordinary and
     registered tensors) run two_level, ringdp-flat the inter-host engine on the whole group,

@@ -339,7 +339,9 @@ def test_nccl_world2(config):
 
 
 # ============================================================== the halves and broadcast
-HALF_SIZES = [0, 1, 4099]  # per rank: empty, one element, a prime (not divisible by any world)
+# per rank: empty, one element, whole 16-byte blocks (the one-shot kernel's vector path), a
+# prime (not divisible by any world)
+HALF_SIZES = [0, 1, 1024, 4099]
 HALF_DTYPES = [torch.float32, torch.bfloat16]
 HALF_OPS = ["SUM", "AVG", "MAX"]
 
@@ -413,11 +415,15 @@ def _halves(rank, world, transport, registered):
 
 @needs_cuda
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+@pytest.mark.parametrize("transport", ["ipc", "ipc-oneshot", "nccl"])
 def test_cuda_halves(transport, world):
     """reduce_scatter_tensor (SUM, AVG, MAX), all_gather_into_tensor and broadcast on CUDA
-    tensors, float32 and bfloat16, 0 / 1 / 4099 elements per rank, sync then async."""
-    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
+    tensors, float32 and bfloat16, 0 / 1 / 1024 / 4099 elements per rank, sync then async.
+    ipc: the ring (forced: these sizes would go one-shot); ipc-oneshot: the one-shot kernel;
+    nccl: the ring."""
+    env = {"RINGDP_TRANSPORT": transport.split("-")[0], "RINGDP_TIMEOUT_S": "120"}
+    if transport.startswith("ipc"):
+        env["RINGDP_ALGO"] = "oneshot" if transport.endswith("oneshot") else "ring"
     if transport == "nccl":
         _skip_without_nccl()
         env["RINGDP_TEST_NCCL_HOSTID"] = "1"
@@ -434,7 +440,8 @@ def test_ipc_halves_registered(world):
     """The same with every buffer from ringdp.empty(device="cuda"): all_gather and broadcast
     read them in place (and drain before the caller gets them back), reduce_scatter stays
     staged (its input is checked untouched)."""
-    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "32"}
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "32",
+           "RINGDP_ALGO": "ring"}  # (in place is the ring's; these sizes would go one-shot)
     res = values(run_ranks(_halves, world, "ipc", True, env=env, timeout=480))
     for r, (checked, bad, reg) in enumerate(res):
         assert checked > 0
@@ -464,10 +471,12 @@ def _halves_mismatch(rank, world):
 
 
 @needs_cuda
-def test_ipc_halves_mismatch_raises():
+@pytest.mark.parametrize("algo", ["ring", "oneshot"])
+def test_ipc_halves_mismatch_raises(algo):
     """Ranks in different collectives (all_gather vs broadcast) fail, naming the rank,
-    instead of mixing them (the slot descriptor carries the collective)."""
-    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20"}
+    instead of mixing them (the slot's or the one-shot buffer's descriptor carries the
+    collective)."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20", "RINGDP_ALGO": algo}
     msgs = values(run_ranks(_halves_mismatch, 2, env=env, timeout=180))
     for r, m in enumerate(msgs):
         assert m != "no error", f"rank {r} did not notice the mismatch"
@@ -490,14 +499,16 @@ def _roots_disagree(rank, world, numel):
 
 
 @needs_cuda
-@pytest.mark.parametrize("numel", [1000, 5 << 20], ids=["one-slice", "many-slices"])
-def test_ipc_broadcast_roots_disagree_raises(numel):
+@pytest.mark.parametrize("numel, algo", [(1000, "ring"), (5 << 20, "ring"), (1000, "oneshot")],
+                         ids=["one-slice", "many-slices", "oneshot"])
+def test_ipc_broadcast_roots_disagree_raises(numel, algo):
     """Two ranks that both believe they are the broadcast's root both fail in that call,
     naming the mismatch (the chain is closed: the root checks its predecessor's descriptor,
     ring.cpp ring_broadcast), instead of each keeping its own values. With more slices than
-    slots too: the check comes before either waits for a slot the other never frees."""
+    slots too: the check comes before either waits for a slot the other never frees. One-shot:
+    the buffers' descriptors carry the root."""
     env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "20", "RINGDP_CUDA_SLOT_BYTES": str(1 << 20),
-           "RINGDP_CUDA_SLOTS": "2"}
+           "RINGDP_CUDA_SLOTS": "2", "RINGDP_ALGO": algo}
     msgs = values(run_ranks(_roots_disagree, 2, numel, env=env, timeout=180))
     for r, m in enumerate(msgs):
         assert m != "no error", f"rank {r} returned from a broadcast whose ranks disagree on the root"

@@ -75,8 +75,9 @@ class Comm : public Endpoint {
   // timeout_s <= 0: the creation timeout.
   virtual void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream,
                           int algo, double timeout_s = 0.0) = 0;
-  // The halves alone and broadcast (csrc/ring/ring.cpp), ring only, ordered on `stream` like
-  // all_reduce; count == 0 runs nothing.
+  // The halves alone and broadcast (csrc/ring/ring.cpp, or one-shot), ordered on `stream` and
+  // `algo` checked like all_reduce (one-shot stages: reduce_scatter its whole input, the
+  // others `count` elements); count == 0 runs nothing.
   //   reduce_scatter  torch's reduce_scatter_tensor: `input` holds world blocks of `count`
   //                   elements (block q for rank q); `output` (count elements) gets the
   //                   reduction of every rank's block `rank`, AVG applied. The input is
@@ -87,13 +88,13 @@ class Comm : public Endpoint {
   //   broadcast       `count` elements of rank `root`'s `data` into every rank's `data`.
   // IPC: all_gather and broadcast read registered buffers in place (as all_reduce does).
   virtual void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op,
-                              uintptr_t stream, double timeout_s = 0.0) = 0;
+                              uintptr_t stream, int algo, double timeout_s = 0.0) = 0;
   virtual void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
-                          double timeout_s = 0.0) = 0;
-  virtual void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream,
+                          int algo, double timeout_s = 0.0) = 0;
+  virtual void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, int algo,
                          double timeout_s = 0.0) = 0;
-  // The largest message (bytes) all_reduce can run one-shot; 0: this transport has no
-  // one-shot path (NCCL; IPC above kMaxOneShotWorld ranks).
+  // The most bytes a collective can stage one-shot; 0: this transport has no one-shot path
+  // (NCCL; IPC above kMaxOneShotWorld ranks).
   virtual size_t oneshot_bytes() const = 0;
   // Raise the first failure the device reported, if any. Cheap: reads host memory.
   virtual void check() = 0;

@@ -203,19 +203,13 @@ class IpcComm final : public Comm {
     if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce of a null pointer"));
     const size_t esize = dtype_size(dtype);
     const size_t bytes = count * esize;
-    const bool oneshot = algo == kAlgoOneShot;
-    if (oneshot && bytes > oneshot_bytes())
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": one-shot all_reduce of ", bytes, " bytes (", count, " x ",
-                          dtype_name(dtype), ") requested, but this transport runs one-shot only up to ",
-                          oneshot_bytes(), " bytes",
-                          world_ > kMaxOneShotWorld ? cat(" (none above ", kMaxOneShotWorld, " ranks)")
-                                                    : std::string(" (its one-shot buffer, RINGDP_CUDA_ONESHOT_BYTES)"),
-                          "; nothing was run"));
+    const bool oneshot = is_oneshot(algo, "all_reduce", bytes, count, dtype);
     DeviceGuard g(device_);
     cudaStream_t caller = enter(stream, timeout_s);
     try {
       if (oneshot) {
-        run_oneshot(reinterpret_cast<char*>(data), count, dtype, op);
+        run_oneshot(ringdp::Kind::kAllReduce, reinterpret_cast<char*>(data), reinterpret_cast<char*>(data), count,
+                    dtype, op, 0);
         finish_call(caller);
       } else {
         Call c = make_call(ringdp::Kind::kAllReduce, reinterpret_cast<char*>(data), count, dtype, op, caller);
@@ -231,17 +225,26 @@ class IpcComm final : public Comm {
   }
 
   void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op, uintptr_t stream,
-                      double timeout_s) override {
+                      int algo, double timeout_s) override {
     usable("reduce_scatter");
     if (count == 0) return;
     if (input == 0 || output == 0)
       throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": reduce_scatter of a null pointer"));
     const size_t bytes = count * dtype_size(dtype);
+    // one-shot stages the whole input (world blocks)
+    const bool oneshot = is_oneshot(algo, "reduce_scatter", bytes * static_cast<size_t>(world_),
+                                    count * static_cast<size_t>(world_), dtype);
     DeviceGuard g(device_);
     cudaStream_t caller = enter(stream, timeout_s);
     try {
       if (world_ == 1) {  // the output is the input (AVG over one rank: the identity)
         copy_block(reinterpret_cast<char*>(output), reinterpret_cast<const char*>(input), bytes);
+        finish_call(caller);
+        return;
+      }
+      if (oneshot) {
+        run_oneshot(ringdp::Kind::kReduceScatter, reinterpret_cast<const char*>(input), reinterpret_cast<char*>(output),
+                    count, dtype, op, 0);
         finish_call(caller);
         return;
       }
@@ -257,15 +260,22 @@ class IpcComm final : public Comm {
     }
   }
 
-  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
+  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream, int algo,
                   double timeout_s) override {
     usable("all_gather");
     if (count == 0) return;
     if (input == 0 || output == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_gather of a null pointer"));
     const size_t bytes = count * dtype_size(dtype);
+    const bool oneshot = is_oneshot(algo, "all_gather", bytes, count, dtype);  // stages this rank's input
     DeviceGuard g(device_);
     cudaStream_t caller = enter(stream, timeout_s);
     try {
+      if (oneshot && world_ > 1) {  // (the kernel writes every block of the output, mine too)
+        run_oneshot(ringdp::Kind::kAllGather, reinterpret_cast<const char*>(input), reinterpret_cast<char*>(output),
+                    count, dtype, RedOp::kSum, 0);
+        finish_call(caller);
+        return;
+      }
       // My block of the output first (unless the input is that block): the all-gather starts
       // from it, and in place the successor reads it there.
       char* mine = reinterpret_cast<char*>(output) + static_cast<size_t>(rank_) * bytes;
@@ -283,14 +293,22 @@ class IpcComm final : public Comm {
     }
   }
 
-  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, double timeout_s) override {
+  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, int algo,
+                 double timeout_s) override {
     usable("broadcast");
     check_broadcast_root(cat("ringdp cuda-ipc rank ", rank_), root, world_);
     if (count == 0 || world_ == 1) return;
     if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast of a null pointer"));
+    const bool oneshot = is_oneshot(algo, "broadcast", count * dtype_size(dtype), count, dtype);
     DeviceGuard g(device_);
     cudaStream_t caller = enter(stream, timeout_s);
     try {
+      if (oneshot) {
+        run_oneshot(ringdp::Kind::kBroadcast, reinterpret_cast<const char*>(data), reinterpret_cast<char*>(data), count,
+                    dtype, RedOp::kSum, root);
+        finish_call(caller);
+        return;
+      }
       Call c = make_call(ringdp::Kind::kBroadcast, reinterpret_cast<char*>(data), count, dtype, RedOp::kSum, caller);
       c.root = root;
       c.registered = read_in_place(data, count * c.esize);
@@ -449,6 +467,22 @@ class IpcComm final : public Comm {
     if (!connected_ || quiesced_)
       throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": ", what, " on a communicator that is ",
                           connected_ ? "shut down" : "not connected"));
+  }
+
+  // Whether `algo` asks for one-shot (checked: a known code; what one-shot would stage, `bytes`
+  // of `elems` elements, fits the one-shot buffer), before anything is enqueued: never a
+  // silent fallback to the ring.
+  bool is_oneshot(int algo, const char* what, size_t bytes, size_t elems, DType dtype) const {
+    if (algo != kAlgoRing && algo != kAlgoOneShot)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+    if (algo == kAlgoOneShot && bytes > oneshot_bytes())
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": one-shot ", what, " of ", bytes, " bytes (", elems, " x ",
+                          dtype_name(dtype), ") requested, but this transport runs one-shot only up to ",
+                          oneshot_bytes(), " bytes",
+                          world_ > kMaxOneShotWorld ? cat(" (none above ", kMaxOneShotWorld, " ranks)")
+                                                    : std::string(" (its one-shot buffer, RINGDP_CUDA_ONESHOT_BYTES)"),
+                          "; nothing was run"));
+    return algo == kAlgoOneShot;
   }
 
   // Start a collective: ringdp's stream waits for the caller's, the call is counted (every
@@ -615,15 +649,20 @@ class IpcComm final : public Comm {
     return f;
   }
 
-  void run_oneshot(char* data, size_t count, DType dtype, RedOp op) {
+  // One one-shot collective (reduce_kernels.cuh OneShotArgs) on ringdp's stream: `count`
+  // elements per rank (all_reduce, broadcast: the tensor), `in` and `out` as the kernel reads
+  // and writes them. The staged bytes fit the buffer (is_oneshot).
+  void run_oneshot(ringdp::Kind kind, const char* in, char* out, size_t count, DType dtype, RedOp op, int root) {
     ++oneshot_seq_;
     const int parity = static_cast<int>(oneshot_seq_ & 1);
     OneShotArgs a;
     std::memset(&a, 0, sizeof(a));
     a.dtype = dtype;
     a.op = op;
-    a.in = data;
-    a.out = data;
+    a.coll = static_cast<int32_t>(kind);
+    a.root = root;
+    a.in = in;
+    a.out = out;
     a.count = count;
     a.avg_div = op == RedOp::kAvg ? world_ : 0;
     a.channels = channels_;

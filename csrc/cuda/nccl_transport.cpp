@@ -198,14 +198,8 @@ class NcclComm final : public Comm {
   void all_reduce(uintptr_t data, size_t count, DType dtype, RedOp op, uintptr_t stream, int algo,
                   double timeout_s) override {
     usable("all_reduce");
-    if (algo != kAlgoRing && algo != kAlgoOneShot)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+    ring_only(algo, "all_reduce", count, dtype);
     if (count == 0 || world_ == 1) return;
-    if (algo == kAlgoOneShot)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": one-shot all_reduce of ", count * dtype_size(dtype),
-                          " bytes (", count, " x ", dtype_name(dtype),
-                          ") requested, but the NCCL transport has no one-shot path (oneshot_bytes 0); "
-                          "nothing was run"));
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
     DeviceGuard g(device_);
     enter(stream, timeout_s, reinterpret_cast<char*>(data), dtype, op);
@@ -213,8 +207,9 @@ class NcclComm final : public Comm {
   }
 
   void reduce_scatter(uintptr_t input, uintptr_t output, size_t count, DType dtype, RedOp op, uintptr_t stream,
-                      double timeout_s) override {
+                      int algo, double timeout_s) override {
     usable("reduce_scatter");
+    ring_only(algo, "reduce_scatter", count * static_cast<size_t>(world_), dtype);
     if (count == 0) return;
     if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": reduce_scatter of a null pointer"));
     DeviceGuard g(device_);
@@ -229,9 +224,10 @@ class NcclComm final : public Comm {
     run_ring(ringdp::Kind::kReduceScatter, count, 0);
   }
 
-  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream,
+  void all_gather(uintptr_t input, uintptr_t output, size_t count, DType dtype, uintptr_t stream, int algo,
                   double timeout_s) override {
     usable("all_gather");
+    ring_only(algo, "all_gather", count, dtype);
     if (count == 0) return;
     if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_gather of a null pointer"));
     DeviceGuard g(device_);
@@ -246,8 +242,10 @@ class NcclComm final : public Comm {
     run_ring(ringdp::Kind::kAllGather, count, 0);
   }
 
-  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, double timeout_s) override {
+  void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, int algo,
+                 double timeout_s) override {
     usable("broadcast");
+    ring_only(algo, "broadcast", count, dtype);
     check_broadcast_root(cat("ringdp nccl rank ", rank_), root, world_);
     if (count == 0 || world_ == 1) return;
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": broadcast of a null pointer"));
@@ -346,6 +344,18 @@ class NcclComm final : public Comm {
   void finish_ring();
 
  private:
+  // The NCCL transport runs the ring only: an unknown code, or one-shot, is refused before
+  // anything is enqueued (oneshot_bytes() is 0, so ringdp's policy never asks for it).
+  void ring_only(int algo, const char* what, size_t elems, DType dtype) const {
+    if (algo != kAlgoRing && algo != kAlgoOneShot)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+    if (algo == kAlgoOneShot && elems > 0 && world_ > 1)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": one-shot ", what, " of ", elems * dtype_size(dtype),
+                          " bytes (", elems, " x ", dtype_name(dtype),
+                          ") requested, but the NCCL transport has no one-shot path (oneshot_bytes 0); "
+                          "nothing was run"));
+  }
+
   void nccl_check(ncclResult_t r, const char* what) {
     if (r == ncclSuccess) return;
     throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));

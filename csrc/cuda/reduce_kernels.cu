@@ -391,15 +391,70 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 // ---------------------------------------------------------------- the one-shot kernel
+// Elements [b, e) of src to dst by this block's threads; peer memory (kPeer) through L2 only.
+template <class T, bool kPeer>
+__device__ __forceinline__ void copy_range(T* dst, const T* src, size_t b, size_t e, bool vec_ok) {
+  constexpr int P = 16 / static_cast<int>(sizeof(T));
+  size_t i0 = b;
+  if (vec_ok) {
+    const size_t np = (e - b) / P;
+    for (size_t p = threadIdx.x; p < np; p += blockDim.x) {
+      Arr<T, P> v;
+      vload<T, P, kPeer>(v, src + b + p * P);
+      vstore<T, P>(dst + b + p * P, v);
+    }
+    i0 = b + np * P;
+  }
+  for (size_t i = i0 + threadIdx.x; i < e; i += blockDim.x) dst[i] = kPeer ? ldcg_any(src + i) : src[i];
+}
+
+// out[i] = the reduction over ranks r (in rank order) of bufs[r][off + i], for i in [b, e).
 template <class T, class Op>
-__global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, bool vec_ok) {
+__device__ __forceinline__ void reduce_range(T* out, const OneShotArgs& a, size_t off, size_t b, size_t e,
+                                             bool vec_ok) {
   using N = Num<T>;
   using A = typename N::Acc;
   constexpr int P = 16 / static_cast<int>(sizeof(T));
+  size_t i0 = b;
+  if (vec_ok) {
+    const size_t np = (e - b) / P;
+    for (size_t p = threadIdx.x; p < np; p += blockDim.x) {
+      const size_t i = b + p * P;
+      Arr<T, P> v;
+      A acc[P];
+      vload<T, P, true>(v, reinterpret_cast<const T*>(a.bufs[0]) + off + i);
+#pragma unroll
+      for (int j = 0; j < P; ++j) acc[j] = N::to(v.v[j]);
+      for (int r = 1; r < a.world; ++r) {
+        vload<T, P, true>(v, reinterpret_cast<const T*>(a.bufs[r]) + off + i);
+#pragma unroll
+        for (int j = 0; j < P; ++j) acc[j] = Op::f(acc[j], N::to(v.v[j]));
+      }
+#pragma unroll
+      for (int j = 0; j < P; ++j) v.v[j] = N::from(a.avg_div > 0 ? divide(acc[j], a.avg_div) : acc[j]);
+      vstore<T, P>(out + i, v);
+    }
+    i0 = b + np * P;
+  }
+  for (size_t i = i0 + threadIdx.x; i < e; i += blockDim.x) {
+    A acc = N::to(ldcg_any(reinterpret_cast<const T*>(a.bufs[0]) + off + i));
+    for (int r = 1; r < a.world; ++r)
+      acc = Op::f(acc, N::to(ldcg_any(reinterpret_cast<const T*>(a.bufs[r]) + off + i)));
+    out[i] = N::from(a.avg_div > 0 ? divide(acc, a.avg_div) : acc);
+  }
+}
+
+// (reduce_kernels.cuh OneShotArgs.) Channel ch takes elements [b, e) of `count` in every
+// block, so its flag covers exactly what the peers' channel ch reads.
+template <class T, class Op>
+__global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, bool vec_ok) {
   const int ch = blockIdx.x;
-  const size_t per = channel_span(a.count, a.channels);
-  const size_t b = min(static_cast<size_t>(ch) * per, a.count);
-  const size_t e = min(b + per, a.count);
+  const size_t n = a.count;
+  const size_t per = channel_span(n, a.channels);
+  const size_t b = min(static_cast<size_t>(ch) * per, n);
+  const size_t e = min(b + per, n);
+  const auto coll = static_cast<ringdp::Kind>(a.coll);
+  const size_t blocks = coll == ringdp::Kind::kReduceScatter ? static_cast<size_t>(a.world) : 1;
   __shared__ int s_ok;
   T* mine = reinterpret_cast<T*>(const_cast<char*>(a.bufs[a.rank]));
   const T* in = static_cast<const T*>(a.in);
@@ -419,25 +474,19 @@ __global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, b
   __syncthreads();
   if (!s_ok) return;
 
-  // 2. Copy my input into my buffer, describe it, publish.
-  size_t i0 = b;
-  if (vec_ok) {
-    const size_t np = (e - b) / P;
-    for (size_t p = threadIdx.x; p < np; p += blockDim.x) {
-      Arr<T, P> v;
-      vload<T, P, false>(v, in + b + p * P);
-      vstore<T, P>(mine + b + p * P, v);
-    }
-    i0 = b + np * P;
-  }
-  for (size_t i = i0 + threadIdx.x; i < e; i += blockDim.x) mine[i] = in[i];
+  // 2. Copy what I contribute into my buffer (reduce_scatter: my range of every block; a
+  //    broadcast's other ranks: nothing), describe it, publish.
+  if (coll != ringdp::Kind::kBroadcast || a.rank == a.root)
+    for (size_t q = 0; q < blocks; ++q) copy_range<T, false>(mine + q * n, in + q * n, b, e, vec_ok);
   SlotMeta me{};
   me.call = a.call;
-  me.count = a.count;
+  me.count = n;
   me.src_off = 0;
-  me.bytes = static_cast<uint64_t>(a.count) * sizeof(T);
+  me.bytes = static_cast<uint64_t>(blocks * n) * sizeof(T);
   me.dtype = static_cast<int32_t>(a.dtype);
   me.op = static_cast<int32_t>(a.op);
+  me.coll = a.coll;
+  me.root = a.root;
   if (threadIdx.x == 0) a.my_meta[ch] = me;
   __threadfence_system();
   __syncthreads();
@@ -451,7 +500,8 @@ __global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, b
       ok = wait_geq(a.flags[p] + ch * kLineWords, a.seq, a.aborts[p], p, kWaitOneShot, ch, a.fail);
       if (ok) {
         const SlotMeta m = load_meta_cg(a.metas[p] + ch);
-        if (m.call != me.call || m.count != me.count || m.dtype != me.dtype || m.op != me.op || m.bytes != me.bytes) {
+        if (m.call != me.call || m.count != me.count || m.dtype != me.dtype || m.op != me.op ||
+            m.bytes != me.bytes || m.coll != me.coll || m.root != me.root) {
           report(a.fail, kErrMismatch, p, ch, kWaitOneShot, a.seq, a.seq, 0, &me, &m);
           ok = false;
         }
@@ -462,32 +512,25 @@ __global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, b
   __syncthreads();
   if (!s_ok) return;
 
-  // 4. Reduce every rank's copy in rank order: the same arithmetic on every rank.
-  i0 = b;
-  if (vec_ok) {
-    const size_t np = (e - b) / P;
-    for (size_t p = threadIdx.x; p < np; p += blockDim.x) {
-      const size_t i = b + p * P;
-      Arr<T, P> v;
-      A acc[P];
-      vload<T, P, true>(v, reinterpret_cast<const T*>(a.bufs[0]) + i);
-#pragma unroll
-      for (int j = 0; j < P; ++j) acc[j] = N::to(v.v[j]);
-      for (int r = 1; r < a.world; ++r) {
-        vload<T, P, true>(v, reinterpret_cast<const T*>(a.bufs[r]) + i);
-#pragma unroll
-        for (int j = 0; j < P; ++j) acc[j] = Op::f(acc[j], N::to(v.v[j]));
+  // 4. Read what this rank needs from every buffer (reductions in rank order: the same
+  //    arithmetic on every rank).
+  switch (coll) {
+    case ringdp::Kind::kAllReduce:
+      reduce_range<T, Op>(out, a, 0, b, e, vec_ok);
+      break;
+    case ringdp::Kind::kReduceScatter:
+      reduce_range<T, Op>(out, a, static_cast<size_t>(a.rank) * n, b, e, vec_ok);
+      break;
+    case ringdp::Kind::kAllGather:
+      for (int q = 0; q < a.world; ++q) {
+        T* dst = out + static_cast<size_t>(q) * n;
+        if (q != a.rank) copy_range<T, true>(dst, reinterpret_cast<const T*>(a.bufs[q]), b, e, vec_ok);
+        else if (dst != in) copy_range<T, false>(dst, in, b, e, vec_ok);
       }
-#pragma unroll
-      for (int j = 0; j < P; ++j) v.v[j] = N::from(a.avg_div > 0 ? divide(acc[j], a.avg_div) : acc[j]);
-      vstore<T, P>(out + i, v);
-    }
-    i0 = b + np * P;
-  }
-  for (size_t i = i0 + threadIdx.x; i < e; i += blockDim.x) {
-    A acc = N::to(ldcg_any(reinterpret_cast<const T*>(a.bufs[0]) + i));
-    for (int r = 1; r < a.world; ++r) acc = Op::f(acc, N::to(ldcg_any(reinterpret_cast<const T*>(a.bufs[r]) + i)));
-    out[i] = N::from(a.avg_div > 0 ? divide(acc, a.avg_div) : acc);
+      break;
+    case ringdp::Kind::kBroadcast:
+      if (a.rank != a.root) copy_range<T, true>(out, reinterpret_cast<const T*>(a.bufs[a.root]), b, e, vec_ok);
+      break;
   }
 }
 
@@ -544,6 +587,10 @@ template <class T, class Op>
 cudaError_t launch_oneshot_t(const OneShotArgs& a, cudaStream_t st) {
   bool vec_ok = aligned16(a.in) && aligned16(a.out);
   for (int r = 0; r < a.world; ++r) vec_ok = vec_ok && aligned16(a.bufs[r]);
+  // the halves address block q at q x count elements: vectors need whole 16-byte blocks
+  const auto coll = static_cast<ringdp::Kind>(a.coll);
+  if (coll == ringdp::Kind::kReduceScatter || coll == ringdp::Kind::kAllGather)
+    vec_ok = vec_ok && (a.count * sizeof(T)) % 16 == 0;
   oneshot_kernel<T, Op><<<a.channels, kBlockThreads, 0, st>>>(a, vec_ok);
   return cudaGetLastError();
 }

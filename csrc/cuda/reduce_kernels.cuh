@@ -167,15 +167,23 @@ struct StepArgs {
   const StepSig* sig;  // host copy; launch copies it into the kernel parameters. null: local
 };
 
-// One-shot all-reduce for small messages: every rank copies its input into its one-shot
-// buffer (parity call % 2), publishes, waits for all peers, and reduces all copies in rank
-// order 0..n-1 (identical arithmetic on every rank -> bitwise identical results).
+// One-shot collectives for small messages: every rank copies what it contributes into its
+// one-shot buffer (parity call % 2), publishes, waits for all peers, checks that they are
+// at the same call, and reads what it needs from the peers' buffers (`coll`):
+//   all_reduce      stages in[0, count); out[i] = the reduction over ranks of buf_r[i]
+//   reduce_scatter  stages in[0, world x count); out[i] = the reduction of buf_r[rank x count + i]
+//   all_gather      stages in[0, count); out[q x count + i] = buf_q[i]
+//   broadcast       the root stages in[0, count); every other rank: out[i] = buf_root[i]
+// Reductions run in rank order 0..n-1 (identical arithmetic on every rank -> bitwise
+// identical results).
 struct OneShotArgs {
   DType dtype;
   RedOp op;
+  int32_t coll;  // ringdp::Kind
+  int32_t root;  // broadcast's source rank (0 otherwise)
   const void* in;
   void* out;
-  size_t count;
+  size_t count;  // all_reduce, broadcast: the tensor's elements; the halves: per rank
   int avg_div;
   int channels;
   int world;
