@@ -8,9 +8,10 @@
 #                                       ringdp.build_info()["cuda"] is True
 #   bash bench/gpu_check.sh smoke OUT   world-2 correctness of the IPC transport
 #                                       (tests/test_cuda.py, ranks time-sliced, no MPS):
-#                                       all_reduce, the halves and broadcast, mismatches,
-#                                       streams, Work, RingDDP, memory, a killed peer
-#   bash bench/gpu_check.sh nccl OUT    world-2 correctness of the NCCL transport, and the
+#                                       all_reduce, the halves and broadcast (ring and
+#                                       one-shot), mismatches, streams, Work, RingDDP
+#   bash bench/gpu_check.sh nccl OUT    IPC memory released and a killed peer; world-2
+#                                       correctness of the NCCL transport, and the
 #                                       torch.distributed backend on CUDA (cuda:ringdp)
 #   bash bench/gpu_check.sh mps OUT     MPS started (pipe/log under /tmp, after quitting a
 #                                       daemon a killed run left): world 2-4 tests with
@@ -25,7 +26,7 @@
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, smoke 300 s, nccl 180 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
+# build 360 s, smoke 300 s, nccl 300 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
 # what is left) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
@@ -46,7 +47,7 @@ ROOT="$(pwd)"
 mkdir -p "$OUT_ARG" || exit 2
 OUT="$(cd "$OUT_ARG" && pwd)"
 PY="${PYTHON:-python3}"
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; nccl) DEFAULT_BUDGET=180 ;; probe) DEFAULT_BUDGET=240 ;; *) DEFAULT_BUDGET=300 ;; esac
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -230,7 +231,8 @@ EOF
 smoke)
   need_cuda_build
   # cheapest first: the bare binding, then the IPC ring and one-shot, streams, DDP
-  # (each test ~12-15 s on an H100: 16 of them fit the default budget; NCCL: phase nccl)
+  # (each test ~12-15 s on an H100: 16 of them fit the default budget; NCCL and the IPC
+  # failure paths: phase nccl)
   cuda_test 60 test_native_api_ipc
   cuda_test 90 "test_ipc_matrix[2-default]"
   cuda_test 60 "test_ipc_matrix[2-oneshot]"
@@ -247,13 +249,14 @@ smoke)
   cuda_test 45 "test_stream_ordering[ipc]"
   cuda_test 45 "test_cuda_work_semantics[ipc]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
-  cuda_test 60 test_ipc_memory_released
-  cuda_test 60 "test_ipc_peer_killed[before]"
-  cuda_test 60 "test_ipc_peer_killed[during]"
   ;;
 # ------------------------------------------------------------------ nccl
 nccl)
   need_cuda_build
+  # (the IPC failure paths first: they take ~30 s each and did not fit the smoke phase)
+  cuda_test 60 test_ipc_memory_released
+  cuda_test 60 "test_ipc_peer_killed[before]"
+  cuda_test 60 "test_ipc_peer_killed[during]"
   cuda_test 90 "test_nccl_world2[default]"
   cuda_test 90 "test_cuda_halves[nccl-2]"
   cuda_test 45 "test_stream_ordering[nccl]"

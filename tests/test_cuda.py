@@ -346,11 +346,18 @@ HALF_DTYPES = [torch.float32, torch.bfloat16]
 HALF_OPS = ["SUM", "AVG", "MAX"]
 
 
+def _half_dtypes(transport: str) -> list:
+    """The dtypes of _halves: the one-shot variant adds an 8-byte type (2 elements a vector)."""
+    return HALF_DTYPES + [torch.float64] if transport.endswith("oneshot") else HALF_DTYPES
+
+
 def _halves(rank, world, transport, registered):
     """reduce_scatter_tensor, all_gather_into_tensor and broadcast on CUDA tensors through
     ringdp's module functions, each call twice (the second asynchronous), against closed
     forms (module doc: v(r, i) = (i % 13) + 2r). registered: every buffer from
     ringdp.empty(device="cuda") (IPC: all_gather and broadcast read it in place).
+    transport "ipc-oneshot": every call must be one the communicator runs one-shot, "ipc": the
+    ring (each checked with algo_for on what one-shot would stage).
     Returns (calls checked, wrong calls, whether the buffers were registered)."""
     import torch.distributed as dist
 
@@ -358,6 +365,14 @@ def _halves(rank, world, transport, registered):
 
     _nccl_env(rank)
     _setup(rank)
+    want_algo = {"ipc": "ring", "ipc-oneshot": "oneshot"}.get(transport)
+
+    def algo_is(t, what, dtype, count):
+        """(for a call that one-shot would stage `t` for) that it runs the variant's algorithm."""
+        if want_algo and count:
+            got = ringdp.get_communicator().algo_for(t.numel() * t.element_size(), "cuda")
+            if got != want_algo:
+                bad.append((what, str(dtype), count, f"runs {got}, not {want_algo}"))
 
     def buf(n, dtype, fill):
         t = ringdp.empty(n, dtype=dtype, device="cuda") if registered else torch.empty(n, dtype=dtype, device="cuda")
@@ -370,7 +385,7 @@ def _halves(rank, world, transport, registered):
         return fn(*args, async_op=True, **kwargs).wait()
 
     checked, bad, reg = 0, [], []
-    for dtype in HALF_DTYPES:
+    for dtype in _half_dtypes(transport):
         for count in HALF_SIZES:
             n = world * count
             for op in HALF_OPS:  # reduce_scatter: rank r gets the reduction of block r
@@ -379,6 +394,7 @@ def _halves(rank, world, transport, registered):
                     inp = buf(n, dtype, 0)
                     inp.copy_((torch.arange(n, device="cuda") % 13 + 2 * rank).to(dtype))
                     out = buf(count, dtype, -1)
+                    algo_is(inp, "reduce_scatter", dtype, count)
                     run(rep, ringdp.reduce_scatter_tensor, out, inp, op=getattr(dist.ReduceOp, op))
                     got, kept = out.cpu(), inp.cpu()
                     checked += 1
@@ -396,6 +412,7 @@ def _halves(rank, world, transport, registered):
                 inp.copy_((torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype))
                 if count:  # (an empty tensor's data pointer says nothing)
                     reg.append(ringdp.get_communicator().is_registered(out))
+                algo_is(inp, "all_gather", dtype, count)
                 run(rep, ringdp.all_gather_into_tensor, out, inp)
                 checked += 1
                 if not torch.equal(out.cpu(), want):
@@ -405,6 +422,7 @@ def _halves(rank, world, transport, registered):
                 t = buf(count, dtype, -1)
                 if rank == root:
                     t.copy_((torch.arange(count, device="cuda") % 13 + 2 * root).to(dtype))
+                algo_is(t, "broadcast", dtype, count)
                 run(rep, ringdp.broadcast, t, root)
                 checked += 1
                 if not torch.equal(t.cpu(), (torch.arange(count) % 13 + 2 * root).to(dtype)):
@@ -429,7 +447,7 @@ def test_cuda_halves(transport, world):
         env["RINGDP_TEST_NCCL_HOSTID"] = "1"
     res = values(run_ranks(_halves, world, transport, False, env=env, timeout=480))
     for r, (checked, bad, reg) in enumerate(res):
-        assert checked == len(HALF_DTYPES) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 2 + world)
+        assert checked == len(_half_dtypes(transport)) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 2 + world)
         assert not bad, f"rank {r}: wrong results: {bad[:10]}"
         assert reg is False, f"rank {r}: ordinary tensors reported as registered"
 
@@ -455,11 +473,11 @@ def _halves_mismatch(rank, world):
     _setup(rank)
     t = torch.ones(1000, device="cuda")
     try:
-        if rank == 0:  # rank 0 gathers, rank 1 broadcasts
+        if rank == 0:  # rank 0 gathers, rank 1 broadcasts (from rank 0: only the collective differs)
             out = torch.empty(2000, device="cuda")
             ringdp.all_gather_into_tensor(out, t, async_op=True).wait()
         else:
-            ringdp.broadcast(t, 1, async_op=True).wait()
+            ringdp.broadcast(t, 0, async_op=True).wait()
         torch.cuda.synchronize()
         ringdp.synchronize()  # the rank that consumed the other's slice reports the mismatch here
         # the other one (whose own call completed) fails here, when the first has given up
