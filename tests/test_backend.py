@@ -682,3 +682,107 @@ def test_spans_hosts_falls_back_to_gloo(pool):
         assert res["ringdp_calls"] == 0
         for name, (got, want) in res["results"].items():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+# ================================================================ CUDA glue, on the CPU
+def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
+    """RingWork's CUDA copy-out (the list all_gather / reduce_scatter) runs on the stream
+    that was current where the call was made, whichever thread completes the work, and
+    wait() makes the waiter's stream wait for an event recorded after it. CUDA is faked
+    (streams, events, the CUDA-aware future), so that the logic runs without a GPU."""
+    import contextlib
+    from concurrent.futures import Future
+
+    from ringdp import backend
+
+    log, current = [], ["caller"]
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.device = name, "cuda:0"
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.name))
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = f"event{Event.made}"
+
+        def record(self, stream=None):
+            log.append(("record", self.name, stream.name if stream is not None else current[0]))
+
+    @contextlib.contextmanager
+    def on(stream):
+        prev, current[0] = current[0], stream.name
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    class TorchFuture:  # torch.futures.Future(devices=...) needs real CUDA devices
+        def __init__(self, devices=None):
+            self.value = None
+
+        def set_result(self, v):
+            log.append(("future", current[0]))
+            self.value = v
+
+        def set_exception(self, e):
+            self.value = e
+
+    class Part:  # a ringdp Work of a queued CUDA collective
+        def __init__(self):
+            self._future, self._cuda = Future(), (type("Ep", (), {"stream": Stream("ringdp")})(), None)
+
+        def wait(self):
+            log.append(("part wait", current[0]))
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.futures, "Future", TorchFuture)
+    part = Part()
+    work = backend.RingWork([part], ["out"], finalize=lambda: log.append(("copy-out", current[0])),
+                            cuda_devices=["cuda:0"])
+    current[0] = "worker"  # the worker thread completes the collective, its own stream current
+    part._future.set_result(None)
+    assert log == [("part wait", "caller"), ("copy-out", "caller"), ("record", "event1", "caller"),
+                   ("future", "caller")], log
+    current[0] = "waiter"
+    assert work.wait() is True
+    assert log[-1] == ("wait", "waiter", "event1"), log
+    assert work.is_completed() and work.is_success()
+
+
+def _pending_after_failed_enqueue(rank, world):
+    """A queued CUDA call whose set-up fails (here: the event) leaves nothing counted as
+    pending, so later synchronous calls still run inline (the latency path)."""
+    import ringdp
+
+    comm = ringdp.get_communicator()
+
+    class Event:
+        def record(self, stream=None):
+            raise RuntimeError("event failed")
+
+    torch.cuda.Event = Event  # (this rank process only)
+    torch.cuda.current_stream = lambda device=None: None
+    comm._cuda = type("Ep", (), {"stream": None, "kind": "ipc"})()  # a CUDA endpoint, faked
+    try:
+        comm._run_cuda("cuda:0", [], [], True, lambda ep, stream: None)
+        raised = None
+    except RuntimeError as e:
+        raised = str(e)
+    comm._cuda = None
+    pending = comm._pending
+    inline = comm._take_inline(False)
+    ringdp.all_reduce(torch.ones(4))  # still works
+    return raised, pending, inline
+
+
+def test_failed_cuda_enqueue_leaves_nothing_pending():
+    for raised, pending, inline in values(run_ranks(_pending_after_failed_enqueue, 2)):
+        assert raised == "event failed" and pending == 0 and inline
