@@ -786,3 +786,70 @@ def _pending_after_failed_enqueue(rank, world):
 def test_failed_cuda_enqueue_leaves_nothing_pending():
     for raised, pending, inline in values(run_ranks(_pending_after_failed_enqueue, 2)):
         assert raised == "event failed" and pending == 0 and inline
+
+
+def _cuda_call_paths(rank, world):
+    """Communicator._run_cuda with CUDA faked: a synchronous call with nothing queued runs on
+    the calling thread with the current stream, and makes no event and no record_stream; an
+    async one records `ready` on the current stream and every tensor on ringdp's stream (on
+    the calling thread), then on the worker ringdp's stream waits on `ready`, the collective
+    is enqueued on ringdp's stream and `done` recorded there; Work.wait() makes the waiter's
+    stream wait on `done`."""
+    import threading
+
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.cuda_stream = name, f"{name}-handle"
+
+        def wait_event(self, ev):
+            log.append(("wait", self.name, ev.name, threading.current_thread().name))
+
+    class Event:
+        made = 0
+
+        def __init__(self):
+            Event.made += 1
+            self.name = f"event{Event.made}"
+
+        def record(self, stream=None):
+            log.append(("record", self.name, stream.name, threading.current_thread().name))
+
+    class Tensor:
+        def record_stream(self, s):
+            log.append(("record_stream", s.name))
+
+    ringdp_stream = Stream("ringdp")
+    native = type("Native", (), {"check": lambda self: None})()
+    ep = type("Ep", (), {"stream": ringdp_stream, "kind": "ipc", "device": "cuda:0", "native": native})()
+    torch.cuda.Event = Event  # (this rank process only)
+    torch.cuda.current_stream = lambda device=None: Stream("current")
+    comm._cuda = ep
+
+    def enqueue(e, stream):
+        log.append(("enqueue", stream, threading.current_thread().name))
+
+    main = threading.current_thread().name
+    assert comm._run_cuda("cuda:0", [Tensor()], [], False, enqueue) is None
+    inline = list(log)
+    log.clear()
+    work = comm._run_cuda("cuda:0", [Tensor(), Tensor()], [], True, enqueue)
+    work.wait()
+    queued = list(log)
+    comm._cuda = None
+    return inline, queued, main
+
+
+def test_cuda_call_paths_inline_and_queued():
+    for inline, queued, main in values(run_ranks(_cuda_call_paths, 2)):
+        assert inline == [("enqueue", "current-handle", main)], inline
+        worker = next(e[-1] for e in queued if e[0] == "enqueue")
+        assert worker != main
+        assert queued == [("record", "event1", "current", main), ("record_stream", "ringdp"),
+                          ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
+                          ("enqueue", "ringdp-handle", worker), ("record", "event2", "ringdp", worker),
+                          ("wait", "current", "event2", main)], queued
