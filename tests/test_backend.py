@@ -685,24 +685,18 @@ def test_spans_hosts_falls_back_to_gloo(pool):
 
 
 # ================================================================ CUDA glue, on the CPU
-def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
-    """RingWork's CUDA copy-out (the list all_gather / reduce_scatter) runs on the stream
-    that was current where the call was made, whichever thread completes the work, and
-    wait() makes the waiter's stream wait for an event recorded after it. CUDA is faked
-    (streams, events, the CUDA-aware future), so that the logic runs without a GPU."""
-    import contextlib
-    from concurrent.futures import Future
-
-    from ringdp import backend
-
-    log, current = [], ["caller"]
+def _fake_cuda(log, current):
+    """(Stream, Event): fakes of torch.cuda's for the CPU tests of the CUDA glue. Every wait
+    and record goes into `log` as (what, names..., thread name); `current[0]` names the
+    stream that is current."""
+    import threading
 
     class Stream:
         def __init__(self, name):
-            self.name, self.device = name, "cuda:0"
+            self.name, self.device, self.cuda_stream = name, "cuda:0", f"{name}-handle"
 
         def wait_event(self, ev):
-            log.append(("wait", self.name, ev.name))
+            log.append(("wait", self.name, ev.name, threading.current_thread().name))
 
     class Event:
         made = 0
@@ -712,7 +706,27 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
             self.name = f"event{Event.made}"
 
         def record(self, stream=None):
-            log.append(("record", self.name, stream.name if stream is not None else current[0]))
+            log.append(("record", self.name, stream.name if stream is not None else current[0],
+                        threading.current_thread().name))
+
+    return Stream, Event
+
+
+def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
+    """RingWork's CUDA copy-out (the list all_gather / reduce_scatter) runs on the stream
+    that was current where the call was made, whichever thread completes the work, and
+    wait() makes the waiter's stream wait for an event recorded after it. CUDA is faked
+    (streams, events, the CUDA-aware future), so that the logic runs without a GPU."""
+    import contextlib
+    from concurrent.futures import Future
+
+    import threading
+
+    from ringdp import backend
+
+    log, current = [], ["caller"]
+    Stream, Event = _fake_cuda(log, current)
+    me = threading.current_thread().name
 
     @contextlib.contextmanager
     def on(stream):
@@ -749,11 +763,11 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
                             cuda_devices=["cuda:0"])
     current[0] = "worker"  # the worker thread completes the collective, its own stream current
     part._future.set_result(None)
-    assert log == [("part wait", "caller"), ("copy-out", "caller"), ("record", "event1", "caller"),
+    assert log == [("part wait", "caller"), ("copy-out", "caller"), ("record", "event1", "caller", me),
                    ("future", "caller")], log
     current[0] = "waiter"
     assert work.wait() is True
-    assert log[-1] == ("wait", "waiter", "event1"), log
+    assert log[-1] == ("wait", "waiter", "event1", me), log
     assert work.is_completed() and work.is_success()
 
 
@@ -801,23 +815,7 @@ def _cuda_call_paths(rank, world):
 
     comm = ringdp.get_communicator()
     log = []
-
-    class Stream:
-        def __init__(self, name):
-            self.name, self.cuda_stream = name, f"{name}-handle"
-
-        def wait_event(self, ev):
-            log.append(("wait", self.name, ev.name, threading.current_thread().name))
-
-    class Event:
-        made = 0
-
-        def __init__(self):
-            Event.made += 1
-            self.name = f"event{Event.made}"
-
-        def record(self, stream=None):
-            log.append(("record", self.name, stream.name, threading.current_thread().name))
+    Stream, Event = _fake_cuda(log, ["current"])
 
     class Tensor:
         def record_stream(self, s):
