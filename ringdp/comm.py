@@ -105,7 +105,7 @@ def _join_stream(cuda) -> None:
     """A CUDA collective, enqueued: raise what the device reported so far, and make the
     current stream wait for the collective's end (its event on ringdp's stream)."""
     endpoint, done = cuda
-    endpoint.native.check()
+    endpoint.check()
     torch.cuda.current_stream(endpoint.device).wait_event(done)
 
 
@@ -162,7 +162,7 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     exc = f.exception()
     if exc is None and cuda is not None:
         try:
-            cuda[0].native.check()
+            cuda[0].check()
         except BaseException as e:  # noqa: BLE001 -- handed to the waiter
             exc = e
     if exc is not None:
@@ -430,7 +430,7 @@ class Communicator:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between calls)."""
         spin = self._spins[on_worker]
         if spin != self._spin_set:
-            shm = self._shm if self._shm is not None else (self.across.shm if self.across is not None else None)
+            shm = self._shm if self._shm is not None else (self.across.inhost if self.across is not None else None)
             if shm is not None:
                 shm.spin_ns = spin
             self._spin_set = spin
@@ -485,7 +485,7 @@ class Communicator:
         t, code, forced, tag = self._prepare(tensor, lambda: self._check(tensor, op), timeout, algo, tag)
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
-            return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t)
+            return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t, tag)
         if self.across is not None:
             return self._submit(lambda: self.across.all_reduce(tensor, code, forced, t, tag), async_op,
                                 outputs=[tensor])
@@ -572,7 +572,10 @@ class Communicator:
         ep = self._cuda_endpoint(device)
         return policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
 
-    def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t):
+    def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t, tag):
+        if self._cuda_endpoint(tensor.device).hier is not None:  # across hosts in two levels (ringdp/hosts.py)
+            return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
+                                  lambda ep, stream: ep.hier.all_reduce_on(tensor, code, forced, t, tag, stream))
         a = self._cuda_algo(tensor.device, nbytes, forced)
         return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
                               lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t))
@@ -707,6 +710,13 @@ class Communicator:
         CrossHost.reject, the rejection itself not raising here: the caller raises `why`)."""
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
             ep = self._cuda_endpoint(tensor.device)
+            if ep.hier is not None and what == "all_reduce":  # its peers: in-host (IPC) and the call check
+                tag = _tags.tag
+                try:
+                    self._submit(lambda: ep.hier.reject(what, why, timeout_s, tag), async_op=False)
+                except RingError:
+                    pass
+                return
             self._submit(lambda: ep.native.reject(why), async_op=False)
         elif self._shm is not None:
             tag = _tags.tag
@@ -724,7 +734,7 @@ class Communicator:
         sizes = [int(s) for s in size]
         if device.type == "cuda":
             try:
-                return self._cuda_endpoint(device).native.empty(sizes, dtype)
+                return self._cuda_endpoint(device).arena.empty(sizes, dtype)
             except RingError as e:  # arena exhausted: callers fall back to ordinary memory
                 raise ValueError(str(e)) from None
         if device.type != "cpu":
@@ -742,11 +752,11 @@ class Communicator:
         None on the flat path across hosts (nothing in-host) or once closed."""
         if self._shm is not None:
             return self._shm
-        return self.across.shm if self.across is not None else None
+        return self.across.inhost if self.across is not None else None
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:
-            return self._cuda is not None and bool(self._cuda.native.is_registered(tensor))
+            return self._cuda is not None and bool(self._cuda.arena.is_registered(tensor))
         shm = self._cpu_arena()
         return tensor.device.type == "cpu" and shm is not None and bool(shm.is_registered(tensor))
 
@@ -754,7 +764,7 @@ class Communicator:
         """Wait for queued collectives (and, on CUDA, for ringdp's stream); raise failures."""
         self._submit(lambda: None, async_op=False)
         if self._cuda is not None:
-            self._cuda.native.synchronize()
+            self._cuda.synchronize()
 
     # ---- diagnosis ----------------------------------------------------------------------
     def flight_record(self) -> list[dict]:

@@ -9,9 +9,11 @@ import pathlib
 import socket
 
 import torch
+import torch.distributed as dist
 
-from . import policy
+from . import _types, policy
 from ._native import _C
+from .rendezvous import Rendezvous
 
 
 def nccl_library(cfg) -> str:
@@ -32,7 +34,10 @@ def nccl_library(cfg) -> str:
 
 
 class CudaEndpoint:
-    """One rank's CUDA transport (a csrc/cuda Comm) for one device, plus ringdp's stream."""
+    """One rank's CUDA transport (a csrc/cuda Comm) for one device, plus ringdp's stream.
+    Across hosts on the two-level path (policy.cuda_two_level) it also holds the CUDA
+    all-reduce's hierarchy (`hier`, a CUDA CrossHost of ringdp/hosts.py) and that one's two
+    endpoints: CUDA IPC among this host's ranks, NCCL among the ranks of this local rank."""
 
     def __init__(self, kind: str, native, device: torch.device):
         self.kind = kind  # "ipc" or "nccl"
@@ -40,18 +45,34 @@ class CudaEndpoint:
         self.device = device
         # The stream the transport enqueues on, for events and record_stream.
         self.stream = torch.cuda.ExternalStream(native.stream, device=device)
+        self.hier = None  # across hosts, two levels: the CUDA CrossHost of the all-reduce
+        self._parts: list[tuple["CudaEndpoint", object]] = []  # its endpoints, each with its Rendezvous
 
     @classmethod
     def create(cls, comm, device: torch.device) -> "CudaEndpoint":
-        """Create and connect the CUDA transport of Communicator `comm` for `device`.
-        Collective: every rank of the group calls it (on its first CUDA call)."""
+        """Create and connect the CUDA transport of Communicator `comm` for `device` (and,
+        across hosts in two levels, the hierarchy's). Collective: every rank of the group
+        calls it (on its first CUDA call)."""
         if not _C.WITH_CUDA:
             raise ValueError(f"rank {comm.rank}: ringdp was built without CUDA (build_info(): no cuda); "
                              "rebuild with a CUDA build of torch and nvcc, RINGDP_BUILD_CUDA=1")
+        kind = policy.transport_for(comm.hosts, comm.config)
+        ep = cls._connect(comm, kind, comm.rank, comm.world, comm.rendezvous, device)
+        try:
+            if policy.cuda_two_level(comm.cross_path, comm.config):
+                ep._two_level(comm)
+        except BaseException:
+            ep.close(None)
+            raise
+        return ep
+
+    @classmethod
+    def _connect(cls, comm, kind: str, rank: int, world: int, rendezvous, device) -> "CudaEndpoint":
+        """One native endpoint of `kind` for rank `rank` of `world`, connected through
+        `rendezvous` (collective among those ranks)."""
         cfg = comm.config
-        kind = policy.transport_for(comm.hosts, cfg)
         o = _C.CudaOptions()
-        o.kind, o.rank, o.world = kind, comm.rank, comm.world
+        o.kind, o.rank, o.world = kind, rank, world
         o.device = device.index if device.index is not None else torch.cuda.current_device()
         o.timeout_s = comm.timeout
         o.slot_bytes, o.slots, o.channels = cfg.cuda_slot_bytes, cfg.cuda_slots, cfg.cuda_channels
@@ -64,15 +85,126 @@ class CudaEndpoint:
             if cfg.nccl_hostid_per_rank:  # tests and benchmarks: several ranks on one GPU
                 os.environ["NCCL_HOSTID"] = f"{socket.gethostname()}-ringdp-r{comm.rank}"
         native = _C.cuda_create(o)
-        native.connect(comm.rendezvous.exchange(f"cuda-{kind}", native.local_blob(), f"the CUDA {kind} records"))
+        native.connect(rendezvous.exchange(f"cuda-{kind}", native.local_blob(), f"the CUDA {kind} records"))
         return cls(kind, native, torch.device("cuda", o.device))
 
+    def _two_level(self, comm) -> None:
+        """The all-reduce across hosts in two levels (policy.cuda_two_level): CUDA IPC among
+        this host's ranks, ringdp's NCCL transport among the ranks with this local rank (one
+        per host, as the CPU path's gloo group), each through a Rendezvous of its own. NCCL
+        carries the cross-host step through ringdp's transport rather than a torch.distributed
+        nccl group: its failures are RingErrors within ringdp's timeout (torch's NCCL watchdog
+        ends the process on a timeout by default) and it is ordered on streams as the IPC
+        steps are, without a host wait."""
+        across = comm.across
+        prefix = comm.rendezvous._prefix
+        host = Rendezvous(f"{prefix}cuda-host{across.host_index}/", comm.local_rank, comm.local_size, comm.timeout,
+                          store=comm._store)
+        me = across.cross_ranks.index(comm.rank)
+        net = Rendezvous(f"{prefix}cuda-local{comm.local_rank}/", me, len(across.cross_ranks), comm.timeout,
+                         store=comm._store)
+        inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device)
+        self._parts.append((inhost, host))
+        between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
+        self._parts.append((between, net))
+        self.hier = across.on_cuda(_InHost(inhost), _Across(between, torch.cuda.Stream(self.device)), self.device)
+
+    @property
+    def arena(self):
+        """The native endpoint whose registered memory (ringdp.empty) the all-reduce reads in
+        place: this host's IPC endpoint across hosts in two levels, else this one."""
+        return self._parts[0][0].native if self.hier is not None else self.native
+
+    def check(self) -> None:
+        """Raise what the device reported so far (a RingError), on any of this endpoint's transports."""
+        self.native.check()
+        for ep, _ in self._parts:
+            ep.native.check()
+
+    def synchronize(self) -> None:
+        """Wait for everything queued on this endpoint's transports; raise their failures."""
+        self.native.synchronize()
+        for ep, _ in self._parts:
+            ep.native.synchronize()
+
     def close(self, rendezvous) -> None:
-        """Collective teardown: drain, drop peers' mappings, barrier, free own memory.
+        """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
+        hierarchy's endpoints after this one, each with its own peers).
         `rendezvous` None (the process group was destroyed): no barrier, local teardown."""
+        parts, self._parts, self.hier = self._parts, [], None
         try:
             self.native.quiesce()
             if rendezvous is not None:
                 rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
         finally:
             self.native.destroy()
+            for ep, rdv in parts:
+                ep.close(rdv if rendezvous is not None else None)
+
+
+class _InHost:
+    """This host's CUDA IPC endpoint in the shared-memory endpoint's call shape (what
+    ringdp/hosts.py's in-host steps call), each call ordered on the current stream."""
+
+    def __init__(self, ep: CudaEndpoint):
+        self.ep, self.native = ep, ep.native
+
+    @property
+    def oneshot_bytes(self) -> int:
+        return self.native.oneshot_bytes
+
+    def _stream(self) -> int:
+        return torch.cuda.current_stream(self.ep.device).cuda_stream
+
+    def reduce_scatter(self, output, input, op, algo, timeout_s, tag="") -> None:
+        self.native.reduce_scatter_tensor(output, input, op, self._stream(), algo, timeout_s)
+
+    def all_gather(self, output, input, algo, timeout_s, tag="") -> None:
+        self.native.all_gather_tensor(output, input, self._stream(), algo, timeout_s)
+
+    def all_reduce(self, tensor, op, algo, timeout_s, tag="") -> None:
+        self.native.all_reduce_tensor(tensor, op, self._stream(), algo, timeout_s)
+
+    def broadcast(self, tensor, root, algo, timeout_s, tag="") -> None:
+        self.native.broadcast_tensor(tensor, root, self._stream(), algo, timeout_s)
+
+    def reject(self, why: str, timeout_s=None, tag="") -> None:
+        self.native.reject(why)
+
+
+class _Across:
+    """ringdp's NCCL endpoint between hosts in the shape of a gloo group's allreduce (what
+    ringdp/hosts.py's cross-host step calls), ordered as torch's NCCL collectives are: on a
+    side stream that first waits for the current stream; the returned work's wait() makes
+    the current stream wait for it. So the next piece's in-host step, enqueued before that
+    wait, runs beside it."""
+
+    def __init__(self, ep: CudaEndpoint, side: torch.cuda.Stream):
+        self.ep, self.side = ep, side
+        self.timeout_s = 0.0  # the call's (CrossHost.all_reduce_on); 0: the endpoint's
+
+    def allreduce(self, tensors, opts) -> "_StreamWork":
+        (tensor,) = tensors
+        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
+        self.ep.native.all_reduce_tensor(tensor, _op_code(opts.reduceOp), self.side.cuda_stream,
+                                         policy.ALGO_CODES[policy.RING], self.timeout_s)
+        done = torch.cuda.Event()
+        done.record(self.side)
+        return _StreamWork(done, self.ep.device)
+
+
+class _StreamWork:
+    def __init__(self, done, device):
+        self.done, self.device = done, device
+
+    def wait(self, timeout=None) -> bool:
+        torch.cuda.current_stream(self.device).wait_event(self.done)
+        return True
+
+
+def _op_code(reduce_op) -> int:
+    """ringdp's op code of a torch ReduceOp among SUM, MIN, MAX (what the cross-host step gets)."""
+    for code, op in ((_types.SUM, dist.ReduceOp.SUM), (_types.MIN, dist.ReduceOp.MIN), (_types.MAX, dist.ReduceOp.MAX)):
+        if reduce_op == op:
+            return code
+    raise ValueError(f"the cross-host CUDA step reduces SUM, MIN or MAX, not {reduce_op}")

@@ -49,6 +49,7 @@ since a backend's group is a bare ProcessGroupGloo that torch.distributed does n
 """
 from __future__ import annotations
 
+import copy
 import functools
 import zlib
 from datetime import timedelta
@@ -84,7 +85,7 @@ def _gloo_opts(cls, **fields):
 class CrossHost:
     """The cross-host part of one communicator (module doc)."""
 
-    def __init__(self, comm, path: str, shm, cross, cross_ranks: list[int]):
+    def __init__(self, comm, path: str, inhost, cross, cross_ranks: list[int]):
         self.rank, self.world, self.config = comm.rank, comm.world, comm.config
         self.hosts, self.host_order = comm.hosts, comm.host_order  # every rank's host key; hosts by first rank
         self.by_host = _by_host(comm)  # each host's ranks, hosts in host order
@@ -98,9 +99,15 @@ class CrossHost:
         self._host_rank_index = ([torch.tensor(ranks) for ranks in self.by_host] if path == policy.LEADERS
                                  else None)
         self.path = path
-        self.shm = shm  # this host's shared-memory endpoint
-        self.cross = cross  # the gloo group of this rank's cross-host step
+        self.inhost = inhost  # this host's endpoint: shared memory (CPU), CUDA IPC (a CUDA CrossHost)
+        self.cross = cross  # the gloo group of this rank's cross-host step (a CUDA CrossHost: NCCL)
         self.cross_ranks = cross_ranks  # its members (ranks of the communicator's group)
+        self.checker = cross  # the gloo group of its call check (the same members; host memory rows)
+        self.net_name = "gloo"  # what carries the cross-host step, for messages
+        self.device = torch.device("cpu")  # where the tensors and the scratch buffers are
+        self.host_kind = "shm"  # the in-host transport, for policy.oneshot_threshold
+        self.fuse = True  # an all-reduce's data may go with the call check (host memory only)
+        self.stream = None  # a CUDA CrossHost: the stream its own work runs on (all_reduce_on)
         self.host_index = comm.host_order.index(comm.host_key)  # this rank's host: by_host[host_index]
         self.whole = cross if path == policy.FLAT else None  # the gloo group of every rank (the flat path's)
         # scratch buffers by role (_scratch: grow, reused): a fresh buffer's first touch costs
@@ -131,12 +138,12 @@ class CrossHost:
             members, name = [ranks[comm.local_rank] for ranks in by_host], f"local{comm.local_rank}"
         else:  # LEADERS: the first rank of every host
             members, name = ([ranks[0] for ranks in by_host] if comm.local_rank == 0 else []), "leaders"
-        shm = None
+        inhost = None
         if path != policy.FLAT and comm.local_size > 1:
             k = comm.host_order.index(comm.host_key)
             rdv = Rendezvous(f"{comm.rendezvous._prefix}host{k}/", comm.local_rank, comm.local_size, comm.timeout,
                              store=comm._store)
-            shm = comm._connect_shm(rdv)
+            inhost = comm._connect_shm(rdv)
         def gloo_group(members, name):
             timeout = timedelta(seconds=comm.timeout)
             if comm._backend:
@@ -154,12 +161,45 @@ class CrossHost:
             # different numbers would name their next common group differently and wait for
             # each other until the timeout (another communicator's, or the user's own).
             gloo_group([comm.rank], f"alone{comm.rank}")
-        return cls(comm, path, shm, cross, members if members else [])
+        return cls(comm, path, inhost, cross, members if members else [])
 
     def close(self) -> None:
         """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
-        self.shm = self.cross = self.whole = None
+        self.inhost = self.cross = self.checker = self.whole = None
         self._buffers.clear()
+
+    def on_cuda(self, inhost, net, device: torch.device) -> "CrossHost":
+        """The TWO_LEVEL all-reduce of this communicator for CUDA tensors on `device`
+        (ringdp/cuda_comm.py makes it with the CUDA endpoint; policy.cuda_two_level): the
+        same algorithm and call check (in the same gloo check group, rows in host memory),
+        with `inhost`, this host's CUDA IPC transport in the shared-memory endpoint's call
+        shape, for the in-host steps and `net`, a cross-host NCCL transport in a gloo group's
+        allreduce shape, for the cross-host step. No data with the call check (the rows are
+        host memory: a copy to the host would synchronise). Run by all_reduce_on."""
+        if self.path != policy.TWO_LEVEL:
+            raise ValueError(f"rank {self.rank}: the CUDA two-level all-reduce needs hosts of one size, path {self.path}")
+        c = copy.copy(self)
+        c.inhost, c.cross, c.device = inhost, net, device
+        c.net_name, c.host_kind, c.fuse = "NCCL", "ipc", False
+        c._buffers = {}
+        c._reasons = f"{self._reasons}cuda/"  # its own failure numbers: keys apart from the CPU ones
+        c.fused_calls = 0
+        c.stream = torch.cuda.Stream(device)
+        return c
+
+    def all_reduce_on(self, tensor, code, forced, t, tag, stream: int) -> None:
+        """A CUDA CrossHost's all_reduce, ordered on the CUDA stream `stream` (the caller's,
+        or ringdp's on the worker) as the transports' calls are: its own stream waits for
+        `stream`, every step is ordered on it (the cross-host step on `net`'s side stream,
+        beside the next piece's in-host step), and `stream` waits for it at the end; no
+        host synchronisation but the call check. One stream for every call keeps the
+        reused scratch buffers in order across callers' streams."""
+        caller = torch.cuda.ExternalStream(stream, device=self.device)
+        self.stream.wait_stream(caller)
+        self.cross.timeout_s = t
+        with torch.cuda.stream(self.stream):
+            self.all_reduce(tensor, code, forced, t, tag)
+        caller.wait_stream(self.stream)
 
     # ---- all_reduce ------------------------------------------------------------------------
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
@@ -171,10 +211,10 @@ class CrossHost:
         begin = functools.partial(self._begin, "all_reduce", tensor, code, 0, t, tag)
         if n == 0:  # the first in-host step and the call check still run: a rank with another count fails at once
             step, ring = None, policy.ALGO_CODES[policy.RING]
-            if self.shm is not None:  # the same kind of step as a non-empty call's
+            if self.inhost is not None:  # the same kind of step as a non-empty call's
                 two = self.path == policy.TWO_LEVEL
-                step = (functools.partial(self.shm.reduce_scatter, flat, flat, red, ring, t, tag) if two
-                        else functools.partial(self.shm.all_reduce, flat, red, ring, t, tag))
+                step = (functools.partial(self.inhost.reduce_scatter, flat, flat, red, ring, t, tag) if two
+                        else functools.partial(self.inhost.all_reduce, flat, red, ring, t, tag))
             begin(step)
             return
         if self.path == policy.TWO_LEVEL:
@@ -222,15 +262,15 @@ class CrossHost:
             m = min(per, blk - off)
             piece = full[off * L:(off + m) * L]
             mine = piece[lr * m:(lr + 1) * m]
-            step = functools.partial(self.shm.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
+            step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
             rows = None
             if off == 0:  # (one piece: its block may go with the call check)
-                rows = begin(step, mine if per >= blk else None)
+                rows = begin(step, mine if per >= blk and self.fuse else None)
             else:
                 step()
             if rows is not None:
                 _reduce_rows(mine, rows, red)
-            work = None if rows is not None else self._gloo_start(mine, dop, t, self.shm, tag)
+            work = None if rows is not None else self._gloo_start(mine, dop, t, self.inhost, tag)
             if pending is not None:
                 self._gather_piece(*pending, avg, forced, t, tag)
             pending = (work, mine, piece)
@@ -249,8 +289,8 @@ class CrossHost:
         pending = None
         for off in range(0, n, per):
             piece = flat[off:off + per]
-            step = (functools.partial(self.shm.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
-                    if self.shm is not None else None)
+            step = (functools.partial(self.inhost.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
+                    if self.inhost is not None else None)
             rows = None
             if off == 0:  # (one piece: it may go with the leaders' call check)
                 rows = begin(step, piece if per >= n and self.cross is not None else None)
@@ -260,7 +300,7 @@ class CrossHost:
             if rows is not None:
                 _reduce_rows(piece, rows, red)
             elif self.cross is not None:
-                work = self._gloo_start(piece, dop, t, self.shm, tag)
+                work = self._gloo_start(piece, dop, t, self.inhost, tag)
             if pending is not None:
                 self._spread_piece(*pending, avg, forced, t, tag)
             pending = (work, piece)
@@ -268,18 +308,18 @@ class CrossHost:
 
     def _spread_piece(self, work, piece, avg, forced, t, tag) -> None:
         if work is not None:
-            self._gloo_wait(work, t, self.shm, tag)
-        if self.shm is not None:
-            self.shm.broadcast(piece, 0, self._host_algo(piece, forced), t, tag)
+            self._gloo_wait(work, t, self.inhost, tag)
+        if self.inhost is not None:
+            self.inhost.broadcast(piece, 0, self._host_algo(piece, forced), t, tag)
         if avg:
             piece.div_(self.world)
 
     def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
         if work is not None:  # (None: the block went with the call check)
-            self._gloo_wait(work, t, self.shm, tag)
+            self._gloo_wait(work, t, self.inhost, tag)
         if avg:
             mine.div_(self.world)
-        self.shm.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
+        self.inhost.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
 
     # ---- reduce_scatter, all_gather, broadcast -----------------------------------------------
     # TWO_LEVEL (H hosts of L ranks): the cross-host group of local rank l holds, in host
@@ -306,12 +346,12 @@ class CrossHost:
         n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
         blocks = input.reshape(self.world, n)
 
-        def scatter(group, result, send, me, ranks=None, shm=None):
+        def scatter(group, result, send, me, ranks=None, tell=None):
             """The cross-host step: `result` = block `me` of `send` reduced over `group`."""
             if rows is not None:
                 _reduce_rows(result, [x[me * result.numel():(me + 1) * result.numel()] for x in rows], red)
             elif n:
-                self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, shm, tag,
+                self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, tell, tag,
                              ranks)
 
         if self.path == policy.FLAT:
@@ -324,14 +364,14 @@ class CrossHost:
             seg = self._segment_elements(n)
             leader = self.cross is not None and n > 0
             padded = self._scratch("segments", len(self.by_host) * seg, output.dtype) if leader else None
-            step = None if self.shm is None else functools.partial(
-                self.shm.all_reduce, summed, red, self._host_algo(summed, forced), t, tag)
+            step = None if self.inhost is None else functools.partial(
+                self.inhost.all_reduce, summed, red, self._host_algo(summed, forced), t, tag)
             rows = self._begin("reduce_scatter", output, code, 0, t, tag, step, functools.partial(
                 self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
             if n:
                 mine = self._scratch("segment", seg, output.dtype)
                 if leader:
-                    scatter(self.cross, mine, padded, self.host_index, shm=self.shm)
+                    scatter(self.cross, mine, padded, self.host_index, tell=self.inhost)
                 self._host_broadcast(mine[:self.local_size * n], 0, forced, t, tag)
                 out.copy_(mine[self.local_rank * n:(self.local_rank + 1) * n])
         else:
@@ -339,8 +379,8 @@ class CrossHost:
             torch.index_select(blocks, 0, self._by_local_then_host, out=ordered.view(self.world, n))
             part = self._scratch("segment", len(self.host_order) * n, output.dtype)
             rows = self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
-                self.shm.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag), part)
-            scatter(self.cross, out, part, self.host_index, shm=self.shm)
+                self.inhost.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag), part)
+            scatter(self.cross, out, part, self.host_index, tell=self.inhost)
         if code == _types.AVG:
             out.div_(self.world)
 
@@ -354,13 +394,13 @@ class CrossHost:
         n = input.numel()
         mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
 
-        def gather(group, result, send, ranks=None, shm=None):
+        def gather(group, result, send, ranks=None, tell=None):
             """The cross-host step: `result` = every member's `send`, in member order."""
             if rows is not None:
                 for k, x in enumerate(rows):
                     result[k * send.numel():(k + 1) * send.numel()].copy_(x)
             elif n:
-                self._across("all_gather", lambda: group._allgather_base(result, send, opts), t, shm, tag, ranks)
+                self._across("all_gather", lambda: group._allgather_base(result, send, opts), t, tell, tag, ranks)
 
         if self.path == policy.FLAT:
             rows = self._begin("all_gather", input, -1, 0, t, tag, None, mine)
@@ -370,17 +410,17 @@ class CrossHost:
             seg = self._segment_elements(n)
             host = self._scratch("segment", seg, input.dtype)
             part = host[:self.local_size * n]
-            if self.shm is None:
+            if self.inhost is None:
                 part.copy_(mine)
             host[part.numel():].zero_()
-            rows = self._begin("all_gather", input, -1, 0, t, tag, None if self.shm is None else functools.partial(
-                self.shm.all_gather, part, mine, self._host_algo(part, forced), t, tag),
+            rows = self._begin("all_gather", input, -1, 0, t, tag, None if self.inhost is None else functools.partial(
+                self.inhost.all_gather, part, mine, self._host_algo(part, forced), t, tag),
                 host if self.cross is not None else None)
             if n == 0:
                 return
             if self.cross is not None:
                 every = self._scratch("segments", len(self.by_host) * seg, input.dtype)
-                gather(self.cross, every, host, shm=self.shm)
+                gather(self.cross, every, host, tell=self.inhost)
                 blocks = out.view(self.world, n)
                 for k, index in enumerate(self._host_rank_index):
                     blocks.index_copy_(0, index, every[k * seg:k * seg + index.numel() * n].view(-1, n))
@@ -390,9 +430,9 @@ class CrossHost:
         if n == 0:
             return
         across = self._scratch("segment", len(self.host_order) * n, input.dtype)
-        gather(self.cross, across, mine, shm=self.shm)
+        gather(self.cross, across, mine, tell=self.inhost)
         full = self._scratch("segments", self.world * n, input.dtype)
-        self.shm.all_gather(full, across, self._host_algo(across, forced), t, tag)
+        self.inhost.all_gather(full, across, self._host_algo(across, forced), t, tag)
         out.view(self.world, n).index_copy_(0, self._by_local_then_host, full.view(self.world, n))
 
     def broadcast(self, tensor, src, forced, t, tag) -> None:
@@ -422,12 +462,12 @@ class CrossHost:
                     flat.copy_(rows[k_src])
             elif flat.numel():
                 opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
-                self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.shm, tag)
+                self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.inhost, tag)
 
         if self.path == policy.LEADERS:
             on_src_host = k_src == self.host_index
-            first = (functools.partial(self.shm.broadcast, flat, lr_src, self._host_algo(flat, forced), t, tag)
-                     if on_src_host and self.shm is not None else self._host_agree(t, tag))
+            first = (functools.partial(self.inhost.broadcast, flat, lr_src, self._host_algo(flat, forced), t, tag)
+                     if on_src_host and self.inhost is not None else self._host_agree(t, tag))
             rows = self._begin("broadcast", tensor, -1, src, t, tag, first, flat if self.cross is not None else None)
             if flat.numel() == 0:
                 return
@@ -435,7 +475,7 @@ class CrossHost:
                 across()
             if not on_src_host:
                 self._host_broadcast(flat, 0, forced, t, tag)
-            elif self.shm is not None:
+            elif self.inhost is not None:
                 self._host_agree(t, tag)()
             return
         carries = self.local_rank == lr_src  # (the other local ranks' cross groups move nothing)
@@ -444,7 +484,7 @@ class CrossHost:
             return
         if carries:
             across()
-        self.shm.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
+        self.inhost.broadcast(flat, lr_src, self._host_algo(flat, forced), t, tag)
 
     def _host_segments(self, padded, blocks, seg: int):
         """LEADERS: `padded` = `blocks` (a row per rank) in host segments of `seg` elements,
@@ -463,7 +503,7 @@ class CrossHost:
         nbytes = numel * dtype.itemsize
         buf = self._buffers.get(role)
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[role] = torch.empty(max(nbytes, 64), dtype=torch.uint8)
+            buf = self._buffers[role] = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
         return buf[:nbytes].view(dtype)
 
     def _segment_elements(self, n: int) -> int:
@@ -473,8 +513,8 @@ class CrossHost:
 
     def _host_broadcast(self, tensor, root: int, forced, t, tag) -> None:
         """Broadcast `tensor` inside this host from local rank `root` (nothing alone on it)."""
-        if self.shm is not None:
-            self.shm.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
+        if self.inhost is not None:
+            self.inhost.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
     def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> list | None:
@@ -515,8 +555,8 @@ class CrossHost:
         data, so that every peer fails at once naming this rank and `why`: this host's peers
         in the call's first in-host step (a rejected call), every other rank through the call
         check (a FAILED row, `why` in the store)."""
-        if self.shm is not None:  # (every call with a host endpoint starts in-host)
-            self.shm.reject(why[:400], t, tag)
+        if self.inhost is not None:  # (every call with a host endpoint starts in-host)
+            self.inhost.reject(why[:400], t, tag)
         group, ranks = self._check_group()
         if group is not None:
             self._check(what, None, 0, 0, t, tag, group, ranks, f"rank {self.rank} rejected its input: {why}").wait()
@@ -525,15 +565,15 @@ class CrossHost:
         """(gloo group, its ranks) of this rank's call check: its cross-host group (the whole
         group on the flat path; the leaders' on uneven hosts: (None, None) for a rank not in
         it, its leader checks for the host)."""
-        return (self.cross, self.cross_ranks) if self.cross is not None else (None, None)
+        return (self.checker, self.cross_ranks) if self.checker is not None else (None, None)
 
     def _host_agree(self, t, tag):
         """A header-only in-host call (no data: every rank of the host at the same call, none
         rejected), the first in-host step of the collectives whose data crosses hosts first;
         None for a rank alone on its host."""
-        if self.shm is None:
+        if self.inhost is None:
             return None
-        return functools.partial(self.shm.broadcast, torch.empty(0), 0, policy.ALGO_CODES[policy.RING], t, tag)
+        return functools.partial(self.inhost.broadcast, torch.empty(0), 0, policy.ALGO_CODES[policy.RING], t, tag)
 
     def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
                payload=None) -> "_Check":
@@ -573,7 +613,7 @@ class CrossHost:
         # uneven path's non-leaders, in no check). Each of them then spends the call after
         # the step alike: rejecting it, or having it rejected. The flat path has no in-host
         # step, and no host endpoint to tell.
-        tell = self.shm
+        tell = self.inhost
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks)
@@ -589,56 +629,56 @@ class CrossHost:
 
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
-        cap = self.shm.oneshot_bytes
-        threshold = policy.oneshot_threshold("shm", self.local_size, self.config, cap)
+        cap = self.inhost.oneshot_bytes
+        threshold = policy.oneshot_threshold(self.host_kind, self.local_size, self.config, cap)
         return policy.ALGO_CODES[policy.choose_algo(tensor.numel() * tensor.element_size(), forced, threshold, cap)]
 
     # Every gloo step goes through _start and _wait (or both: _across): a failure (a peer host
     # died, a timeout) is a RingError naming the gloo group's ranks (`ranks`, default: the
-    # cross-host group's), and this host's peers (`shm`, waiting in the next in-host step)
+    # cross-host group's), and this host's peers (`tell`, waiting in the next in-host step)
     # are told at once by a rejected call (_fail).
-    def _gloo(self, tensor, dop, timeout_s: float, shm=None, tag: str = "") -> None:
+    def _gloo(self, tensor, dop, timeout_s: float, tell=None, tag: str = "") -> None:
         """All-reduce `tensor` on this rank's gloo group across hosts."""
-        self._wait("all-reduce", self._gloo_start(tensor, dop, timeout_s, shm, tag), timeout_s, shm, tag)
+        self._wait("all-reduce", self._gloo_start(tensor, dop, timeout_s, tell, tag), timeout_s, tell, tag)
 
-    def _gloo_start(self, tensor, dop, timeout_s: float, shm=None, tag: str = ""):
+    def _gloo_start(self, tensor, dop, timeout_s: float, tell=None, tag: str = ""):
         """Start the gloo all-reduce of `tensor` across hosts (wait: _gloo_wait)."""
         opts = _gloo_opts(dist.AllreduceOptions, reduceOp=dop)
-        return self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, shm, tag)
+        return self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
 
-    def _gloo_wait(self, work, timeout_s: float, shm=None, tag: str = "") -> None:
-        self._wait("all-reduce", work, timeout_s, shm, tag)
+    def _gloo_wait(self, work, timeout_s: float, tell=None, tag: str = "") -> None:
+        self._wait("all-reduce", work, timeout_s, tell, tag)
 
-    def _across(self, what: str, start, timeout_s: float, shm=None, tag: str = "", ranks=None) -> None:
+    def _across(self, what: str, start, timeout_s: float, tell=None, tag: str = "", ranks=None) -> None:
         """Run one gloo collective across hosts: start() issues it through the group's own
         method (module doc) and returns its Work."""
-        self._wait(what, self._start(what, start, timeout_s, shm, tag, ranks), timeout_s, shm, tag, ranks)
+        self._wait(what, self._start(what, start, timeout_s, tell, tag, ranks), timeout_s, tell, tag, ranks)
 
-    def _start(self, what: str, start, timeout_s: float, shm, tag: str, ranks=None):
+    def _start(self, what: str, start, timeout_s: float, tell, tag: str, ranks=None):
         try:
             return start()
         except Exception as e:  # noqa: BLE001
-            self._gloo_failed(e, timeout_s, shm, tag, what, ranks)
+            self._gloo_failed(e, timeout_s, tell, tag, what, ranks)
 
-    def _wait(self, what: str, work, timeout_s: float, shm, tag: str, ranks=None) -> None:
+    def _wait(self, what: str, work, timeout_s: float, tell, tag: str, ranks=None) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, shm, tag, what, ranks)
+            self._gloo_failed(e, timeout_s, tell, tag, what, ranks)
 
-    def _gloo_failed(self, e, timeout_s, shm, tag, what, ranks=None):
+    def _gloo_failed(self, e, timeout_s, tell, tag, what, ranks=None):
         first = str(e).splitlines()[0] if str(e) else ""
         ranks = self.cross_ranks if ranks is None else ranks
-        self._fail(f"rank {self.rank}: the {what} across hosts (gloo, ranks {ranks} of the group) "
+        self._fail(f"rank {self.rank}: the {what} across hosts ({self.net_name}, ranks {ranks} of the group) "
                    f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
-                   f"{type(e).__name__}: {first}", shm, timeout_s, tag)
+                   f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
     @staticmethod
-    def _fail(msg: str, shm, timeout_s: float, tag: str):
-        """Tell this host's peers (`shm`: reject their next in-host call), then raise."""
-        if shm is not None:
+    def _fail(msg: str, tell, timeout_s: float, tag: str):
+        """Tell this host's peers (`tell`: reject their next in-host call), then raise."""
+        if tell is not None:
             try:
-                shm.reject(msg[:400], timeout_s, tag)
+                tell.reject(msg[:400], timeout_s, tag)
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
         raise RingError(msg) from None

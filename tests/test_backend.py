@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import run_ranks, values
+from _fake_cuda import fake_cuda, on_stream
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -685,39 +686,11 @@ def test_spans_hosts_falls_back_to_gloo(pool):
 
 
 # ================================================================ CUDA glue, on the CPU
-def _fake_cuda(log, current):
-    """(Stream, Event): fakes of torch.cuda's for the CPU tests of the CUDA glue. Every wait
-    and record goes into `log` as (what, names..., thread name); `current[0]` names the
-    stream that is current."""
-    import threading
-
-    class Stream:
-        def __init__(self, name):
-            self.name, self.device, self.cuda_stream = name, "cuda:0", f"{name}-handle"
-
-        def wait_event(self, ev):
-            log.append(("wait", self.name, ev.name, threading.current_thread().name))
-
-    class Event:
-        made = 0
-
-        def __init__(self):
-            Event.made += 1
-            self.name = f"event{Event.made}"
-
-        def record(self, stream=None):
-            log.append(("record", self.name, stream.name if stream is not None else current[0],
-                        threading.current_thread().name))
-
-    return Stream, Event
-
-
 def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     """RingWork's CUDA copy-out (the list all_gather / reduce_scatter) runs on the stream
     that was current where the call was made, whichever thread completes the work, and
     wait() makes the waiter's stream wait for an event recorded after it. CUDA is faked
     (streams, events, the CUDA-aware future), so that the logic runs without a GPU."""
-    import contextlib
     from concurrent.futures import Future
 
     import threading
@@ -725,16 +698,9 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     from ringdp import backend
 
     log, current = [], ["caller"]
-    Stream, Event = _fake_cuda(log, current)
+    Stream, Event = fake_cuda(log, current)
     me = threading.current_thread().name
-
-    @contextlib.contextmanager
-    def on(stream):
-        prev, current[0] = current[0], stream.name
-        try:
-            yield
-        finally:
-            current[0] = prev
+    on = on_stream(current)
 
     class TorchFuture:  # torch.futures.Future(devices=...) needs real CUDA devices
         def __init__(self, devices=None):
@@ -815,7 +781,7 @@ def _cuda_call_paths(rank, world):
 
     comm = ringdp.get_communicator()
     log = []
-    Stream, Event = _fake_cuda(log, ["current"])
+    Stream, Event = fake_cuda(log, ["current"])
 
     class Tensor:
         def record_stream(self, s):
@@ -823,7 +789,8 @@ def _cuda_call_paths(rank, world):
 
     ringdp_stream = Stream("ringdp")
     native = type("Native", (), {"check": lambda self: None})()
-    ep = type("Ep", (), {"stream": ringdp_stream, "kind": "ipc", "device": "cuda:0", "native": native})()
+    ep = type("Ep", (), {"stream": ringdp_stream, "kind": "ipc", "device": "cuda:0", "native": native, "hier": None,
+                         "check": lambda self: None})()
     torch.cuda.Event = Event  # (this rank process only)
     torch.cuda.current_stream = lambda device=None: Stream("current")
     comm._cuda = ep

@@ -52,7 +52,7 @@ def _ringdp_world(rank, world, hosts, timeout=60, hierarchy=None):
 
 def _host_calls(comm) -> int:
     """Calls made so far on this rank's host-local shared-memory endpoint (0: none)."""
-    shm = comm.across.shm if comm.across is not None else None
+    shm = comm.across.inhost if comm.across is not None else None
     if shm is None:
         return 0
     calls = shm.calls
@@ -64,7 +64,7 @@ def _calls_per_all_reduce(comm, n: int) -> int:
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
     with several); n = 0: the header-only agreement before the call check (ringdp/hosts.py);
     flat or alone on a host: none."""
-    if comm.across is None or comm.across.shm is None:
+    if comm.across is None or comm.across.inhost is None:
         return 0
     return 1 if n == 0 else 2
 
@@ -104,7 +104,7 @@ def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
     cross = comm.across.cross if comm.across is not None else None
     out = {"path": comm.cross_path, "local": (comm.local_rank, comm.local_size), "bad": bad,
            "digests": digests, "same_everywhere": all(d == mine for d in everyone),
-           "host_shm": comm.across is not None and comm.across.shm is not None,
+           "host_shm": comm.across is not None and comm.across.inhost is not None,
            "matrix_calls": matrix_calls, "want_calls": want_calls,
            "extra_calls": extra_calls, "shm": comm.shm is not None,
            "cross": None if cross is None else (type(cross).__name__, comm.across.cross_ranks,

@@ -327,6 +327,123 @@ def test_ringddp_on_two_hosts():
     test_ddp._check_train(res, 1e-5)
 
 
+# ---- the CUDA two-level all-reduce's Python on the CPU: CUDA faked (tests/_fake_cuda.py) ----
+def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
+    """CrossHost.on_cuda's all-reduce (what a CUDA tensor across hosts runs: ringdp/cuda_comm.py)
+    with the CUDA transports faked over CPU ones: its in-host endpoint (cuda_comm._InHost) over
+    a native whose calls run on this host's real shared-memory endpoint, its cross-host one
+    (cuda_comm._Across) over a native whose all-reduce runs on the real gloo group of this
+    local rank, and torch.cuda's streams and events logging. So the algorithm, the adapters'
+    arguments (blocks, counts, op codes, streams) and the stream order run for real; the
+    GPU transports themselves are tests/test_cuda.py's."""
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = str(piece_bytes)
+    c = _as_host(rank, hosts)
+    from _closed_form import all_reduce_matrix, expected, value
+    from _fake_cuda import install
+
+    from ringdp import _types, cuda_comm
+    from ringdp._native import RingError
+
+    log, current = [], ["caller"]
+    install(torch, log, current)
+    shm, gloo = c.across.inhost, c.across.cross
+    ops = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
+
+    class Ipc:  # this host's CUDA IPC endpoint: the shared-memory one does the work
+        oneshot_bytes = shm.oneshot_bytes
+
+        def reduce_scatter_tensor(self, out, inp, op, stream, algo, timeout_s):
+            log.append(("ipc reduce_scatter", stream, out.numel(), inp.numel()))
+            shm.reduce_scatter(out, inp, op, algo, timeout_s, "")
+
+        def all_gather_tensor(self, out, inp, stream, algo, timeout_s):
+            log.append(("ipc all_gather", stream, out.numel(), inp.numel()))
+            shm.all_gather(out, inp, algo, timeout_s, "")
+
+        def reject(self, why):
+            log.append(("ipc reject",))
+            shm.reject(why, 60, "")
+
+    class Nccl:  # the NCCL endpoint of this local rank's ranks: gloo does the work
+        def all_reduce_tensor(self, t, op, stream, algo, timeout_s):
+            log.append(("nccl all_reduce", stream, t.numel(), timeout_s))
+            o = dist.AllreduceOptions()
+            o.reduceOp = ops[op]
+            gloo.allreduce([t], o).wait()
+
+    def ep(native):
+        return type("Ep", (), {"native": native, "device": "cuda:0"})()
+
+    hier = c.across.on_cuda(cuda_comm._InHost(ep(Ipc())), cuda_comm._Across(ep(Nccl()), torch.cuda.Stream("side")),
+                            torch.device("cpu"))
+    done = type("Done", (), {"wait": lambda self: True})()
+
+    def all_reduce(t, op, async_op=False):
+        hier.all_reduce_on(t, _types.op_code(op), "auto", 30.0, "", "caller-handle")
+        return done
+
+    out = {"stream": hier.stream.name, "fused": hier.fused_calls}
+    if bad_rank is not None:  # one rank calls with another count: a RingError everywhere, naming it
+        n = 4099 + (rank == bad_rank)
+        try:
+            all_reduce(value(rank, n), dist.ReduceOp.SUM)
+            out["error"] = None
+        except RingError as e:
+            out["error"] = str(e)
+        out["rejected"] = ("ipc reject",) in log
+        return out
+    out["bad"], _ = all_reduce_matrix(rank, world, all_reduce, DTYPES, SIZES)
+    out["fused"] = hier.fused_calls  # (never: the check's rows are host memory)
+    log.clear()
+    t = value(rank, 40000)  # 160 KB float32: two pieces of at least piece_bytes
+    all_reduce(t, dist.ReduceOp.SUM)
+    out["two_pieces_ok"] = torch.equal(t, expected("SUM", world, 40000, torch.float32))
+    out["log"] = [e[:3] if e[0] in ("wait", "record") else e for e in log]
+    return out
+
+
+def test_cuda_two_level_python_on_faked_cuda():
+    """The CUDA two-level all-reduce's Python (ringdp/hosts.py on_cuda, all_reduce_on;
+    ringdp/cuda_comm.py _InHost, _Across) with CUDA faked over the CPU transports: closed
+    forms for every dtype, op and size, no data with the call check (host-memory rows), and
+    the stream order of a two-piece call: the call's stream H waits for the caller; each
+    piece reduce-scattered in-host on H; its cross-host all-reduce on the side stream after
+    H (side waits for H), an event after it; the next piece's reduce-scatter on H before H
+    waits for that event (the two overlap); each all-gather on H after its piece's event;
+    the caller waits for H at the end."""
+    res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, timeout=300))
+    for r, out in enumerate(res):
+        assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
+        assert out["fused"] == 0, (r, out["fused"])
+        assert out["two_pieces_ok"], r
+        H = out["stream"]
+        q = 40000 // 2 // 2  # a piece: half the tensor; a rank's block of it: half the piece (2 ranks a host)
+        want = [("wait_stream", H, "caller"),
+                ("ipc reduce_scatter", f"{H}-handle", q, 2 * q),
+                ("wait_stream", "side", H), ("nccl all_reduce", "side-handle", q, 30.0), ("record", "e1", "side"),
+                ("ipc reduce_scatter", f"{H}-handle", q, 2 * q),
+                ("wait_stream", "side", H), ("nccl all_reduce", "side-handle", q, 30.0), ("record", "e2", "side"),
+                ("wait", H, "e1"), ("ipc all_gather", f"{H}-handle", 2 * q, q),
+                ("wait", H, "e2"), ("ipc all_gather", f"{H}-handle", 2 * q, q),
+                ("wait_stream", "caller", H)]
+        names = {}  # events named by order of recording: ("record", event, stream), ("wait", stream, event)
+        got = [("record", names.setdefault(e[1], f"e{len(names) + 1}"), e[2]) if e[0] == "record"
+               else ("wait", e[1], names.get(e[2], e[2])) if e[0] == "wait" else e for e in out["log"]]
+        assert got == want, f"rank {r}: {got}"
+
+
+def test_cuda_two_level_mismatch_faked():
+    """Rank 3 calls the CUDA two-level all-reduce with 4100 elements, the others with 4099 (the
+    same padded block: the in-host steps agree): the call check of local rank 1's group
+    (ranks 1, 3) fails, both reject their next in-host call (on CUDA: IPC's reject), and
+    ranks 0 and 2, whose check passed, fail in the all-gather that follows: a RingError
+    on every rank naming rank 3's call, no hang."""
+    res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, 3, timeout=120))
+    for r, out in enumerate(res):
+        assert out["error"] is not None and "rank 3: all_reduce of 4100 elements" in out["error"], (r, out["error"])
+    assert [out["rejected"] for out in res] == [False, True, False, True], [o["error"] for o in res]
+
+
 def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
     import ringdp
 
