@@ -587,6 +587,83 @@ def _ddp_entry(rank, world, steps):
     return _ddp_case(rank, world, steps)
 
 
+# ============================================================== two simulated hosts (issue 12)
+# Hosts a,a,b,b on one GPU (RINGDP_HOST_ID), NCCL between "hosts" over sockets (a host id per
+# rank). Two levels: CUDA IPC inside each host, ringdp's NCCL transport between the ranks of
+# one local rank (ringdp/cuda_comm.py _two_level, ringdp/hosts.py on_cuda); RINGDP_HIERARCHY=0:
+# the flat NCCL ring.
+# 16 blocks per IPC ring: two hosts' rings on one GPU (4 x 16 blocks) stay resident together
+_TWO_HOSTS_ENV = {"RINGDP_TIMEOUT_S": "120", "RINGDP_TEST_NCCL_HOSTID": "1", "RINGDP_CUDA_ARENA_MB": "16",
+                  "RINGDP_CUDA_CHANNELS": "16"}
+
+
+def _as_two_hosts(rank):
+    os.environ["RINGDP_HOST_ID"] = "aabb"[rank]
+    _nccl_env(rank)
+
+
+def _two_hosts_matrix(rank, world, sizes, dtypes):
+    import ringdp
+
+    _as_two_hosts(rank)
+    checked, failures, digests = _matrix(rank, world, sizes, dtypes, False)
+    comm = ringdp.get_communicator()
+    return checked, failures, digests, comm.cross_path, comm._cuda.hier is not None
+
+
+@needs_cuda
+@pytest.mark.parametrize("path", ["two_level", "flat"])
+def test_cuda_two_hosts(path):
+    _skip_without_nccl()
+    env = dict(_TWO_HOSTS_ENV, RINGDP_HIER_PIECE_BYTES="65536")  # 300007 float32: two pieces
+    if path == "flat":
+        env["RINGDP_HIERARCHY"] = "0"
+    res = run_ranks(_two_hosts_matrix, 4, [0, 1, 7, 4099, 300_007], DTYPES, env=env, timeout=600)
+    _assert_matrix([("ok", v[:3]) for v in values(res)])
+    for r, (_, _, _, cross, hier) in enumerate(values(res)):
+        assert cross == path and hier == (path == "two_level"), (r, cross, hier)
+
+
+def _ddp_two_hosts(rank, world, steps):
+    _as_two_hosts(rank)
+    return _ddp_case(rank, world, steps)
+
+
+@needs_cuda
+def test_ringddp_cuda_two_hosts():
+    """RingDDP on CUDA across two simulated hosts (two levels) against the single-process model."""
+    _skip_without_nccl()
+    res = values(run_ranks(_ddp_two_hosts, 4, 5, env=dict(_TWO_HOSTS_ENV), timeout=600))
+    for r, (worst, _) in enumerate(res):
+        assert worst < 1e-5, f"rank {r}: parameters differ from single-process training by {worst}"
+    assert len({d for _, d in res}) == 1, "ranks ended with different parameters"
+
+
+def _cuda_host_dies(rank, world, when):
+    """Host b's ranks (2, 3) SIGKILLed after a good call: before the survivors' next calls, or
+    while the survivors are calling (within the NCCL step across hosts)."""
+    _as_two_hosts(rank)
+    return _cuda_peer_killed(rank, world, when, victims=(2, 3))
+
+
+@needs_cuda
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_cuda_two_hosts_host_dies(when):
+    """A whole host dies under the two-level CUDA all-reduce: each survivor gets a RingError
+    within the timeout (10 s), from the call check (gloo) or ringdp's NCCL step, never a hang
+    or a process killed by a watchdog."""
+    _skip_without_nccl()
+    env = dict(_TWO_HOSTS_ENV, RINGDP_TIMEOUT_S="10")
+    res = run_ranks(_cuda_host_dies, 4, when, env=env, allow_missing=(2, 3), timeout=240)
+    for r in (0, 1):
+        status, value = res[r]
+        assert status == "ok", (r, value)
+        assert value is not None, f"rank {r} never noticed host b died"
+        msg, took = value
+        assert f"rank {r}" in msg, msg
+        assert took < 10 + 30, f"rank {r} took {took:.1f} s to fail (timeout 10 s): {msg}"
+
+
 # ============================================================== the backend on CUDA (issue 11)
 def _backend_ddp(rank, world, steps, spec):
     """Stock torch DDP on a CUDA model in a default group of ringdp's backend (`spec`):
@@ -742,7 +819,7 @@ def test_ipc_large(world):
     _assert_matrix(run_ranks(_large, world, (1 << 26) + 5, env=env, timeout=900))
 
 
-def _cuda_peer_killed(rank, world, when):
+def _cuda_peer_killed(rank, world, when, victims=None):
     import signal
     import threading
     import time
@@ -753,7 +830,7 @@ def _cuda_peer_killed(rank, world, when):
     t = torch.ones(1 << 22, device="cuda")
     ringdp.all_reduce(t)  # one good call first
     ringdp.synchronize()
-    if rank == world - 1:
+    if rank in (victims or (world - 1,)):
         if when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Timer(0.05, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
