@@ -16,7 +16,7 @@
 #   bash bench/gpu_check.sh hosts OUT   two simulated hosts (a,a,b,b) on the GPU: the CUDA
 #                                       all-reduce in two levels (IPC in the host, NCCL
 #                                       between hosts) and flat, RingDDP across them, a
-#                                       host SIGKILLed
+#                                       mismatch, a host SIGKILLed
 #   bash bench/gpu_check.sh mps OUT     MPS started (pipe/log under /tmp, after quitting a
 #                                       daemon a killed run left): world 2-4 tests with
 #                                       truly concurrent ranks; MPS quit on every exit path
@@ -30,7 +30,7 @@
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, smoke 300 s, nccl 300 s, hosts 240 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
+# build 360 s, smoke 300 s, nccl 300 s, hosts 420 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
 # what is left) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
@@ -51,7 +51,7 @@ ROOT="$(pwd)"
 mkdir -p "$OUT_ARG" || exit 2
 OUT="$(cd "$OUT_ARG" && pwd)"
 PY="${PYTHON:-python3}"
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; probe|hosts) DEFAULT_BUDGET=240 ;; *) DEFAULT_BUDGET=300 ;; esac
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; hosts) DEFAULT_BUDGET=420 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -273,11 +273,12 @@ nccl)
 # ------------------------------------------------------------------ hosts
 hosts)
   need_cuda_build
-  cuda_test 90 "test_cuda_two_hosts[two_level]"
-  cuda_test 90 "test_cuda_two_hosts[flat]"
+  cuda_test 120 "test_cuda_two_hosts[two_level]"
+  cuda_test 60 test_cuda_two_hosts_mismatch_raises
+  cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
   cuda_test 60 test_ringddp_cuda_two_hosts
-  cuda_test 45 "test_cuda_two_hosts_host_dies[before]"
-  cuda_test 45 "test_cuda_two_hosts_host_dies[during]"
+  cuda_test 90 "test_cuda_two_hosts[flat]"
+  cuda_test 60 "test_cuda_two_hosts_host_dies[before]"
   ;;
 # ------------------------------------------------------------------ mps
 mps)

@@ -268,6 +268,7 @@ class Communicator:
         self._shm = None  # the shared-memory endpoint (ranks of one host)
         self._shm_error: str | None = None  # why there is none
         self._cuda: cuda_comm.CudaEndpoint | None = None
+        self._cuda_failed = ""  # why the CUDA set-up failed (it is not tried again)
         self.across: hosts.CrossHost | None = None  # a group that spans hosts: its CPU collectives
         if len(self.host_order) > 1:  # CUDA tensors use NCCL; CPU all_reduce runs hierarchically
             where = ", ".join(f"rank {r} on {h}" for r, h in enumerate(self.hosts))
@@ -387,7 +388,14 @@ class Communicator:
         if reason is not None:
             raise RingError(reason)
         if self._cuda is None:
-            self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
+            if self._cuda_failed:  # a second set-up would read the first one's records from the store
+                raise RingError(f"rank {self.rank}: this communicator's CUDA set-up failed ({self._cuda_failed}); "
+                                f"call ringdp.destroy() and initialise again")
+            try:
+                self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
+            except (RingError, RuntimeError) as e:
+                self._cuda_failed = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                raise
         return self._cuda
 
     # ---- execution ----------------------------------------------------------------------

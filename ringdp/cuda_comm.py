@@ -107,7 +107,25 @@ class CudaEndpoint:
         self._parts.append((inhost, host))
         between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
         self._parts.append((between, net))
-        self.hier = across.on_cuda(_InHost(inhost), _Across(between, torch.cuda.Stream(self.device)), self.device)
+        self.hier = across.on_cuda(_InHost(inhost, self._poison), _Across(between, torch.cuda.Stream(self.device)),
+                                   self.device)
+
+    def _ordered(self) -> list["CudaEndpoint"]:
+        """Every native endpoint, the NCCL ones first: their waits are bounded (on a timeout
+        they abort, and a kernel stuck on a dead peer returns), while an IPC drain waits on
+        its stream, which may wait (through the two-level call's streams) for an NCCL step."""
+        eps = [self] + [ep for ep, _ in self._parts]
+        return [ep for ep in eps if ep.kind == "nccl"] + [ep for ep in eps if ep.kind != "nccl"]
+
+    def _poison(self, why: str) -> None:
+        """A two-level call failed on this rank (a failed call check, a cross-host step that
+        failed): abort the NCCL endpoints (a step queued on them returns; peers see NCCL's
+        error or their timeout), so that the IPC endpoint's rejection, queued behind them,
+        reaches this host's peers. The whole CUDA endpoint is unusable afterwards, as after
+        any CUDA rejection: ringdp.destroy() and initialise again."""
+        for ep in self._ordered():
+            if ep.kind == "nccl":
+                ep.native.abort(why)
 
     @property
     def arena(self):
@@ -122,18 +140,20 @@ class CudaEndpoint:
             ep.native.check()
 
     def synchronize(self) -> None:
-        """Wait for everything queued on this endpoint's transports; raise their failures."""
-        self.native.synchronize()
-        for ep, _ in self._parts:
+        """Wait for everything queued on this endpoint's transports (NCCL first: _ordered);
+        raise their failures."""
+        for ep in self._ordered():
             ep.native.synchronize()
 
     def close(self, rendezvous) -> None:
         """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
         hierarchy's endpoints after this one, each with its own peers).
         `rendezvous` None (the process group was destroyed): no barrier, local teardown."""
+        ordered = self._ordered()
         parts, self._parts, self.hier = self._parts, [], None
         try:
-            self.native.quiesce()
+            for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
+                ep.native.quiesce()
             if rendezvous is not None:
                 rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
         finally:
@@ -146,8 +166,9 @@ class _InHost:
     """This host's CUDA IPC endpoint in the shared-memory endpoint's call shape (what
     ringdp/hosts.py's in-host steps call), each call ordered on the current stream."""
 
-    def __init__(self, ep: CudaEndpoint):
+    def __init__(self, ep: CudaEndpoint, poison=None):
         self.ep, self.native = ep, ep.native
+        self.poison = poison  # CudaEndpoint._poison of the endpoint it is part of
 
     @property
     def oneshot_bytes(self) -> int:
@@ -169,6 +190,10 @@ class _InHost:
         self.native.broadcast_tensor(tensor, root, self._stream(), algo, timeout_s)
 
     def reject(self, why: str, timeout_s=None, tag="") -> None:
+        """Tell this host's peers (CrossHost._fail, .reject): NCCL aborted first, then IPC's
+        rejection (it poisons the IPC endpoint; peers waiting on this rank fail at once)."""
+        if self.poison is not None:
+            self.poison(why)
         self.native.reject(why)
 
 

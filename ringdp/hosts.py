@@ -34,13 +34,25 @@ on the flat path), where a rank whose in-host step failed, or that rejected its
 input itself (CrossHost.reject), puts a FAILED row and its reason in the store. Every rank
 of every check group then sees the failure before any gloo step moves data, so no rank
 waits for a peer that left: one rank's bad input or odd call is a RingError on every rank
-within seconds, naming it and why, and the communicator stays usable. Each row also has a
+within seconds, naming it and why, and the communicator stays usable (a CUDA CrossHost's
+failed call poisons the CUDA endpoint instead: below). Each row also has a
 payload slot of one fixed size per group (policy.check_payload_bytes); an all_reduce whose
 cross-host part fits it travels in it and every member reduces the gathered rows in member
 order (_reduce_rows): one gloo round trip for a small all-reduce instead of two. The other
 collectives' cross-host step goes in the rows the same way when its data fits (what each
 member would send: the reduce-scatter's blocks, the all-gather's input, the broadcast's
 tensor), and each member makes the step's result from the rows.
+
+CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL path): the same
+all_reduce with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
+endpoint of this local rank's ranks for the cross-host step, ordered on streams
+(all_reduce_on), with the same call check in the same gloo group (no data in its rows). The
+IPC steps report failures from the device, at this rank's next check: a rank whose peer
+failed may return from a call and raise at its next call or synchronize(), and a call that
+differs between the ranks of one host only is caught there, on the device, not by the
+check. A failed call check or cross-host step aborts the NCCL endpoints and rejects the
+next IPC call (the host's peers fail at once); the CUDA endpoint is then unusable until
+ringdp.destroy(), as after any CUDA rejection.
 
 The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
 these steps run on ringdp's worker thread and would interleave with the inner group's
@@ -197,9 +209,12 @@ class CrossHost:
         caller = torch.cuda.ExternalStream(stream, device=self.device)
         self.stream.wait_stream(caller)
         self.cross.timeout_s = t
-        with torch.cuda.stream(self.stream):
-            self.all_reduce(tensor, code, forced, t, tag)
-        caller.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):
+                self.all_reduce(tensor, code, forced, t, tag)
+        finally:  # (a failed call too: steps already queued still use the tensor)
+            self.stream.wait_stream(self.cross.side)
+            caller.wait_stream(self.stream)
 
     # ---- all_reduce ------------------------------------------------------------------------
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
@@ -669,7 +684,8 @@ class CrossHost:
     def _gloo_failed(self, e, timeout_s, tell, tag, what, ranks=None):
         first = str(e).splitlines()[0] if str(e) else ""
         ranks = self.cross_ranks if ranks is None else ranks
-        self._fail(f"rank {self.rank}: the {what} across hosts ({self.net_name}, ranks {ranks} of the group) "
+        net = "gloo" if "call check" in what else self.net_name  # (the check is gloo's on CUDA too)
+        self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
                    f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 

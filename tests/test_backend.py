@@ -818,3 +818,76 @@ def test_cuda_call_paths_inline_and_queued():
                           ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
                           ("enqueue", "ringdp-handle", worker), ("record", "event2", "ringdp", worker),
                           ("wait", "current", "event2", main)], queued
+
+
+def _cuda_setup_fails_once(rank, world):
+    """A CUDA set-up that failed is not tried again (a second one would read the first one's
+    records, an NCCL id among them, from the store): the next CUDA call raises at once."""
+    import ringdp
+    from ringdp import cuda_comm
+
+    comm = ringdp.get_communicator()
+    calls = []
+
+    def create(cls, c, device):
+        calls.append(str(device))
+        raise ringdp.RingError("simulated: the CUDA records never came")
+
+    cuda_comm.CudaEndpoint.create = classmethod(create)  # (this rank process only)
+    errors = []
+    for _ in range(2):
+        try:
+            comm._cuda_endpoint("cuda:0")
+        except ringdp.RingError as e:
+            errors.append(str(e))
+    return len(calls), errors
+
+
+def test_failed_cuda_setup_is_not_retried():
+    for calls, errors in values(run_ranks(_cuda_setup_fails_once, 2)):
+        assert calls == 1 and len(errors) == 2, (calls, errors)
+        assert "simulated" in errors[0]
+        assert "CUDA set-up failed (simulated: the CUDA records never came)" in errors[1], errors[1]
+
+
+def test_cuda_endpoint_drains_nccl_first():
+    """A two-level CudaEndpoint (flat NCCL + host IPC + NCCL between hosts, natives faked):
+    synchronize() and close() drain the NCCL endpoints before the IPC one (an IPC drain waits
+    on streams that may wait for an NCCL step; NCCL's waits are bounded and abort), close()
+    then meets its peers and frees each; a rejection through the in-host adapter aborts every
+    NCCL endpoint before IPC's rejection (queued behind them) goes out."""
+    from ringdp import cuda_comm
+
+    log = []
+
+    class Native:
+        def __init__(self, name):
+            self.name = name
+
+        def __getattr__(self, what):
+            return lambda *a: log.append((what, self.name))
+
+    def ep(kind, name):
+        e = object.__new__(cuda_comm.CudaEndpoint)
+        e.kind, e.native, e.hier, e._parts = kind, Native(name), None, []
+        return e
+
+    class Rdv:
+        def __init__(self, name):
+            self.name = name
+
+        def barrier(self, key, what=None):
+            log.append(("barrier", self.name))
+
+    flat, ipc, net = ep("nccl", "flat"), ep("ipc", "ipc"), ep("nccl", "net")
+    flat._parts = [(ipc, Rdv("host")), (net, Rdv("local"))]
+    flat.synchronize()
+    assert log == [("synchronize", "flat"), ("synchronize", "net"), ("synchronize", "ipc")], log
+    log.clear()
+    cuda_comm._InHost(ipc, flat._poison).reject("why")
+    assert log == [("abort", "flat"), ("abort", "net"), ("reject", "ipc")], log
+    log.clear()
+    flat.close(Rdv("group"))
+    assert log[:4] == [("quiesce", "flat"), ("quiesce", "net"), ("quiesce", "ipc"), ("barrier", "group")], log
+    assert ("destroy", "flat") in log and ("destroy", "ipc") in log and ("destroy", "net") in log
+    assert log.index(("barrier", "host")) < log.index(("destroy", "ipc")), log

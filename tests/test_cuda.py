@@ -639,6 +639,37 @@ def test_ringddp_cuda_two_hosts():
     assert len({d for _, d in res}) == 1, "ranks ended with different parameters"
 
 
+def _two_hosts_mismatch(rank, world):
+    import time
+
+    import ringdp
+
+    _as_two_hosts(rank)
+    _setup(rank)
+    t0 = time.monotonic()
+    try:
+        ringdp.all_reduce(torch.ones(4099 + (rank == 3), device="cuda"))  # the same padded block on every rank
+        ringdp.synchronize()  # (a device-side failure is raised here at the latest)
+        return None, time.monotonic() - t0
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@needs_cuda
+def test_cuda_two_hosts_mismatch_raises():
+    """Rank 3 all-reduces 4100 elements, the others 4099, on two simulated hosts: ranks 1 and 3
+    fail their call check (naming both calls), abort NCCL and reject their IPC call; ranks 0
+    and 2, whose check passed, get the rejection from the device by synchronize(): a
+    RingError on every rank within the timeout, no hang."""
+    _skip_without_nccl()
+    res = values(run_ranks(_two_hosts_mismatch, 4, env=dict(_TWO_HOSTS_ENV, RINGDP_TIMEOUT_S="20"), timeout=240))
+    for r, (msg, took) in enumerate(res):
+        assert msg is not None, f"rank {r}: no error"
+        assert took < 20 + 30, (r, took, msg)
+    for r in (1, 3):
+        assert "4100 elements" in res[r][0], res[r][0]
+
+
 def _cuda_host_dies(rank, world, when):
     """Host b's ranks (2, 3) SIGKILLed after a good call: before the survivors' next calls, or
     while the survivors are calling (within the NCCL step across hosts)."""

@@ -391,6 +391,7 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
         except RingError as e:
             out["error"] = str(e)
         out["rejected"] = ("ipc reject",) in log
+        out["joined"] = log[-2:] == [("wait_stream", hier.stream.name, "side"), ("wait_stream", "caller", hier.stream.name)]
         return out
     out["bad"], _ = all_reduce_matrix(rank, world, all_reduce, DTYPES, SIZES)
     out["fused"] = hier.fused_calls  # (never: the check's rows are host memory)
@@ -410,7 +411,7 @@ def test_cuda_two_level_python_on_faked_cuda():
     piece reduce-scattered in-host on H; its cross-host all-reduce on the side stream after
     H (side waits for H), an event after it; the next piece's reduce-scatter on H before H
     waits for that event (the two overlap); each all-gather on H after its piece's event;
-    the caller waits for H at the end."""
+    H waits for the side stream and the caller for H at the end, failed or not."""
     res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, timeout=300))
     for r, out in enumerate(res):
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
@@ -425,7 +426,7 @@ def test_cuda_two_level_python_on_faked_cuda():
                 ("wait_stream", "side", H), ("nccl all_reduce", "side-handle", q, 30.0), ("record", "e2", "side"),
                 ("wait", H, "e1"), ("ipc all_gather", f"{H}-handle", 2 * q, q),
                 ("wait", H, "e2"), ("ipc all_gather", f"{H}-handle", 2 * q, q),
-                ("wait_stream", "caller", H)]
+                ("wait_stream", H, "side"), ("wait_stream", "caller", H)]  # (also after a failure)
         names = {}  # events named by order of recording: ("record", event, stream), ("wait", stream, event)
         got = [("record", names.setdefault(e[1], f"e{len(names) + 1}"), e[2]) if e[0] == "record"
                else ("wait", e[1], names.get(e[2], e[2])) if e[0] == "wait" else e for e in out["log"]]
@@ -437,11 +438,15 @@ def test_cuda_two_level_mismatch_faked():
     same padded block: the in-host steps agree): the call check of local rank 1's group
     (ranks 1, 3) fails, both reject their next in-host call (on CUDA: IPC's reject), and
     ranks 0 and 2, whose check passed, fail in the all-gather that follows: a RingError
-    on every rank naming rank 3's call, no hang."""
+    on every rank naming rank 3's call, no hang. (Here the in-host endpoint is the CPU one,
+    which fails in the call; on a GPU ranks 0 and 2 learn it from the device by their next
+    check or synchronize(): tests/test_cuda.py test_cuda_two_hosts_mismatch_raises.)"""
     res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, 3, timeout=120))
     for r, out in enumerate(res):
         assert out["error"] is not None and "rank 3: all_reduce of 4100 elements" in out["error"], (r, out["error"])
     assert [out["rejected"] for out in res] == [False, True, False, True], [o["error"] for o in res]
+    # the failed call's steps already queued still use the tensor: the caller's stream waits for them
+    assert all(out["joined"] for out in res), res
 
 
 def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
