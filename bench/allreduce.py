@@ -97,13 +97,17 @@ ringdp series call ringdp.reduce_scatter_tensor / all_gather_into_tensor / broad
 registered series allocates input and output with ringdp.empty), the baseline
 torch.distributed's; no roofline for these (roof "-"). --algo applies to all_reduce only.
 
-Across hosts (--hosts H, CPU tensors, every --coll): the ranks are H simulated hosts on this
+Across hosts (--hosts H, every --coll): the ranks are H simulated hosts on this
 machine, rank r on host r*H // world (RINGDP_HOST_ID sim0, sim1, ...; world defaults to
 2H). The series are then gloo (flat, the whole group over loopback TCP), ringdp (the
 hierarchical path policy.cross_host_path chooses: two_level, or leaders on uneven
 hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
 steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
-it under torchrun on each host without --hosts: ringdp finds the hosts itself.
+it under torchrun on each host without --hosts: ringdp finds the hosts itself. With --device
+cuda the baseline is nccl, ringdp's all-reduce on even hosts runs in two levels (CUDA IPC in
+the host, ringdp's NCCL between hosts; algo two_level), everything else and ringdp-flat on
+ringdp's flat NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
+between them: RINGDP_NCCL_HOSTID_PER_RANK=1), so the "network" is sockets on one machine.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
 on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json
@@ -430,8 +434,13 @@ class Caller:
 
             self.flat_comm = Communicator(config=self.comm.config.replace(hierarchy=False))
         self.host_keys = self.comm.hosts if self.comm is not None else self.hosts
-        self.transport = (self.comm.transport(self.device.type) if self.comm is not None and self.cross_path is None
-                          else "shm+gloo" if self.comm is not None else "-")
+        # across hosts: CPU shm + gloo; CUDA IPC + NCCL when the all-reduce takes two levels
+        # (policy.cuda_two_level), else ringdp's flat NCCL ring
+        self.cuda_two_level = (self.device.type == "cuda" and self.comm is not None
+                               and ringdp.policy.cuda_two_level(self.cross_path, self.comm.config))
+        self.transport = ("-" if self.comm is None else self.comm.transport(self.device.type)
+                          if self.cross_path is None else "shm+gloo" if self.device.type == "cpu"
+                          else "ipc+nccl" if self.cuda_two_level else "nccl")
         self.baseline, self.group = self._baseline()
 
     def _baseline(self) -> tuple[str | None, object]:
@@ -458,10 +467,14 @@ class Caller:
                         for a in self.args.algos]
         return out
 
-    def algo(self, s: Series, nbytes: int) -> str:
-        """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline."""
+    def algo(self, s: Series, nbytes: int, coll: str = "all_reduce") -> str:
+        """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline; across
+        hosts the path (CUDA: "two_level" for the all-reduce on that path, else ringdp's flat
+        NCCL "ring")."""
         if s.kind == "baseline":
             return "-"
+        if self.cross_path is not None and self.device.type == "cuda":
+            return "two_level" if self.cuda_two_level and s.kind != "ringdp-flat" and coll == "all_reduce" else "ring"
         if s.kind == "ringdp-flat":
             return self.flat_comm.cross_path
         if self.cross_path is not None:
@@ -590,7 +603,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     else:  # what runs for what one-shot would stage: all_gather its input, the others the whole
         # buffer (across hosts: the path, as for all_reduce); no roofline
         staged = nbytes // n if coll.name == "all_gather" else nbytes
-        algo, factor, roof = c.algo(s, staged), None, None
+        algo, factor, roof = c.algo(s, staged, coll.name), None, None
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
         "collective": coll.name if coll else "all_reduce",
@@ -710,7 +723,9 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
         out.line(f"# hosts: {', '.join(f'rank {r} on {h}' for r, h in enumerate(c.host_keys))}; ringdp runs "
                  f"{c.cross_path} (at most {ringdp.policy.HIER_MAX_PIECES} pieces of at least RINGDP_HIER_PIECE_BYTES "
                  f"{c.comm.config.hier_piece_bytes})"
-                 f"{', ringdp-flat gloo on the whole group' if c.flat_comm is not None else ''}; no roofline")
+                 + (f" with {c.transport}" if args.device == "cuda" else "")
+                 + (("; ringdp-flat " + ("ringdp's NCCL ring" if args.device == "cuda" else "gloo") + " on the whole group")
+                    if c.flat_comm is not None else "") + "; no roofline")
     elif c.comm is not None:
         out.line(f"# one-shot up to {threshold} bytes (algo auto)")
     for note in c.notes:
@@ -849,8 +864,6 @@ def parse_args(argv: list[str] | None = None):
     args.colls = list(dict.fromkeys(x.strip() for x in args.coll.split(",") if x.strip()))
     if not args.colls or set(args.colls) - set(COLLS):
         ap.error(f"--coll takes a comma list of {', '.join(COLLS)}")
-    if args.hosts > 1 and args.device != "cpu":
-        ap.error("--hosts: across hosts ringdp runs CPU tensors only (--device cpu)")
     if args.hosts > args.world:
         ap.error(f"--hosts {args.hosts} needs at least as many ranks (--world {args.world})")
     if args.factor <= 1.0:

@@ -16,7 +16,8 @@
 #   bash bench/gpu_check.sh hosts OUT   two simulated hosts (a,a,b,b) on the GPU: the CUDA
 #                                       all-reduce in two levels (IPC in the host, NCCL
 #                                       between hosts) and flat, RingDDP across them, a
-#                                       mismatch, a host SIGKILLed
+#                                       mismatch, a host SIGKILLed; bench/allreduce.py
+#                                       --device cuda --hosts 2 (a first figure)
 #   bash bench/gpu_check.sh mps OUT     MPS started (pipe/log under /tmp, after quitting a
 #                                       daemon a killed run left): world 2-4 tests with
 #                                       truly concurrent ranks; MPS quit on every exit path
@@ -279,6 +280,12 @@ hosts)
   cuda_test 60 test_ringddp_cuda_two_hosts
   cuda_test 90 "test_cuda_two_hosts[flat]"
   cuda_test 60 "test_cuda_two_hosts_host_dies[before]"
+  # a first figure (time-sliced, NCCL over sockets between the "hosts"): two levels against
+  # the nccl baseline and ringdp's flat NCCL ring; its JSON goes into hosts.tar.gz
+  mkdir -p "$WORK/bench"
+  step bench_hosts_cuda 100 env RINGDP_NCCL_HOSTID_PER_RANK=1 RINGDP_CUDA_CHANNELS=16 RINGDP_CUDA_ARENA_MB=1024 \
+    "$PY" bench/allreduce.py --device cuda --hosts 2 -b 64K -e 256M -f 4 --target-time 0.05 --max-iters 200 \
+    --timeout 300 --out-dir "$WORK/bench" --name ipc_nccl || true
   ;;
 # ------------------------------------------------------------------ mps
 mps)

@@ -206,7 +206,9 @@ class CrossHost:
         beside the next piece's in-host step), and `stream` waits for it at the end; no
         host synchronisation but the call check. One stream for every call keeps the
         reused scratch buffers in order across callers' streams."""
-        caller = torch.cuda.ExternalStream(stream, device=self.device)
+        caller = torch.cuda.current_stream(self.device)  # (inline: the caller's stream is current; it may be
+        if caller.cuda_stream != stream:                 # the legacy default stream, handle 0)
+            caller = torch.cuda.ExternalStream(stream, device=self.device)
         self.stream.wait_stream(caller)
         self.cross.timeout_s = t
         try:
