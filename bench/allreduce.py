@@ -104,8 +104,8 @@ hierarchical path policy.cross_host_path chooses: two_level, or leaders on uneve
 hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
 steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
 it under torchrun on each host without --hosts: ringdp finds the hosts itself. With --device
-cuda the baseline is nccl, ringdp's all-reduce on even hosts runs in two levels (CUDA IPC in
-the host, ringdp's NCCL between hosts; algo two_level), everything else and ringdp-flat on
+cuda the baseline is nccl, ringdp's all-reduce takes the same hierarchy (CUDA IPC in the
+host, ringdp's NCCL between hosts; algo two_level or leaders), everything else and ringdp-flat on
 ringdp's flat NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
 between them: RINGDP_NCCL_HOSTID_PER_RANK=1), so the "network" is sockets on one machine.
 
@@ -434,13 +434,13 @@ class Caller:
 
             self.flat_comm = Communicator(config=self.comm.config.replace(hierarchy=False))
         self.host_keys = self.comm.hosts if self.comm is not None else self.hosts
-        # across hosts: CPU shm + gloo; CUDA IPC + NCCL when the all-reduce takes two levels
-        # (policy.cuda_two_level), else ringdp's flat NCCL ring
-        self.cuda_two_level = (self.device.type == "cuda" and self.comm is not None
-                               and ringdp.policy.cuda_two_level(self.cross_path, self.comm.config))
+        # across hosts: CPU shm + gloo; CUDA IPC + NCCL when the all-reduce takes the
+        # hierarchy (policy.cuda_hierarchical), else ringdp's flat NCCL ring
+        self.cuda_hier = (self.device.type == "cuda" and self.comm is not None
+                          and ringdp.policy.cuda_hierarchical(self.cross_path, self.comm.config))
         self.transport = ("-" if self.comm is None else self.comm.transport(self.device.type)
                           if self.cross_path is None else "shm+gloo" if self.device.type == "cpu"
-                          else "ipc+nccl" if self.cuda_two_level else "nccl")
+                          else "ipc+nccl" if self.cuda_hier else "nccl")
         self.baseline, self.group = self._baseline()
 
     def _baseline(self) -> tuple[str | None, object]:
@@ -469,12 +469,12 @@ class Caller:
 
     def algo(self, s: Series, nbytes: int, coll: str = "all_reduce") -> str:
         """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline; across
-        hosts the path (CUDA: "two_level" for the all-reduce on that path, else ringdp's flat
-        NCCL "ring")."""
+        hosts the path (CUDA: the path for the all-reduce when it takes the hierarchy, else
+        ringdp's flat NCCL "ring")."""
         if s.kind == "baseline":
             return "-"
         if self.cross_path is not None and self.device.type == "cuda":
-            return "two_level" if self.cuda_two_level and s.kind != "ringdp-flat" and coll == "all_reduce" else "ring"
+            return self.cross_path if self.cuda_hier and s.kind != "ringdp-flat" and coll == "all_reduce" else "ring"
         if s.kind == "ringdp-flat":
             return self.flat_comm.cross_path
         if self.cross_path is not None:

@@ -278,6 +278,7 @@ hosts)
   cuda_test 60 test_cuda_two_hosts_mismatch_raises
   cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
   cuda_test 60 test_ringddp_cuda_two_hosts
+  cuda_test 90 "test_cuda_two_hosts[leaders]"
   cuda_test 90 "test_cuda_two_hosts[flat]"
   cuda_test 60 "test_cuda_two_hosts_host_dies[before]"
   # a first figure (time-sliced, NCCL over sockets between the "hosts"): two levels against

@@ -581,7 +581,7 @@ class Communicator:
         return policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
 
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t, tag):
-        if self._cuda_endpoint(tensor.device).hier is not None:  # across hosts in two levels (ringdp/hosts.py)
+        if self._cuda_endpoint(tensor.device).hier is not None:  # across hosts, hierarchical (ringdp/hosts.py)
             return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
                                   lambda ep, stream: ep.hier.all_reduce_on(tensor, code, forced, t, tag, stream))
         a = self._cuda_algo(tensor.device, nbytes, forced)

@@ -35,9 +35,11 @@ def nccl_library(cfg) -> str:
 
 class CudaEndpoint:
     """One rank's CUDA transport (a csrc/cuda Comm) for one device, plus ringdp's stream.
-    Across hosts on the two-level path (policy.cuda_two_level) it also holds the CUDA
-    all-reduce's hierarchy (`hier`, a CUDA CrossHost of ringdp/hosts.py) and that one's two
-    endpoints: CUDA IPC among this host's ranks, NCCL among the ranks of this local rank."""
+    Across hosts on a hierarchical path (policy.cuda_hierarchical) it also holds the CUDA
+    all-reduce's hierarchy (`hier`, a CUDA CrossHost of ringdp/hosts.py) and that one's
+    endpoints: CUDA IPC among this host's ranks (none for a rank alone on its host), NCCL
+    across hosts among the ranks of this local rank (TWO_LEVEL) or the hosts' first ranks
+    (LEADERS; none for the others)."""
 
     def __init__(self, kind: str, native, device: torch.device):
         self.kind = kind  # "ipc" or "nccl"
@@ -45,13 +47,13 @@ class CudaEndpoint:
         self.device = device
         # The stream the transport enqueues on, for events and record_stream.
         self.stream = torch.cuda.ExternalStream(native.stream, device=device)
-        self.hier = None  # across hosts, two levels: the CUDA CrossHost of the all-reduce
+        self.hier = None  # across hosts, hierarchical: the CUDA CrossHost of the all-reduce
         self._parts: list[tuple["CudaEndpoint", object]] = []  # its endpoints, each with its Rendezvous
 
     @classmethod
     def create(cls, comm, device: torch.device) -> "CudaEndpoint":
         """Create and connect the CUDA transport of Communicator `comm` for `device` (and,
-        across hosts in two levels, the hierarchy's). Collective: every rank of the group
+        across hosts on a hierarchical path, the hierarchy's). Collective: every rank of the group
         calls it (on its first CUDA call)."""
         if not _C.WITH_CUDA:
             raise ValueError(f"rank {comm.rank}: ringdp was built without CUDA (build_info(): no cuda); "
@@ -59,8 +61,8 @@ class CudaEndpoint:
         kind = policy.transport_for(comm.hosts, comm.config)
         ep = cls._connect(comm, kind, comm.rank, comm.world, comm.rendezvous, device)
         try:
-            if policy.cuda_two_level(comm.cross_path, comm.config):
-                ep._two_level(comm)
+            if policy.cuda_hierarchical(comm.cross_path, comm.config):
+                ep._hierarchy(comm)
         except BaseException:
             ep.close(None)
             raise
@@ -88,37 +90,42 @@ class CudaEndpoint:
         native.connect(rendezvous.exchange(f"cuda-{kind}", native.local_blob(), f"the CUDA {kind} records"))
         return cls(kind, native, torch.device("cuda", o.device))
 
-    def _two_level(self, comm) -> None:
-        """The all-reduce across hosts in two levels (policy.cuda_two_level): CUDA IPC among
-        this host's ranks, ringdp's NCCL transport among the ranks with this local rank (one
-        per host, as the CPU path's gloo group), each through a Rendezvous of its own. NCCL
+    def _hierarchy(self, comm) -> None:
+        """The all-reduce across hosts on the CPU path's hierarchy (policy.cuda_hierarchical):
+        CUDA IPC among this host's ranks (if it has others), ringdp's NCCL transport among the
+        members of this rank's cross-host gloo group (if it is in one: TWO_LEVEL the ranks
+        with this local rank, one per host; LEADERS the hosts' first ranks), each through a
+        Rendezvous of its own. NCCL
         carries the cross-host step through ringdp's transport rather than a torch.distributed
         nccl group: its failures are RingErrors within ringdp's timeout (torch's NCCL watchdog
         ends the process on a timeout by default) and it is ordered on streams as the IPC
         steps are, without a host wait."""
         across = comm.across
         prefix = comm.rendezvous._prefix
-        host = Rendezvous(f"{prefix}cuda-host{across.host_index}/", comm.local_rank, comm.local_size, comm.timeout,
-                          store=comm._store)
-        me = across.cross_ranks.index(comm.rank)
-        net = Rendezvous(f"{prefix}cuda-local{comm.local_rank}/", me, len(across.cross_ranks), comm.timeout,
-                         store=comm._store)
-        inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device)
-        self._parts.append((inhost, host))
-        between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
-        self._parts.append((between, net))
-        self.hier = across.on_cuda(_InHost(inhost, self._poison), _Across(between, torch.cuda.Stream(self.device)),
+        inhost = between = None
+        if comm.local_size > 1:
+            host = Rendezvous(f"{prefix}cuda-host{across.host_index}/", comm.local_rank, comm.local_size,
+                              comm.timeout, store=comm._store)
+            inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device)
+            self._parts.append((inhost, host))
+        if across.cross_ranks:
+            me, name = across.cross_ranks.index(comm.rank), f"local{comm.local_rank}" if across.path == policy.TWO_LEVEL else "leaders"
+            net = Rendezvous(f"{prefix}cuda-{name}/", me, len(across.cross_ranks), comm.timeout, store=comm._store)
+            between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
+            self._parts.append((between, net))
+        self.hier = across.on_cuda(None if inhost is None else _InHost(inhost, self._poison),
+                                   None if between is None else _Across(between, torch.cuda.Stream(self.device)),
                                    self.device)
 
     def _ordered(self) -> list["CudaEndpoint"]:
         """Every native endpoint, the NCCL ones first: their waits are bounded (on a timeout
         they abort, and a kernel stuck on a dead peer returns), while an IPC drain waits on
-        its stream, which may wait (through the two-level call's streams) for an NCCL step."""
+        its stream, which may wait (through a hierarchical call's streams) for an NCCL step."""
         eps = [self] + [ep for ep, _ in self._parts]
         return [ep for ep in eps if ep.kind == "nccl"] + [ep for ep in eps if ep.kind != "nccl"]
 
     def _poison(self, why: str) -> None:
-        """A two-level call failed on this rank (a failed call check, a cross-host step that
+        """A hierarchical call failed on this rank (a failed call check, a cross-host step that
         failed): abort the NCCL endpoints (a step queued on them returns; peers see NCCL's
         error or their timeout), so that the IPC endpoint's rejection, queued behind them,
         reaches this host's peers. The whole CUDA endpoint is unusable afterwards, as after
@@ -130,8 +137,9 @@ class CudaEndpoint:
     @property
     def arena(self):
         """The native endpoint whose registered memory (ringdp.empty) the all-reduce reads in
-        place: this host's IPC endpoint across hosts in two levels, else this one."""
-        return self._parts[0][0].native if self.hier is not None else self.native
+        place: this host's IPC endpoint on a hierarchical path, else this one."""
+        ipc = [ep for ep, _ in self._parts if ep.kind == "ipc"]
+        return ipc[0].native if ipc else self.native
 
     def check(self) -> None:
         """Raise what the device reported so far (a RingError), on any of this endpoint's transports."""

@@ -43,9 +43,9 @@ collectives' cross-host step goes in the rows the same way when its data fits (w
 member would send: the reduce-scatter's blocks, the all-gather's input, the broadcast's
 tensor), and each member makes the step's result from the rows.
 
-CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL path): the same
-all_reduce with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
-endpoint of this local rank's ranks for the cross-host step, ordered on streams
+CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL and LEADERS paths): the
+same all_reduce with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
+endpoint of the rank's cross-host group for the cross-host step, ordered on streams
 (all_reduce_on), with the same call check in the same gloo group (no data in its rows). The
 IPC steps report failures from the device, at this rank's next check: a rank whose peer
 failed may return from a call and raise at its next call or synchronize(), and a call that
@@ -181,15 +181,17 @@ class CrossHost:
         self._buffers.clear()
 
     def on_cuda(self, inhost, net, device: torch.device) -> "CrossHost":
-        """The TWO_LEVEL all-reduce of this communicator for CUDA tensors on `device`
-        (ringdp/cuda_comm.py makes it with the CUDA endpoint; policy.cuda_two_level): the
-        same algorithm and call check (in the same gloo check group, rows in host memory),
-        with `inhost`, this host's CUDA IPC transport in the shared-memory endpoint's call
-        shape, for the in-host steps and `net`, a cross-host NCCL transport in a gloo group's
-        allreduce shape, for the cross-host step. No data with the call check (the rows are
-        host memory: a copy to the host would synchronise). Run by all_reduce_on."""
-        if self.path != policy.TWO_LEVEL:
-            raise ValueError(f"rank {self.rank}: the CUDA two-level all-reduce needs hosts of one size, path {self.path}")
+        """The all-reduce of this communicator (TWO_LEVEL or LEADERS) for CUDA tensors on
+        `device` (ringdp/cuda_comm.py makes it with the CUDA endpoint;
+        policy.cuda_hierarchical): the same algorithm and call check (in the same gloo check
+        group, rows in host memory), with `inhost`, this host's CUDA IPC transport in the
+        shared-memory endpoint's call shape (None alone on the host), for the in-host steps
+        and `net`, a cross-host NCCL transport in a gloo group's allreduce shape (None for a
+        rank in no cross-host group: a non-leader), for the cross-host step. No data with
+        the call check (the rows are host memory: a copy to the host would synchronise). Run
+        by all_reduce_on."""
+        if self.path not in (policy.TWO_LEVEL, policy.LEADERS):
+            raise ValueError(f"rank {self.rank}: the CUDA all-reduce across hosts has no hierarchy on path {self.path}")
         c = copy.copy(self)
         c.inhost, c.cross, c.device = inhost, net, device
         c.net_name, c.host_kind, c.fuse = "NCCL", "ipc", False
@@ -210,12 +212,14 @@ class CrossHost:
         if caller.cuda_stream != stream:                 # the legacy default stream, handle 0)
             caller = torch.cuda.ExternalStream(stream, device=self.device)
         self.stream.wait_stream(caller)
-        self.cross.timeout_s = t
+        if self.cross is not None:
+            self.cross.timeout_s = t
         try:
             with torch.cuda.stream(self.stream):
                 self.all_reduce(tensor, code, forced, t, tag)
         finally:  # (a failed call too: steps already queued still use the tensor)
-            self.stream.wait_stream(self.cross.side)
+            if self.cross is not None:
+                self.stream.wait_stream(self.cross.side)
             caller.wait_stream(self.stream)
 
     # ---- all_reduce ------------------------------------------------------------------------
@@ -310,7 +314,7 @@ class CrossHost:
                     if self.inhost is not None else None)
             rows = None
             if off == 0:  # (one piece: it may go with the leaders' call check)
-                rows = begin(step, piece if per >= n and self.cross is not None else None)
+                rows = begin(step, piece if per >= n and self.cross is not None and self.fuse else None)
             elif step is not None:
                 step()
             work = None

@@ -82,13 +82,14 @@ def transport_for(hosts: list[str], cfg) -> str:
     return "ipc" if len(set(hosts)) == 1 else "nccl"
 
 
-def cuda_two_level(cross_path: str | None, cfg) -> bool:
-    """Whether a CUDA all-reduce across hosts runs in two levels (ringdp/hosts.py with CUDA
-    IPC inside each host and ringdp's NCCL transport between the ranks of one local rank):
-    on the CPU collectives' TWO_LEVEL path (hosts of one size, RINGDP_HIERARCHY on) unless
-    RINGDP_TRANSPORT forces a transport. Otherwise (uneven hosts, one rank per host,
-    RINGDP_HIERARCHY=0) and for the other CUDA collectives: the flat NCCL ring."""
-    return cross_path == TWO_LEVEL and cfg.transport == "auto"
+def cuda_hierarchical(cross_path: str | None, cfg) -> bool:
+    """Whether a CUDA all-reduce across hosts takes the CPU collectives' hierarchical path
+    (ringdp/hosts.py with CUDA IPC inside each host and ringdp's NCCL transport across hosts):
+    TWO_LEVEL (hosts of one size: NCCL between the ranks of one local rank) or LEADERS
+    (uneven hosts: NCCL between the hosts' first ranks), unless RINGDP_TRANSPORT forces a
+    transport. Otherwise (one rank per host, RINGDP_HIERARCHY=0) and for the other CUDA
+    collectives: the flat NCCL ring."""
+    return cross_path in (TWO_LEVEL, LEADERS) and cfg.transport == "auto"
 
 
 def timeout_s(timeout, default: float) -> float:

@@ -588,40 +588,41 @@ def _ddp_entry(rank, world, steps):
 
 
 # ============================================================== two simulated hosts (issue 12)
-# Hosts a,a,b,b on one GPU (RINGDP_HOST_ID), NCCL between "hosts" over sockets (a host id per
-# rank). Two levels: CUDA IPC inside each host, ringdp's NCCL transport between the ranks of
-# one local rank (ringdp/cuda_comm.py _two_level, ringdp/hosts.py on_cuda); RINGDP_HIERARCHY=0:
-# the flat NCCL ring.
+# Hosts a,a,b,b (or a,a,a,b) on one GPU (RINGDP_HOST_ID), NCCL between "hosts" over sockets (a
+# host id per rank). Two levels: CUDA IPC inside each host, ringdp's NCCL transport between
+# the ranks of one local rank (uneven hosts: between the hosts' first ranks; ringdp/cuda_comm.py
+# _hierarchy, ringdp/hosts.py on_cuda); RINGDP_HIERARCHY=0: the flat NCCL ring.
 # 16 blocks per IPC ring: two hosts' rings on one GPU (4 x 16 blocks) stay resident together
 _TWO_HOSTS_ENV = {"RINGDP_TIMEOUT_S": "120", "RINGDP_TEST_NCCL_HOSTID": "1", "RINGDP_CUDA_ARENA_MB": "16",
                   "RINGDP_CUDA_CHANNELS": "16"}
 
 
-def _as_two_hosts(rank):
-    os.environ["RINGDP_HOST_ID"] = "aabb"[rank]
+def _as_two_hosts(rank, hosts="aabb"):
+    os.environ["RINGDP_HOST_ID"] = hosts[rank]
     _nccl_env(rank)
 
 
-def _two_hosts_matrix(rank, world, sizes, dtypes):
+def _two_hosts_matrix(rank, world, sizes, dtypes, hosts):
     import ringdp
 
-    _as_two_hosts(rank)
+    _as_two_hosts(rank, hosts)
     checked, failures, digests = _matrix(rank, world, sizes, dtypes, False)
     comm = ringdp.get_communicator()
     return checked, failures, digests, comm.cross_path, comm._cuda.hier is not None
 
 
 @needs_cuda
-@pytest.mark.parametrize("path", ["two_level", "flat"])
+@pytest.mark.parametrize("path", ["two_level", "leaders", "flat"])
 def test_cuda_two_hosts(path):
     _skip_without_nccl()
     env = dict(_TWO_HOSTS_ENV, RINGDP_HIER_PIECE_BYTES="65536")  # 300007 float32: two pieces
     if path == "flat":
         env["RINGDP_HIERARCHY"] = "0"
-    res = run_ranks(_two_hosts_matrix, 4, [0, 1, 7, 4099, 300_007], DTYPES, env=env, timeout=600)
+    hosts = "aaab" if path == "leaders" else "aabb"  # (leaders: rank 3 alone on host b, no IPC)
+    res = run_ranks(_two_hosts_matrix, 4, [0, 1, 7, 4099, 300_007], DTYPES, hosts, env=env, timeout=600)
     _assert_matrix([("ok", v[:3]) for v in values(res)])
     for r, (_, _, _, cross, hier) in enumerate(values(res)):
-        assert cross == path and hier == (path == "two_level"), (r, cross, hier)
+        assert cross == path and hier == (path != "flat"), (r, cross, hier)
 
 
 def _ddp_two_hosts(rank, world, steps):

@@ -332,8 +332,9 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     """CrossHost.on_cuda's all-reduce (what a CUDA tensor across hosts runs: ringdp/cuda_comm.py)
     with the CUDA transports faked over CPU ones: its in-host endpoint (cuda_comm._InHost) over
     a native whose calls run on this host's real shared-memory endpoint, its cross-host one
-    (cuda_comm._Across) over a native whose all-reduce runs on the real gloo group of this
-    local rank, and torch.cuda's streams and events logging. So the algorithm, the adapters'
+    (cuda_comm._Across) over a native whose all-reduce runs on the real gloo group of its
+    cross-host step (two-level: this local rank's; uneven hosts: the leaders'), and
+    torch.cuda's streams and events logging. So the algorithm, the adapters'
     arguments (blocks, counts, op codes, streams) and the stream order run for real; the
     GPU transports themselves are tests/test_cuda.py's."""
     os.environ["RINGDP_HIER_PIECE_BYTES"] = str(piece_bytes)
@@ -350,7 +351,7 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     ops = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 
     class Ipc:  # this host's CUDA IPC endpoint: the shared-memory one does the work
-        oneshot_bytes = shm.oneshot_bytes
+        oneshot_bytes = shm.oneshot_bytes if shm is not None else 0
 
         def reduce_scatter_tensor(self, out, inp, op, stream, algo, timeout_s):
             log.append(("ipc reduce_scatter", stream, out.numel(), inp.numel()))
@@ -360,11 +361,19 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
             log.append(("ipc all_gather", stream, out.numel(), inp.numel()))
             shm.all_gather(out, inp, algo, timeout_s, "")
 
+        def all_reduce_tensor(self, t, op, stream, algo, timeout_s):
+            log.append(("ipc all_reduce", stream, t.numel()))
+            shm.all_reduce(t, op, algo, timeout_s, "")
+
+        def broadcast_tensor(self, t, root, stream, algo, timeout_s):
+            log.append(("ipc broadcast", stream, t.numel(), root))
+            shm.broadcast(t, root, algo, timeout_s, "")
+
         def reject(self, why):
             log.append(("ipc reject",))
             shm.reject(why, 60, "")
 
-    class Nccl:  # the NCCL endpoint of this local rank's ranks: gloo does the work
+    class Nccl:  # the NCCL endpoint of the cross-host group: gloo does the work
         def all_reduce_tensor(self, t, op, stream, algo, timeout_s):
             log.append(("nccl all_reduce", stream, t.numel(), timeout_s))
             o = dist.AllreduceOptions()
@@ -374,15 +383,16 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     def ep(native):
         return type("Ep", (), {"native": native, "device": "cuda:0"})()
 
-    hier = c.across.on_cuda(cuda_comm._InHost(ep(Ipc())), cuda_comm._Across(ep(Nccl()), torch.cuda.Stream("side")),
-                            torch.device("cpu"))
+    hier = c.across.on_cuda(None if shm is None else cuda_comm._InHost(ep(Ipc())),  # (none: alone on its host)
+                            None if gloo is None else cuda_comm._Across(ep(Nccl()), torch.cuda.Stream("side")),
+                            torch.device("cpu"))  # (none: a non-leader on uneven hosts)
     done = type("Done", (), {"wait": lambda self: True})()
 
     def all_reduce(t, op, async_op=False):
         hier.all_reduce_on(t, _types.op_code(op), "auto", 30.0, "", "caller-handle")
         return done
 
-    out = {"stream": hier.stream.name, "fused": hier.fused_calls}
+    out = {"stream": hier.stream.name, "fused": hier.fused_calls, "path": hier.path}
     if bad_rank is not None:  # one rank calls with another count: a RingError everywhere, naming it
         n = 4099 + (rank == bad_rank)
         try:
@@ -414,6 +424,7 @@ def test_cuda_two_level_python_on_faked_cuda():
     H waits for the side stream and the caller for H at the end, failed or not."""
     res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, timeout=300))
     for r, out in enumerate(res):
+        assert out["path"] == "two_level"
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         assert out["fused"] == 0, (r, out["fused"])
         assert out["two_pieces_ok"], r
@@ -431,6 +442,25 @@ def test_cuda_two_level_python_on_faked_cuda():
         got = [("record", names.setdefault(e[1], f"e{len(names) + 1}"), e[2]) if e[0] == "record"
                else ("wait", e[1], names.get(e[2], e[2])) if e[0] == "wait" else e for e in out["log"]]
         assert got == want, f"rank {r}: {got}"
+
+
+def test_cuda_leaders_python_on_faked_cuda():
+    """The same on uneven hosts a,a,a,b (the leaders' path on CUDA): closed forms for every
+    dtype, op and size; per piece the in-host all-reduce (IPC), the leaders' cross-host
+    all-reduce on the side stream (rank 0 and rank 3, who is alone on its host and has no
+    in-host step), then the in-host broadcast; a non-leader has no cross-host step."""
+    res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "a", "b"], 8192, timeout=300))
+    for r, out in enumerate(res):
+        assert out["path"] == "leaders"
+        assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
+        assert out["fused"] == 0 and out["two_pieces_ok"], (r, out["fused"])
+        kinds = [e[0] for e in out["log"] if e[0].startswith(("ipc", "nccl"))]
+        want = {0: ["ipc all_reduce", "nccl all_reduce"] * 2 + ["ipc broadcast"] * 2,
+                3: ["nccl all_reduce"] * 2}.get(r, ["ipc all_reduce"] * 2 + ["ipc broadcast"] * 2)
+        if r == 0:  # the second piece's in-host all-reduce before the first one's broadcast
+            want = ["ipc all_reduce", "nccl all_reduce", "ipc all_reduce", "nccl all_reduce", "ipc broadcast",
+                    "ipc broadcast"]
+        assert kinds == want, (r, kinds)
 
 
 def test_cuda_two_level_mismatch_faked():

@@ -158,19 +158,20 @@ def test_hier_piece_bytes_env_is_the_minimum():
 
 def test_cpu_and_cuda_paths_across_hosts():
     """Which path a group across hosts takes: the CPU collectives' (cross_host_path), and
-    whether a CUDA all-reduce runs in two levels (cuda_two_level: even hosts, hierarchy on,
-    no forced transport; else the flat NCCL ring)."""
+    whether a CUDA all-reduce takes that hierarchy (cuda_hierarchical: even or uneven hosts
+    with more than one rank somewhere, hierarchy on, no forced transport; else the flat NCCL
+    ring)."""
     on, off = Config(), Config(hierarchy=False)
     assert policy.cross_host_path([4], True) == policy.LOCAL
     assert policy.cross_host_path([2, 2], True) == policy.TWO_LEVEL
     assert policy.cross_host_path([3, 1], True) == policy.LEADERS
     assert policy.cross_host_path([1, 1], True) == policy.FLAT
     assert policy.cross_host_path([2, 2], False) == policy.FLAT
-    for sizes, cfg, want in [([2, 2], on, True), ([3, 1], on, False), ([1, 1], on, False), ([2, 2], off, False),
+    for sizes, cfg, want in [([2, 2], on, True), ([3, 1], on, True), ([1, 1], on, False), ([2, 2], off, False),
                              ([2, 2], Config(transport="nccl"), False), ([2, 2], Config(transport="ipc"), False)]:
-        got = policy.cuda_two_level(policy.cross_host_path(sizes, cfg.hierarchy), cfg)
+        got = policy.cuda_hierarchical(policy.cross_host_path(sizes, cfg.hierarchy), cfg)
         assert got == want, (sizes, cfg.hierarchy, cfg.transport)
-    assert policy.cuda_two_level(None, on) is False  # one host: no CrossHost
+    assert policy.cuda_hierarchical(None, on) is False  # one host: no CrossHost
 
 
 def test_policy_is_torch_free():
