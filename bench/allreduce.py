@@ -104,9 +104,9 @@ hierarchical path policy.cross_host_path chooses: two_level, or leaders on uneve
 hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
 steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
 it under torchrun on each host without --hosts: ringdp finds the hosts itself. With --device
-cuda the baseline is nccl, ringdp's all-reduce takes the same hierarchy (CUDA IPC in the
-host, ringdp's NCCL between hosts; algo two_level or leaders), everything else and ringdp-flat on
-ringdp's flat NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
+cuda the baseline is nccl, ringdp's collectives take the same hierarchy (CUDA IPC in the
+host, ringdp's NCCL between hosts; algo two_level or leaders), ringdp-flat ringdp's flat
+NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
 between them: RINGDP_NCCL_HOSTID_PER_RANK=1), so the "network" is sockets on one machine.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
@@ -467,14 +467,14 @@ class Caller:
                         for a in self.args.algos]
         return out
 
-    def algo(self, s: Series, nbytes: int, coll: str = "all_reduce") -> str:
+    def algo(self, s: Series, nbytes: int) -> str:
         """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline; across
-        hosts the path (CUDA: the path for the all-reduce when it takes the hierarchy, else
-        ringdp's flat NCCL "ring")."""
+        hosts the path (CUDA: the path when the collectives take the hierarchy, else ringdp's
+        flat NCCL "ring")."""
         if s.kind == "baseline":
             return "-"
         if self.cross_path is not None and self.device.type == "cuda":
-            return self.cross_path if self.cuda_hier and s.kind != "ringdp-flat" and coll == "all_reduce" else "ring"
+            return self.cross_path if self.cuda_hier and s.kind != "ringdp-flat" else "ring"
         if s.kind == "ringdp-flat":
             return self.flat_comm.cross_path
         if self.cross_path is not None:
@@ -603,7 +603,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     else:  # what runs for what one-shot would stage: all_gather its input, the others the whole
         # buffer (across hosts: the path, as for all_reduce); no roofline
         staged = nbytes // n if coll.name == "all_gather" else nbytes
-        algo, factor, roof = c.algo(s, staged, coll.name), None, None
+        algo, factor, roof = c.algo(s, staged), None, None
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
         "collective": coll.name if coll else "all_reduce",

@@ -275,10 +275,13 @@ nccl)
 hosts)
   need_cuda_build
   cuda_test 120 "test_cuda_two_hosts[two_level]"
+  cuda_test 90 "test_cuda_two_hosts_halves[two_level-False]"
   cuda_test 60 test_cuda_two_hosts_mismatch_raises
   cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
   cuda_test 60 test_ringddp_cuda_two_hosts
   cuda_test 90 "test_cuda_two_hosts[leaders]"
+  cuda_test 90 "test_cuda_two_hosts_halves[leaders-False]"
+  cuda_test 90 "test_cuda_two_hosts_halves[two_level-True]"
   cuda_test 90 "test_cuda_two_hosts[flat]"
   cuda_test 60 "test_cuda_two_hosts_host_dies[before]"
   # a first figure (time-sliced, NCCL over sockets between the "hosts"): two levels against

@@ -513,6 +513,9 @@ class Communicator:
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,
             "reduce_scatter")
+        if output.is_cuda and self._cuda_endpoint(output.device).hier is not None:
+            return self._run_hier(output.device, [output, input], async_op, t,
+                                  lambda h: h.reduce_scatter(output, input, code, forced, t, tag))
         if output.is_cuda:  # one-shot stages the whole input
             a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(
@@ -537,6 +540,9 @@ class Communicator:
         t, _, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag,
             "all_gather")
+        if output.is_cuda and self._cuda_endpoint(output.device).hier is not None:
+            return self._run_hier(output.device, [output, input], async_op, t,
+                                  lambda h: h.all_gather(output, input, forced, t, tag))
         if output.is_cuda:  # one-shot stages this rank's input
             a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(output.device, [output, input], [output], async_op,
@@ -563,6 +569,8 @@ class Communicator:
                                  f"(world size {self.world})")
 
         t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
+        if tensor.is_cuda and self._cuda_endpoint(tensor.device).hier is not None:
+            return self._run_hier(tensor.device, [tensor], async_op, t, lambda h: h.broadcast(tensor, src, forced, t, tag))
         if tensor.is_cuda:
             a = self._cuda_algo(tensor.device, tensor.numel() * tensor.element_size(), forced)
             return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
@@ -581,12 +589,18 @@ class Communicator:
         return policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
 
     def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t, tag):
-        if self._cuda_endpoint(tensor.device).hier is not None:  # across hosts, hierarchical (ringdp/hosts.py)
-            return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                                  lambda ep, stream: ep.hier.all_reduce_on(tensor, code, forced, t, tag, stream))
+        if self._cuda_endpoint(tensor.device).hier is not None:
+            return self._run_hier(tensor.device, [tensor], async_op, t, lambda h: h.all_reduce(tensor, code, forced, t, tag))
         a = self._cuda_algo(tensor.device, nbytes, forced)
         return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
                               lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t))
+
+    def _run_hier(self, device, tensors, async_op, t, call):
+        """A CUDA collective across hosts on the hierarchy (ringdp/hosts.py on_cuda): `call(h)`
+        with the endpoint's CUDA CrossHost h, inside h.on_stream, ordered as _run_cuda orders
+        a transport's call; tensors[0] is the output."""
+        return self._run_cuda(device, tensors, tensors[:1], async_op,
+                              lambda ep, stream: ep.hier.on_stream(stream, t, lambda: call(ep.hier)))
 
     def _run_cuda(self, device, tensors, outputs, async_op, enqueue):
         """A CUDA collective, stream-ordered like torch's NCCL ones (module doc).
@@ -718,7 +732,7 @@ class Communicator:
         CrossHost.reject, the rejection itself not raising here: the caller raises `why`)."""
         if isinstance(tensor, torch.Tensor) and tensor.is_cuda and _C.WITH_CUDA:
             ep = self._cuda_endpoint(tensor.device)
-            if ep.hier is not None and what == "all_reduce":  # its peers: in-host (IPC) and the call check
+            if ep.hier is not None:  # its peers: in-host (IPC) and the call check
                 tag = _tags.tag
                 try:
                     self._submit(lambda: ep.hier.reject(what, why, timeout_s, tag), async_op=False)

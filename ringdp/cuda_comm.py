@@ -206,21 +206,44 @@ class _InHost:
 
 
 class _Across:
-    """ringdp's NCCL endpoint between hosts in the shape of a gloo group's allreduce (what
-    ringdp/hosts.py's cross-host step calls), ordered as torch's NCCL collectives are: on a
+    """ringdp's NCCL endpoint between hosts in the shape of a gloo group's allreduce,
+    _reduce_scatter_base, _allgather_base and broadcast (what ringdp/hosts.py's cross-host
+    steps call), ordered as torch's NCCL collectives are: on a
     side stream that first waits for the current stream; the returned work's wait() makes
     the current stream wait for it. So the next piece's in-host step, enqueued before that
     wait, runs beside it."""
 
     def __init__(self, ep: CudaEndpoint, side: torch.cuda.Stream):
         self.ep, self.side = ep, side
-        self.timeout_s = 0.0  # the call's (CrossHost.all_reduce_on); 0: the endpoint's
+        self.timeout_s = 0.0  # the call's (CrossHost.on_stream); 0: the endpoint's
 
     def allreduce(self, tensors, opts) -> "_StreamWork":
         (tensor,) = tensors
         self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
         self.ep.native.all_reduce_tensor(tensor, _op_code(opts.reduceOp), self.side.cuda_stream,
                                          policy.ALGO_CODES[policy.RING], self.timeout_s)
+        return self._done()
+
+    def _reduce_scatter_base(self, output, input, opts) -> "_StreamWork":
+        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
+        self.ep.native.reduce_scatter_tensor(output, input, _op_code(opts.reduceOp), self.side.cuda_stream,
+                                             policy.ALGO_CODES[policy.RING], self.timeout_s)
+        return self._done()
+
+    def _allgather_base(self, output, input, opts=None) -> "_StreamWork":
+        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
+        self.ep.native.all_gather_tensor(output, input, self.side.cuda_stream, policy.ALGO_CODES[policy.RING],
+                                         self.timeout_s)
+        return self._done()
+
+    def broadcast(self, tensors, opts) -> "_StreamWork":
+        (tensor,) = tensors
+        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
+        self.ep.native.broadcast_tensor(tensor, opts.rootRank, self.side.cuda_stream, policy.ALGO_CODES[policy.RING],
+                                        self.timeout_s)
+        return self._done()
+
+    def _done(self) -> "_StreamWork":
         done = torch.cuda.Event()
         done.record(self.side)
         return _StreamWork(done, self.ep.device)

@@ -44,9 +44,10 @@ member would send: the reduce-scatter's blocks, the all-gather's input, the broa
 tensor), and each member makes the step's result from the rows.
 
 CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL and LEADERS paths): the
-same all_reduce with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
-endpoint of the rank's cross-host group for the cross-host step, ordered on streams
-(all_reduce_on), with the same call check in the same gloo group (no data in its rows). The
+same collectives with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
+endpoint of the rank's cross-host group for the cross-host steps, ordered on streams
+(on_stream), with the same call check in the same gloo group (no data in its rows; the
+header-only in-host agreement of all_gather and broadcast is a no-op on IPC). The
 IPC steps report failures from the device, at this rank's next check: a rank whose peer
 failed may return from a call and raise at its next call or synchronize(), and a call that
 differs between the ranks of one host only is caught there, on the device, not by the
@@ -119,7 +120,7 @@ class CrossHost:
         self.device = torch.device("cpu")  # where the tensors and the scratch buffers are
         self.host_kind = "shm"  # the in-host transport, for policy.oneshot_threshold
         self.fuse = True  # an all-reduce's data may go with the call check (host memory only)
-        self.stream = None  # a CUDA CrossHost: the stream its own work runs on (all_reduce_on)
+        self.stream = None  # a CUDA CrossHost: the stream its own work runs on (on_stream)
         self.host_index = comm.host_order.index(comm.host_key)  # this rank's host: by_host[host_index]
         self.whole = cross if path == policy.FLAT else None  # the gloo group of every rank (the flat path's)
         # scratch buffers by role (_scratch: grow, reused): a fresh buffer's first touch costs
@@ -181,29 +182,34 @@ class CrossHost:
         self._buffers.clear()
 
     def on_cuda(self, inhost, net, device: torch.device) -> "CrossHost":
-        """The all-reduce of this communicator (TWO_LEVEL or LEADERS) for CUDA tensors on
+        """The collectives of this communicator (TWO_LEVEL or LEADERS) for CUDA tensors on
         `device` (ringdp/cuda_comm.py makes it with the CUDA endpoint;
         policy.cuda_hierarchical): the same algorithm and call check (in the same gloo check
         group, rows in host memory), with `inhost`, this host's CUDA IPC transport in the
         shared-memory endpoint's call shape (None alone on the host), for the in-host steps
         and `net`, a cross-host NCCL transport in a gloo group's allreduce shape (None for a
         rank in no cross-host group: a non-leader), for the cross-host step. No data with
-        the call check (the rows are host memory: a copy to the host would synchronise). Run
-        by all_reduce_on."""
+        the call check (the rows are host memory: a copy to the host would synchronise). Each
+        call runs inside on_stream."""
         if self.path not in (policy.TWO_LEVEL, policy.LEADERS):
             raise ValueError(f"rank {self.rank}: the CUDA all-reduce across hosts has no hierarchy on path {self.path}")
         c = copy.copy(self)
         c.inhost, c.cross, c.device = inhost, net, device
         c.net_name, c.host_kind, c.fuse = "NCCL", "ipc", False
         c._buffers = {}
+        if self._by_local_then_host is not None:  # (index tensors where the data is)
+            c._by_local_then_host = self._by_local_then_host.to(device)
+        if self._host_rank_index is not None:
+            c._host_rank_index = [index.to(device) for index in self._host_rank_index]
         c._reasons = f"{self._reasons}cuda/"  # its own failure numbers: keys apart from the CPU ones
         c.fused_calls = 0
         c.stream = torch.cuda.Stream(device)
         return c
 
-    def all_reduce_on(self, tensor, code, forced, t, tag, stream: int) -> None:
-        """A CUDA CrossHost's all_reduce, ordered on the CUDA stream `stream` (the caller's,
-        or ringdp's on the worker) as the transports' calls are: its own stream waits for
+    def on_stream(self, stream: int, t: float, call) -> None:
+        """A CUDA CrossHost's collective (`call()`: all_reduce, reduce_scatter, all_gather or
+        broadcast of this CrossHost), ordered on the CUDA stream `stream` (the caller's, or
+        ringdp's on the worker) as the transports' calls are: its own stream waits for
         `stream`, every step is ordered on it (the cross-host step on `net`'s side stream,
         beside the next piece's in-host step), and `stream` waits for it at the end; no
         host synchronisation but the call check. One stream for every call keeps the
@@ -216,7 +222,7 @@ class CrossHost:
             self.cross.timeout_s = t
         try:
             with torch.cuda.stream(self.stream):
-                self.all_reduce(tensor, code, forced, t, tag)
+                call()
         finally:  # (a failed call too: steps already queued still use the tensor)
             if self.cross is not None:
                 self.stream.wait_stream(self.cross.side)
@@ -286,7 +292,7 @@ class CrossHost:
             step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
             rows = None
             if off == 0:  # (one piece: its block may go with the call check)
-                rows = begin(step, mine if per >= blk and self.fuse else None)
+                rows = begin(step, mine if per >= blk else None)
             else:
                 step()
             if rows is not None:
@@ -314,7 +320,7 @@ class CrossHost:
                     if self.inhost is not None else None)
             rows = None
             if off == 0:  # (one piece: it may go with the leaders' call check)
-                rows = begin(step, piece if per >= n and self.cross is not None and self.fuse else None)
+                rows = begin(step, piece if per >= n and self.cross is not None else None)
             elif step is not None:
                 step()
             work = None
@@ -560,9 +566,9 @@ class CrossHost:
         rows = None
         if callable(payload):  # made from the step's result
             payload = payload() if failure is None else None
-        if group is not None:
+        if group is not None:  # (no data with the check where its rows cannot take it: a CUDA CrossHost)
             check = self._check(what, tensor, code, root, t, tag, group, ranks,
-                                None if failure is None else str(failure), payload)
+                                None if failure is None else str(failure), payload if self.fuse else None)
             check.wait()
             rows = check.payloads(payload)
         if failure is not None:
@@ -594,7 +600,8 @@ class CrossHost:
         None for a rank alone on its host."""
         if self.inhost is None:
             return None
-        return functools.partial(self.inhost.broadcast, torch.empty(0), 0, policy.ALGO_CODES[policy.RING], t, tag)
+        return functools.partial(self.inhost.broadcast, torch.empty(0, device=self.device), 0,
+                                 policy.ALGO_CODES[policy.RING], t, tag)
 
     def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
                payload=None) -> "_Check":

@@ -83,12 +83,11 @@ def transport_for(hosts: list[str], cfg) -> str:
 
 
 def cuda_hierarchical(cross_path: str | None, cfg) -> bool:
-    """Whether a CUDA all-reduce across hosts takes the CPU collectives' hierarchical path
+    """Whether CUDA collectives across hosts take the CPU collectives' hierarchical path
     (ringdp/hosts.py with CUDA IPC inside each host and ringdp's NCCL transport across hosts):
     TWO_LEVEL (hosts of one size: NCCL between the ranks of one local rank) or LEADERS
     (uneven hosts: NCCL between the hosts' first ranks), unless RINGDP_TRANSPORT forces a
-    transport. Otherwise (one rank per host, RINGDP_HIERARCHY=0) and for the other CUDA
-    collectives: the flat NCCL ring."""
+    transport. Otherwise (one rank per host, RINGDP_HIERARCHY=0): the flat NCCL ring."""
     return cross_path in (TWO_LEVEL, LEADERS) and cfg.transport == "auto"
 
 

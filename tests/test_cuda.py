@@ -625,6 +625,27 @@ def test_cuda_two_hosts(path):
         assert cross == path and hier == (path != "flat"), (r, cross, hier)
 
 
+def _two_hosts_halves(rank, world, hosts, registered):
+    os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    return _halves(rank, world, "hosts", registered)
+
+
+@needs_cuda
+@pytest.mark.parametrize("registered", [False, True])
+@pytest.mark.parametrize("path", ["two_level", "leaders"])
+def test_cuda_two_hosts_halves(path, registered):
+    """reduce_scatter_tensor, all_gather_into_tensor and broadcast of CUDA tensors across two
+    simulated hosts on the hierarchy (IPC in the host, NCCL across), closed forms, sync and
+    async, from every root; registered: buffers from ringdp.empty(device="cuda"), this
+    host's IPC arena (a rank alone on its host: the flat endpoint's memory)."""
+    _skip_without_nccl()
+    hosts = "aaab" if path == "leaders" else "aabb"
+    res = values(run_ranks(_two_hosts_halves, 4, hosts, registered, env=dict(_TWO_HOSTS_ENV), timeout=480))
+    for r, (checked, bad, reg) in enumerate(res):
+        assert checked == len(HALF_DTYPES) * len(HALF_SIZES) * (2 * len(HALF_OPS) + 2 + 4)
+        assert not bad, f"rank {r}: wrong results: {bad[:10]}"
+
+
 def _ddp_two_hosts(rank, world, steps):
     _as_two_hosts(rank)
     return _ddp_case(rank, world, steps)

@@ -380,6 +380,24 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
             o.reduceOp = ops[op]
             gloo.allreduce([t], o).wait()
 
+        def reduce_scatter_tensor(self, out, inp, op, stream, algo, timeout_s):
+            log.append(("nccl reduce_scatter", stream, out.numel(), inp.numel()))
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = ops[op]
+            gloo._reduce_scatter_base(out, inp, o).wait()
+
+        def all_gather_tensor(self, out, inp, stream, algo, timeout_s):
+            log.append(("nccl all_gather", stream, out.numel(), inp.numel()))
+            from torch._C._distributed_c10d import AllgatherOptions
+
+            gloo._allgather_base(out, inp, AllgatherOptions()).wait()
+
+        def broadcast_tensor(self, t, root, stream, algo, timeout_s):
+            log.append(("nccl broadcast", stream, t.numel(), root))
+            o = dist.BroadcastOptions()
+            o.rootRank = root
+            gloo.broadcast([t], o).wait()
+
     def ep(native):
         return type("Ep", (), {"native": native, "device": "cuda:0"})()
 
@@ -389,7 +407,7 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     done = type("Done", (), {"wait": lambda self: True})()
 
     def all_reduce(t, op, async_op=False):
-        hier.all_reduce_on(t, _types.op_code(op), "auto", 30.0, "", "caller-handle")
+        hier.on_stream("caller-handle", 30.0, lambda: hier.all_reduce(t, _types.op_code(op), "auto", 30.0, ""))
         return done
 
     out = {"stream": hier.stream.name, "fused": hier.fused_calls, "path": hier.path}
@@ -404,6 +422,20 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
         out["joined"] = log[-2:] == [("wait_stream", hier.stream.name, "side"), ("wait_stream", "caller", hier.stream.name)]
         return out
     out["bad"], _ = all_reduce_matrix(rank, world, all_reduce, DTYPES, SIZES)
+    # the halves and broadcast through the same binding: tests/test_collectives.py's closed forms
+    import ringdp
+    import test_collectives
+
+    def on(call):
+        return hier.on_stream("caller-handle", 30.0, call)
+
+    ringdp.reduce_scatter_tensor = lambda o, i, op=dist.ReduceOp.SUM, **_: on(
+        lambda: hier.reduce_scatter(o, i, _types.op_code(op), "auto", 30.0, ""))
+    ringdp.all_gather_into_tensor = lambda o, i, **_: on(lambda: hier.all_gather(o, i, "auto", 30.0, ""))
+    ringdp.broadcast = lambda x, src, **_: on(lambda: hier.broadcast(x, src, "auto", 30.0, ""))
+    out["halves_checked"], halves_bad = test_collectives._matrix(
+        rank, world, [0, 1, 7, 4099], [torch.float32, torch.bfloat16, torch.int64], registered_too=False)
+    out["bad"] += halves_bad
     out["fused"] = hier.fused_calls  # (never: the check's rows are host memory)
     log.clear()
     t = value(rank, 40000)  # 160 KB float32: two pieces of at least piece_bytes
@@ -414,9 +446,11 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
 
 
 def test_cuda_two_level_python_on_faked_cuda():
-    """The CUDA two-level all-reduce's Python (ringdp/hosts.py on_cuda, all_reduce_on;
+    """The CUDA two-level collectives' Python (ringdp/hosts.py on_cuda, on_stream;
     ringdp/cuda_comm.py _InHost, _Across) with CUDA faked over the CPU transports: closed
-    forms for every dtype, op and size, no data with the call check (host-memory rows), and
+    forms for every dtype, op and size of the all-reduce, and of reduce_scatter_tensor,
+    all_gather_into_tensor and broadcast (tests/test_collectives.py's), no data with the call
+    check (host-memory rows), and
     the stream order of a two-piece call: the call's stream H waits for the caller; each
     piece reduce-scattered in-host on H; its cross-host all-reduce on the side stream after
     H (side waits for H), an event after it; the next piece's reduce-scatter on H before H
@@ -424,7 +458,7 @@ def test_cuda_two_level_python_on_faked_cuda():
     H waits for the side stream and the caller for H at the end, failed or not."""
     res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "b", "b"], 8192, timeout=300))
     for r, out in enumerate(res):
-        assert out["path"] == "two_level"
+        assert out["path"] == "two_level" and out["halves_checked"] > 100, (out["path"], out["halves_checked"])
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         assert out["fused"] == 0, (r, out["fused"])
         assert out["two_pieces_ok"], r
@@ -446,12 +480,12 @@ def test_cuda_two_level_python_on_faked_cuda():
 
 def test_cuda_leaders_python_on_faked_cuda():
     """The same on uneven hosts a,a,a,b (the leaders' path on CUDA): closed forms for every
-    dtype, op and size; per piece the in-host all-reduce (IPC), the leaders' cross-host
+    dtype, op and size, the halves and broadcast too; per piece the in-host all-reduce (IPC), the leaders' cross-host
     all-reduce on the side stream (rank 0 and rank 3, who is alone on its host and has no
     in-host step), then the in-host broadcast; a non-leader has no cross-host step."""
     res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "a", "b"], 8192, timeout=300))
     for r, out in enumerate(res):
-        assert out["path"] == "leaders"
+        assert out["path"] == "leaders" and out["halves_checked"] > 100, (out["path"], out["halves_checked"])
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         assert out["fused"] == 0 and out["two_pieces_ok"], (r, out["fused"])
         kinds = [e[0] for e in out["log"] if e[0].startswith(("ipc", "nccl"))]
