@@ -425,6 +425,10 @@ class Caller:
         else:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
             self.contention = max(1.0, self.hosts.count(me[0]) / cores)
+        if self.device.type == "cuda" and self.sharing > 1 and args.hosts > 1:
+            # simulated hosts on one GPU: ringdp's NCCL endpoints need a host id per rank
+            # (NCCL refuses two ranks of one GPU otherwise), set before ringdp reads its settings
+            os.environ.setdefault("RINGDP_NCCL_HOSTID_PER_RANK", "1")
         self.comm = ringdp.init() if {"ringdp", "ringdp-reg", "ringdp-flat"} & set(args.series) else None
         # across hosts: the path the hierarchical all-reduce takes, and ringdp-flat's communicator
         self.cross_path = self.comm.cross_path if self.comm is not None else None

@@ -41,7 +41,7 @@ class Config:
     spin_us: float | None = None  # RINGDP_SPIN_US (None: policy.spin_ns decides)
     # -- across hosts (CPU tensors) ------------------------------------------------------
     host_id: str = ""  # RINGDP_HOST_ID: this rank's host key ("": hostname + boot id); tests simulate hosts
-    hierarchy: bool = True  # RINGDP_HIERARCHY: collectives across hosts hierarchical (CPU; the CUDA all-reduce) (0: flat)
+    hierarchy: bool = True  # RINGDP_HIERARCHY: collectives across hosts hierarchical, CPU and CUDA (0: flat)
     hier_piece_bytes: int = policy.HIER_PIECE_BYTES  # RINGDP_HIER_PIECE_BYTES: minimum pipeline piece of the two-level path
     # -- CUDA ------------------------------------------------------------------------------
     transport: str = "auto"  # RINGDP_TRANSPORT: auto | ipc | nccl (auto: IPC on one host)

@@ -36,7 +36,7 @@ def nccl_library(cfg) -> str:
 class CudaEndpoint:
     """One rank's CUDA transport (a csrc/cuda Comm) for one device, plus ringdp's stream.
     Across hosts on a hierarchical path (policy.cuda_hierarchical) it also holds the CUDA
-    all-reduce's hierarchy (`hier`, a CUDA CrossHost of ringdp/hosts.py) and that one's
+    collectives' hierarchy (`hier`, a CUDA CrossHost of ringdp/hosts.py) and that one's
     endpoints: CUDA IPC among this host's ranks (none for a rank alone on its host), NCCL
     across hosts among the ranks of this local rank (TWO_LEVEL) or the hosts' first ranks
     (LEADERS; none for the others)."""
@@ -47,7 +47,7 @@ class CudaEndpoint:
         self.device = device
         # The stream the transport enqueues on, for events and record_stream.
         self.stream = torch.cuda.ExternalStream(native.stream, device=device)
-        self.hier = None  # across hosts, hierarchical: the CUDA CrossHost of the all-reduce
+        self.hier = None  # across hosts, hierarchical: the CUDA CrossHost of the collectives
         self._parts: list[tuple["CudaEndpoint", object]] = []  # its endpoints, each with its Rendezvous
 
     @classmethod
@@ -91,7 +91,7 @@ class CudaEndpoint:
         return cls(kind, native, torch.device("cuda", o.device))
 
     def _hierarchy(self, comm) -> None:
-        """The all-reduce across hosts on the CPU path's hierarchy (policy.cuda_hierarchical):
+        """The collectives across hosts on the CPU path's hierarchy (policy.cuda_hierarchical):
         CUDA IPC among this host's ranks (if it has others), ringdp's NCCL transport among the
         members of this rank's cross-host gloo group (if it is in one: TWO_LEVEL the ranks
         with this local rank, one per host; LEADERS the hosts' first ranks), each through a
@@ -113,9 +113,9 @@ class CudaEndpoint:
             net = Rendezvous(f"{prefix}cuda-{name}/", me, len(across.cross_ranks), comm.timeout, store=comm._store)
             between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
             self._parts.append((between, net))
-        self.hier = across.on_cuda(None if inhost is None else _InHost(inhost, self._poison),
+        self.hier = across.on_cuda(None if inhost is None else _InHost(inhost),
                                    None if between is None else _Across(between, torch.cuda.Stream(self.device)),
-                                   self.device)
+                                   self.device, poison=self._poison)
 
     def _ordered(self) -> list["CudaEndpoint"]:
         """Every native endpoint, the NCCL ones first: their waits are bounded (on a timeout
@@ -126,10 +126,11 @@ class CudaEndpoint:
 
     def _poison(self, why: str) -> None:
         """A hierarchical call failed on this rank (a failed call check, a cross-host step that
-        failed): abort the NCCL endpoints (a step queued on them returns; peers see NCCL's
-        error or their timeout), so that the IPC endpoint's rejection, queued behind them,
-        reaches this host's peers. The whole CUDA endpoint is unusable afterwards, as after
-        any CUDA rejection: ringdp.destroy() and initialise again."""
+        failed, its own rejected input: CrossHost._fail, .reject): abort the NCCL endpoints (a
+        step queued on them returns; peers see NCCL's error or their timeout), so that the IPC
+        endpoint's rejection, queued behind them, reaches this host's peers. The whole CUDA
+        endpoint is unusable afterwards, as after any CUDA rejection: ringdp.destroy() and
+        initialise again."""
         for ep in self._ordered():
             if ep.kind == "nccl":
                 ep.native.abort(why)
@@ -148,10 +149,13 @@ class CudaEndpoint:
             ep.native.check()
 
     def synchronize(self) -> None:
-        """Wait for everything queued on this endpoint's transports (NCCL first: _ordered);
+        """Wait for everything queued on this endpoint's transports (NCCL first: _ordered)
+        and, on a hierarchy, on its stream (a call's last steps: copies, AVG's division);
         raise their failures."""
         for ep in self._ordered():
             ep.native.synchronize()
+        if self.hier is not None:
+            self.hier.stream.synchronize()
 
     def close(self, rendezvous) -> None:
         """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
@@ -174,9 +178,8 @@ class _InHost:
     """This host's CUDA IPC endpoint in the shared-memory endpoint's call shape (what
     ringdp/hosts.py's in-host steps call), each call ordered on the current stream."""
 
-    def __init__(self, ep: CudaEndpoint, poison=None):
+    def __init__(self, ep: CudaEndpoint):
         self.ep, self.native = ep, ep.native
-        self.poison = poison  # CudaEndpoint._poison of the endpoint it is part of
 
     @property
     def oneshot_bytes(self) -> int:
@@ -198,10 +201,9 @@ class _InHost:
         self.native.broadcast_tensor(tensor, root, self._stream(), algo, timeout_s)
 
     def reject(self, why: str, timeout_s=None, tag="") -> None:
-        """Tell this host's peers (CrossHost._fail, .reject): NCCL aborted first, then IPC's
-        rejection (it poisons the IPC endpoint; peers waiting on this rank fail at once)."""
-        if self.poison is not None:
-            self.poison(why)
+        """Tell this host's peers (CrossHost._fail, .reject; after the NCCL endpoints were
+        aborted: CudaEndpoint._poison): IPC's rejection poisons the IPC endpoint, and peers
+        waiting on this rank fail at once."""
         self.native.reject(why)
 
 

@@ -121,6 +121,7 @@ class CrossHost:
         self.host_kind = "shm"  # the in-host transport, for policy.oneshot_threshold
         self.fuse = True  # an all-reduce's data may go with the call check (host memory only)
         self.stream = None  # a CUDA CrossHost: the stream its own work runs on (on_stream)
+        self.poison = None  # a CUDA CrossHost: what a failed call does to the CUDA endpoint (_fail)
         self.host_index = comm.host_order.index(comm.host_key)  # this rank's host: by_host[host_index]
         self.whole = cross if path == policy.FLAT else None  # the gloo group of every rank (the flat path's)
         # scratch buffers by role (_scratch: grow, reused): a fresh buffer's first touch costs
@@ -181,7 +182,7 @@ class CrossHost:
         self.inhost = self.cross = self.checker = self.whole = None
         self._buffers.clear()
 
-    def on_cuda(self, inhost, net, device: torch.device) -> "CrossHost":
+    def on_cuda(self, inhost, net, device: torch.device, poison=None) -> "CrossHost":
         """The collectives of this communicator (TWO_LEVEL or LEADERS) for CUDA tensors on
         `device` (ringdp/cuda_comm.py makes it with the CUDA endpoint;
         policy.cuda_hierarchical): the same algorithm and call check (in the same gloo check
@@ -190,12 +191,13 @@ class CrossHost:
         and `net`, a cross-host NCCL transport in a gloo group's allreduce shape (None for a
         rank in no cross-host group: a non-leader), for the cross-host step. No data with
         the call check (the rows are host memory: a copy to the host would synchronise). Each
-        call runs inside on_stream."""
+        call runs inside on_stream. `poison(why)`: what a failed call does to the CUDA
+        endpoint first (_fail, reject)."""
         if self.path not in (policy.TWO_LEVEL, policy.LEADERS):
             raise ValueError(f"rank {self.rank}: the CUDA all-reduce across hosts has no hierarchy on path {self.path}")
         c = copy.copy(self)
         c.inhost, c.cross, c.device = inhost, net, device
-        c.net_name, c.host_kind, c.fuse = "NCCL", "ipc", False
+        c.net_name, c.host_kind, c.fuse, c.poison = "NCCL", "ipc", False, poison
         c._buffers = {}
         if self._by_local_then_host is not None:  # (index tensors where the data is)
             c._by_local_then_host = self._by_local_then_host.to(device)
@@ -582,6 +584,8 @@ class CrossHost:
         data, so that every peer fails at once naming this rank and `why`: this host's peers
         in the call's first in-host step (a rejected call), every other rank through the call
         check (a FAILED row, `why` in the store)."""
+        if self.poison is not None:  # (a CUDA CrossHost: its NCCL steps stop first)
+            self.poison(why[:400])
         if self.inhost is not None:  # (every call with a host endpoint starts in-host)
             self.inhost.reject(why[:400], t, tag)
         group, ranks = self._check_group()
@@ -702,9 +706,16 @@ class CrossHost:
                    f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
-    @staticmethod
-    def _fail(msg: str, tell, timeout_s: float, tag: str):
-        """Tell this host's peers (`tell`: reject their next in-host call), then raise."""
+    def _fail(self, msg: str, tell, timeout_s: float, tag: str):
+        """Tell this host's peers (`tell`: reject their next in-host call), then raise. A CUDA
+        CrossHost poisons its CUDA endpoint first (also a rank alone on its host, which has
+        no peer to tell): its NCCL steps abort, so that nothing queued waits on a dead peer
+        and the rejection, queued behind them, goes out."""
+        if self.poison is not None:
+            try:
+                self.poison(msg[:400])
+            except Exception:  # noqa: BLE001
+                pass
         if tell is not None:
             try:
                 tell.reject(msg[:400], timeout_s, tag)

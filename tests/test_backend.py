@@ -854,8 +854,9 @@ def test_cuda_endpoint_drains_nccl_first():
     """A two-level CudaEndpoint (flat NCCL + host IPC + NCCL between hosts, natives faked):
     synchronize() and close() drain the NCCL endpoints before the IPC one (an IPC drain waits
     on streams that may wait for an NCCL step; NCCL's waits are bounded and abort), close()
-    then meets its peers and frees each; a rejection through the in-host adapter aborts every
-    NCCL endpoint before IPC's rejection (queued behind them) goes out."""
+    then meets its peers and frees each; a failed hierarchical call poisons it: every NCCL
+    endpoint aborted (CrossHost._fail calls _poison before the in-host adapter's rejection,
+    which is queued behind them)."""
     from ringdp import cuda_comm
 
     log = []
@@ -884,7 +885,8 @@ def test_cuda_endpoint_drains_nccl_first():
     flat.synchronize()
     assert log == [("synchronize", "flat"), ("synchronize", "net"), ("synchronize", "ipc")], log
     log.clear()
-    cuda_comm._InHost(ipc, flat._poison).reject("why")
+    flat._poison("why")
+    cuda_comm._InHost(ipc).reject("why")
     assert log == [("abort", "flat"), ("abort", "net"), ("reject", "ipc")], log
     log.clear()
     flat.close(Rdv("group"))

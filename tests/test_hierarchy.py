@@ -403,7 +403,8 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
 
     hier = c.across.on_cuda(None if shm is None else cuda_comm._InHost(ep(Ipc())),  # (none: alone on its host)
                             None if gloo is None else cuda_comm._Across(ep(Nccl()), torch.cuda.Stream("side")),
-                            torch.device("cpu"))  # (none: a non-leader on uneven hosts)
+                            torch.device("cpu"),  # (none: a non-leader on uneven hosts)
+                            poison=lambda why: log.append(("poison",)))
     done = type("Done", (), {"wait": lambda self: True})()
 
     def all_reduce(t, op, async_op=False):
@@ -419,7 +420,11 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
         except RingError as e:
             out["error"] = str(e)
         out["rejected"] = ("ipc reject",) in log
-        out["joined"] = log[-2:] == [("wait_stream", hier.stream.name, "side"), ("wait_stream", "caller", hier.stream.name)]
+        out["poisoned first"] = out["rejected"] and ("poison",) in log and (
+            log.index(("poison",)) < log.index(("ipc reject",)))
+        tail = [("wait_stream", hier.stream.name, "side")] if hier.cross is not None else []  # (a non-leader: none)
+        out["joined"] = log[-len(tail) - 1:] == tail + [("wait_stream", "caller", hier.stream.name)]
+        out["poisoned"] = ("poison",) in log
         return out
     out["bad"], _ = all_reduce_matrix(rank, world, all_reduce, DTYPES, SIZES)
     # the halves and broadcast through the same binding: tests/test_collectives.py's closed forms
@@ -509,7 +514,21 @@ def test_cuda_two_level_mismatch_faked():
     for r, out in enumerate(res):
         assert out["error"] is not None and "rank 3: all_reduce of 4100 elements" in out["error"], (r, out["error"])
     assert [out["rejected"] for out in res] == [False, True, False, True], [o["error"] for o in res]
+    assert res[1]["poisoned first"] and res[3]["poisoned first"]  # (NCCL aborted before IPC's rejection)
     # the failed call's steps already queued still use the tensor: the caller's stream waits for them
+    assert all(out["joined"] for out in res), res
+
+
+def test_cuda_leaders_mismatch_faked():
+    """The same on uneven hosts a,a,a,b, rank 3 (alone on host b) calling with 4100 elements:
+    the leaders' check (ranks 0, 3) fails; rank 0 poisons its CUDA endpoint and rejects its
+    in-host call, so ranks 1 and 2 fail in the in-host broadcast; rank 3, with no host peer
+    to tell, still poisons its endpoint (its NCCL steps must not wait on anyone)."""
+    res = values(run_ranks(case_cuda_two_level_faked, 4, ["a", "a", "a", "b"], 8192, 3, timeout=120))
+    for r, out in enumerate(res):
+        assert out["error"] is not None and "rank 3: all_reduce of 4100 elements" in out["error"], (r, out["error"])
+    assert [out["rejected"] for out in res] == [True, False, False, False], [o["error"] for o in res]
+    assert [out["poisoned"] for out in res] == [True, False, False, True], [o["error"] for o in res]
     assert all(out["joined"] for out in res), res
 
 
