@@ -393,7 +393,7 @@ class Communicator:
                                 f"call ringdp.destroy() and initialise again")
             try:
                 self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
-            except (RingError, RuntimeError) as e:
+            except RuntimeError as e:  # (RingError is one)
                 self._cuda_failed = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
                 raise
         return self._cuda

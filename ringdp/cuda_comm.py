@@ -9,7 +9,6 @@ import pathlib
 import socket
 
 import torch
-import torch.distributed as dist
 
 from . import _types, policy
 from ._native import _C
@@ -221,31 +220,25 @@ class _Across:
 
     def allreduce(self, tensors, opts) -> "_StreamWork":
         (tensor,) = tensors
-        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
-        self.ep.native.all_reduce_tensor(tensor, _op_code(opts.reduceOp), self.side.cuda_stream,
-                                         policy.ALGO_CODES[policy.RING], self.timeout_s)
-        return self._done()
+        return self._on_side(lambda st, ring, t: self.ep.native.all_reduce_tensor(
+            tensor, _types.op_code(opts.reduceOp), st, ring, t))
 
     def _reduce_scatter_base(self, output, input, opts) -> "_StreamWork":
-        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
-        self.ep.native.reduce_scatter_tensor(output, input, _op_code(opts.reduceOp), self.side.cuda_stream,
-                                             policy.ALGO_CODES[policy.RING], self.timeout_s)
-        return self._done()
+        return self._on_side(lambda st, ring, t: self.ep.native.reduce_scatter_tensor(
+            output, input, _types.op_code(opts.reduceOp), st, ring, t))
 
     def _allgather_base(self, output, input, opts=None) -> "_StreamWork":
-        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
-        self.ep.native.all_gather_tensor(output, input, self.side.cuda_stream, policy.ALGO_CODES[policy.RING],
-                                         self.timeout_s)
-        return self._done()
+        return self._on_side(lambda st, ring, t: self.ep.native.all_gather_tensor(output, input, st, ring, t))
 
     def broadcast(self, tensors, opts) -> "_StreamWork":
         (tensor,) = tensors
-        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
-        self.ep.native.broadcast_tensor(tensor, opts.rootRank, self.side.cuda_stream, policy.ALGO_CODES[policy.RING],
-                                        self.timeout_s)
-        return self._done()
+        return self._on_side(lambda st, ring, t: self.ep.native.broadcast_tensor(tensor, opts.rootRank, st, ring, t))
 
-    def _done(self) -> "_StreamWork":
+    def _on_side(self, enqueue) -> "_StreamWork":
+        """The side stream waits for the current one, `enqueue(side stream, ring, timeout)`
+        puts the NCCL step on it, and the work's event is recorded after it."""
+        self.side.wait_stream(torch.cuda.current_stream(self.ep.device))
+        enqueue(self.side.cuda_stream, policy.ALGO_CODES[policy.RING], self.timeout_s)
         done = torch.cuda.Event()
         done.record(self.side)
         return _StreamWork(done, self.ep.device)
@@ -258,11 +251,3 @@ class _StreamWork:
     def wait(self, timeout=None) -> bool:
         torch.cuda.current_stream(self.device).wait_event(self.done)
         return True
-
-
-def _op_code(reduce_op) -> int:
-    """ringdp's op code of a torch ReduceOp among SUM, MIN, MAX (what the cross-host step gets)."""
-    for code, op in ((_types.SUM, dist.ReduceOp.SUM), (_types.MIN, dist.ReduceOp.MIN), (_types.MAX, dist.ReduceOp.MAX)):
-        if reduce_op == op:
-            return code
-    raise ValueError(f"the cross-host CUDA step reduces SUM, MIN or MAX, not {reduce_op}")

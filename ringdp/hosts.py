@@ -648,7 +648,7 @@ class CrossHost:
         tell = self.inhost
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused)
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
-                                 t, tell, tag, ranks)
+                                 t, tell, tag, ranks, net="gloo")
         return check
 
     def _reason(self, rank: int, number: int) -> str:
@@ -686,22 +686,23 @@ class CrossHost:
         method (module doc) and returns its Work."""
         self._wait(what, self._start(what, start, timeout_s, tell, tag, ranks), timeout_s, tell, tag, ranks)
 
-    def _start(self, what: str, start, timeout_s: float, tell, tag: str, ranks=None):
+    def _start(self, what: str, start, timeout_s: float, tell, tag: str, ranks=None, net=None):
         try:
             return start()
         except Exception as e:  # noqa: BLE001
-            self._gloo_failed(e, timeout_s, tell, tag, what, ranks)
+            self._gloo_failed(e, timeout_s, tell, tag, what, ranks, net)
 
-    def _wait(self, what: str, work, timeout_s: float, tell, tag: str, ranks=None) -> None:
+    def _wait(self, what: str, work, timeout_s: float, tell, tag: str, ranks=None, net=None) -> None:
         try:
             work.wait(timeout=timedelta(seconds=timeout_s))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
-            self._gloo_failed(e, timeout_s, tell, tag, what, ranks)
+            self._gloo_failed(e, timeout_s, tell, tag, what, ranks, net)
 
-    def _gloo_failed(self, e, timeout_s, tell, tag, what, ranks=None):
+    def _gloo_failed(self, e, timeout_s, tell, tag, what, ranks=None, net=None):
+        """`net`: what carried the step (None: the cross-host steps', net_name; the call check: gloo)."""
         first = str(e).splitlines()[0] if str(e) else ""
         ranks = self.cross_ranks if ranks is None else ranks
-        net = "gloo" if "call check" in what else self.net_name  # (the check is gloo's on CUDA too)
+        net = self.net_name if net is None else net
         self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
                    f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
@@ -738,7 +739,7 @@ class _Check:
             return
         self.done = True
         h = self.host
-        h._wait(self.what, self.work, self.t, self.tell, self.tag, self.ranks)
+        h._wait(self.what, self.work, self.t, self.tell, self.tag, self.ranks, net="gloo")
         rows = self.every.view(len(self.ranks), -1)[:, :_HEADER].tolist()
         if int(self.mine[0]) == _FAILED:
             return  # this rank failed the call itself: it raises its own error (CrossHost._begin)
