@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: machine facts, result files, local launching."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -70,6 +71,41 @@ def under_torchrun() -> bool:
 def _spawned(rank, world, port, main_rank, args, env):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), **env)
     main_rank(rank, world, args)
+
+
+def init_training_group(backend: str = "gloo") -> None:
+    """init_process_group(backend) from the environment, for a script that trains (an
+    optimizer, torch DDP or FSDP). torch._dynamo is imported first: torch 2.13 imports it at
+    the first optimizer step or DDP wrap, and imported after the group exists it keeps
+    hidden references to that group, so destroy_process_group() no longer frees it. gloo's
+    threads then outlive the script and may drop a finished collective's tensors while the
+    interpreter shuts down: the process aborts ("terminate called without an active
+    exception", SIGABRT) after its work is done, about once in 30-40 runs on 2 cores. Imported
+    before, it keeps none, and destroy_process_group() joins gloo's threads (README
+    "Known traps"; tests/test_train_recipe.py::test_training_group_is_freed_at_destroy)."""
+    import importlib
+
+    import torch.distributed as dist
+
+    importlib.import_module("torch._dynamo")  # imported here anyway by the first optimizer step
+    dist.init_process_group(backend)
+
+
+@contextlib.contextmanager
+def training_group(backend: str = "gloo"):
+    """A training rank's default group: set up by init_training_group unless the caller
+    already has one, and destroyed at the end; after a barrier when the body succeeded (no
+    rank tears down while another still runs), at once when it raised (a barrier could wait
+    for a rank that is gone)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_training_group(backend)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def launch(main_rank, args, world: int, env: dict | None = None):

@@ -54,7 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
+from _common import OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm",
              "torch_ringdp_view", "torch_nocomm_view")
@@ -255,11 +255,7 @@ def plot(rows, path: Path, title: str):
 
 
 def main_rank(rank, world, args):
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    try:
+    with training_group("gloo"):
         rows = run(rank, world, args)
         if rank == 0:
             info = machine_info(world, "cpu")
@@ -280,9 +276,6 @@ def main_rank(rank, world, args):
                 plot(rows, png, f"RingDDP vs torch DDP(gloo): world {world}, {args.layers}x Linear(H,H)+ReLU, "
                                 f"batch {args.batch}/rank, {args.threads} thread(s)/rank")
                 print(f"wrote {png}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv=None):

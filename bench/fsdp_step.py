@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
+from _common import OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 MODES = ("gloo", "ringdp", "alone")
 
@@ -124,11 +124,7 @@ def run(rank, world, args):
 
 
 def main_rank(rank, world, args):
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    try:
+    with training_group("gloo"):
         rows, same = run(rank, world, args)
         if rank == 0:
             payload = {"machine": machine_info(world, "cpu"), "args": vars(args), "rows": rows,
@@ -144,9 +140,6 @@ def main_rank(rank, world, args):
                   f"({rows[0]['params'] / 1e6:.1f}M parameters, world {world}, mixed={args.mixed}); "
                   f"max relative loss difference {same:.2e}")
             print(f"wrote {out}")
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv=None):

@@ -64,7 +64,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import OUT_DIR, launch  # noqa: E402
+from _common import OUT_DIR, launch, training_group  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -571,8 +571,7 @@ def scaling_rank(rank: int, world: int, args):
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo")
-    try:
+    with training_group("gloo"):
         kind = args.scaling_kind
         x, y = make_blobs(args.train_size, args.data_seed)
         ds = TensorDataset(x, y)
@@ -626,8 +625,6 @@ def scaling_rank(rank: int, world: int, args):
             blocks.append(time.perf_counter() - t0)
         if rank == 0:
             Path(args.scaling_result).write_text(json.dumps({"blocks_s": blocks}))
-    finally:
-        dist.destroy_process_group()
 
 
 def scaling(args) -> dict:
@@ -732,12 +729,9 @@ def plot_scaling(payload: dict, path: Path) -> Path:
 # ------------------------------------------------------------------ launch
 def main_rank(rank: int, world: int, args):
     import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(args.threads)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    try:
+    with training_group("gloo"):
         kinds = ["torch", "ring"] if args.ddp == "both" else [args.ddp]
         for kind in kinds:
             train(kind, args, rank, world)
@@ -745,9 +739,6 @@ def main_rank(rank: int, world: int, args):
             p = plot(Path(args.out_dir), world)
             if p:
                 print(f"wrote {p}", flush=True)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def main(argv=None):

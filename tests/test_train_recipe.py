@@ -133,6 +133,61 @@ def test_torch_syncbn_still_refuses_cpu(pool):
     assert all(m and "GPU" in m for m in msgs), msgs
 
 
+# ------------------------------------------------------------------ teardown
+def _group_after_destroy(rank, world, args):
+    """A training rank's lifetime: the group set up as `args.how` says, an optimizer step
+    (which imports torch._dynamo), destroy_process_group(); writes whether the group's object
+    survived it and how many of the threads started since are still there."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+    from _common import init_training_group
+
+    before = len(os.listdir("/proc/self/task"))  # the process's threads before the group
+    if args.how == "helper":
+        init_training_group("gloo")
+    else:
+        dist.init_process_group("gloo")
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    m = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    dist.barrier()  # barriers only: no tensor of Python's for gloo's threads to drop at exit
+    dist.destroy_process_group()
+    gc.collect()
+    (Path(args.out) / f"r{rank}.json").write_text(json.dumps(
+        {"alive": group() is not None, "threads_left": len(os.listdir("/proc/self/task")) - before}))
+
+
+def _teardown_run(tmp_path, how):
+    from types import SimpleNamespace
+
+    from _common import launch
+
+    out = tmp_path / how
+    out.mkdir()
+    launch(_group_after_destroy, SimpleNamespace(how=how, out=str(out)), 2, env={"OMP_NUM_THREADS": "1"})
+    return [json.loads((out / f"r{r}.json").read_text()) for r in range(2)]
+
+
+def test_training_group_is_freed_at_destroy(tmp_path):
+    """bench/_common.init_training_group imports torch._dynamo before the group exists, so
+    destroy_process_group() frees the group and joins gloo's threads: none is left to drop a
+    collective's tensors while the interpreter shuts down (which aborted train.py after its
+    last step about once in 30-40 runs). The plain init_process_group, for contrast, leaves
+    the group alive once the first optimizer step has imported torch._dynamo: when a torch
+    release stops that, this fails and the helper can go."""
+    plain = _teardown_run(tmp_path, "plain")
+    assert all(r["alive"] for r in plain), plain
+    helper = _teardown_run(tmp_path, "helper")
+    assert not any(r["alive"] for r in helper), helper
+    # the threads the group started (gloo's workers and transport loop) are joined
+    assert all(r["threads_left"] == 0 for r in helper), helper
+    assert all(r["threads_left"] > 0 for r in plain), plain
+
+
 # ------------------------------------------------------------------ learning rate
 def test_lr_factor_values():
     # warmup 4 of 20 steps: 1/4, 2/4, 3/4, 1, then cosine over the 16 steps left
