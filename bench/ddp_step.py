@@ -25,6 +25,9 @@ Modes, all in the same run, on the same data and initial weights:
                 bookkeeping). The floor of any backend under stock DDP (--modes to add it)
     torch_ringdp_view, torch_nocomm_view  the same with gradient_as_bucket_view=True (stock
                 DDP's own option: .grad are views of the buckets, no copies in and out)
+    torch_ringdp_adopt, torch_ringdp_view_adopt  torch_ringdp(_view) on a group made with
+                RINGDP_BACKEND_ADOPT_MIN_BYTES=1 MiB: DDP's buckets move into registered
+                memory in place at their second all-reduce, which then needs no staging copies
 
 Timing. Every rank runs the same mode at the same time (a barrier before each timed
 block), one intra-op thread per rank unless --threads. Rounds interleave the modes (none,
@@ -46,6 +49,7 @@ arguments, every block) and, with --plot, a PNG next to it. Default --out-dir: b
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -57,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm",
-             "torch_ringdp_view", "torch_nocomm_view")
+             "torch_ringdp_view", "torch_nocomm_view", "torch_ringdp_adopt", "torch_ringdp_view_adopt")
+ADOPT_MIN_BYTES = 1 << 20  # the *_adopt modes: RINGDP_BACKEND_ADOPT_MIN_BYTES of their group
 
 
 def parse_args(argv=None):
@@ -99,20 +104,25 @@ def build_model(hidden: int, layers: int):
     return nn.Sequential(*mods)
 
 
-_ringdp_group = None
+_ringdp_groups: dict = {}
 
 
-def ringdp_group():
-    """One "cpu:ringdp" group for every torch_ringdp model of the run (made on first use,
-    collectively: every rank builds the same modes in the same order)."""
-    global _ringdp_group
-    if _ringdp_group is None:
+def ringdp_group(adopt: bool = False):
+    """One "cpu:ringdp" group for every torch_ringdp model of the run, and one made with
+    RINGDP_BACKEND_ADOPT_MIN_BYTES for the *_adopt ones (made on first use, collectively:
+    every rank builds the same modes in the same order)."""
+    if adopt not in _ringdp_groups:
         import torch.distributed as dist
 
         import ringdp  # noqa: F401 -- registers the backend
 
-        _ringdp_group = dist.new_group(backend="cpu:ringdp")
-    return _ringdp_group
+        if adopt:
+            os.environ["RINGDP_BACKEND_ADOPT_MIN_BYTES"] = str(ADOPT_MIN_BYTES)
+        try:
+            _ringdp_groups[adopt] = dist.new_group(backend="cpu:ringdp")
+        finally:
+            os.environ.pop("RINGDP_BACKEND_ADOPT_MIN_BYTES", None)
+    return _ringdp_groups[adopt]
 
 
 def _no_comm_hook(state, bucket):
@@ -135,9 +145,10 @@ def wrap(mode: str, module, args):
     if mode in ("torch", "torch_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         return DDP(module, gradient_as_bucket_view=(mode == "torch_view"), **kw)
-    if mode in ("torch_ringdp", "torch_ringdp_view"):
+    if mode in ("torch_ringdp", "torch_ringdp_view", "torch_ringdp_adopt", "torch_ringdp_view_adopt"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
-        return DDP(module, process_group=ringdp_group(), gradient_as_bucket_view=mode.endswith("_view"), **kw)
+        return DDP(module, process_group=ringdp_group(adopt=mode.endswith("_adopt")),
+                   gradient_as_bucket_view="_view" in mode, **kw)
     if mode in ("torch_nocomm", "torch_nocomm_view"):
         kw = {} if cap is None else {"bucket_cap_mb": cap}
         ddp = DDP(module, gradient_as_bucket_view=mode.endswith("_view"), **kw)
@@ -230,7 +241,8 @@ def plot(rows, path: Path, title: str):
     width = 0.8 / len(modes)
     colors = {"none": "#999999", "torch": "#d62728", "torch_view": "#ff9896", "ring": "#1f77b4",
               "ring_view": "#2ca02c", "ring_serial": "#9467bd", "torch_ringdp": "#ff7f0e",
-              "torch_nocomm": "#c5b0d5", "torch_ringdp_view": "#ffbb78", "torch_nocomm_view": "#e7dcef"}
+              "torch_nocomm": "#c5b0d5", "torch_ringdp_view": "#ffbb78", "torch_nocomm_view": "#e7dcef",
+              "torch_ringdp_adopt": "#8c564b", "torch_ringdp_view_adopt": "#c49c94"}
     for j, mode in enumerate(modes):
         for k, h in enumerate(hiddens):
             r = next((r for r in rows if r["hidden"] == h and r["mode"] == mode), None)
@@ -267,7 +279,7 @@ def main_rank(rank, world, args):
                 t = {r["mode"]: r for r in rows if r["hidden"] == h}
                 if "torch" in t:
                     for m in ("ring", "ring_view", "torch_view", "torch_ringdp", "torch_nocomm", "torch_ringdp_view",
-                              "torch_nocomm_view"):
+                              "torch_nocomm_view", "torch_ringdp_adopt", "torch_ringdp_view_adopt"):
                         if m in t:
                             print(f"H={h}: {m} step / torch DDP(gloo) step = {t[m]['step_ms'] / t['torch']['step_ms']:.2f}"
                                   f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")

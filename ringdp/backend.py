@@ -195,6 +195,41 @@ class RingWork(dist.Work):
         self.wait()
 
 
+# ==================================================================== registered in place
+class _Adopter:
+    """Which CPU tensors the group's all-reduce moves into registered memory in place
+    (Communicator.register_in_place), with RINGDP_BACKEND_ADOPT_MIN_BYTES set: one at least
+    that large that comes a second time (the same memory and size), as torch DDP's buckets
+    do every step; a temporary seen once is not worth the copy. Its reductions then need no
+    staging copies (stock DDP on this backend: README "As a torch.distributed backend").
+    Off by default: memory that something outside torch points at (a numpy array from
+    .numpy(), a DLPack export) would not follow the move. Ranks decide alone; DDP's buckets
+    come the same way on every rank, and a call where some ranks' tensors are registered and
+    others' not is staged, as ever (correct, just not in place)."""
+
+    _SEEN_MAX = 256  # remembered tensors (a bucket is remembered until it moves)
+
+    def __init__(self, comm: Communicator):
+        self._comm = comm
+        self._min = comm.config.backend_adopt_min_bytes
+        self._seen: dict[tuple[int, int], int] = {}
+
+    def see(self, t: torch.Tensor) -> None:
+        if self._min < 0 or t.device.type != "cpu":
+            return
+        nbytes = t.numel() * t.element_size()
+        if nbytes < max(self._min, 1):
+            return
+        key = (t.data_ptr(), nbytes)
+        if key not in self._seen:
+            if len(self._seen) >= self._SEEN_MAX:
+                self._seen.pop(next(iter(self._seen)))
+            self._seen[key] = 1
+            return
+        del self._seen[key]
+        self._comm.register_in_place(t)
+
+
 # ==================================================================== the group
 class ProcessGroupRingdp(dist.ProcessGroup):
     """ringdp's process group (module doc). Made by torch through the registered creator."""
@@ -212,6 +247,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         self._nccl = None
         self._nccl_lock = threading.Lock()
         self._comm = Communicator(timeout=timeout.total_seconds(), backend=self)
+        self._adopt = _Adopter(self._comm)
 
     # -- what the communicator asks of its backend (ringdp/comm.py) ----------------------
     def _ringdp_store(self):
@@ -323,6 +359,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
     # -- all-reduce -----------------------------------------------------------------------
     def _all_reduce(self, t, reduce_op, timeout=None):
+        self._adopt.see(t)
         kind, factor = _op_of(reduce_op)
         if factor is not None:
             t.mul_(factor)

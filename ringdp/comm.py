@@ -776,6 +776,35 @@ class Communicator:
             return self._shm
         return self.across.inhost if self.across is not None else None
 
+    def register_in_place(self, tensor: torch.Tensor) -> bool:
+        """Move a CPU tensor's memory into registered shared memory (the arena of
+        ringdp.empty) in place, so that ringdp reduces it without staging copies: its values
+        are copied there and its storage's memory pointer swapped (torch's
+        UntypedStorage._swap_data_ptr_, as share_memory_() does), so every view of the storage
+        follows and the old memory is freed. Memory that something outside torch still points
+        at (a numpy array from .numpy(), a DLPack export) would NOT follow: callers decide
+        which tensors may move (ringdp/backend.py: only with RINGDP_BACKEND_ADOPT_MIN_BYTES).
+        Returns whether it moved: False for a tensor that is not a whole contiguous CPU
+        storage, pinned, shared or already registered, when the arena is full, or with a
+        torch that lacks the swap."""
+        if (not hasattr(torch.UntypedStorage, "_swap_data_ptr_") or tensor.device.type != "cpu"
+                or not tensor.is_contiguous() or tensor.storage_offset() != 0
+                or tensor.is_pinned() or tensor.is_shared() or self.is_registered(tensor)):
+            return False
+        storage = tensor.untyped_storage()
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0 or storage.nbytes() != nbytes:
+            return False
+        try:
+            reg = self.empty((tensor.numel(),), tensor.dtype)
+        except ValueError:  # the arena is full (or this rank has no in-host peers)
+            return False
+        if not self.is_registered(reg) or reg.untyped_storage().nbytes() != nbytes:
+            return False
+        reg.copy_(tensor.view(-1))
+        storage._swap_data_ptr_(reg.untyped_storage())  # reg now holds the old memory, freed with it
+        return True
+
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:
             return self._cuda is not None and bool(self._cuda.arena.is_registered(tensor))

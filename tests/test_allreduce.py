@@ -141,6 +141,44 @@ def test_registered_views():
         assert other0 == 0 and other2 == 0
 
 
+def _register_in_place(rank, world):
+    """Communicator.register_in_place on what may move and what may not; a moved tensor's
+    views follow it, its values stay, and it all-reduces in place (closed form, twice)."""
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    t = torch.arange(4099, dtype=torch.float64) * (rank + 1)  # a prime count: no even split
+    view = t[10:20]
+    before, in_use = t.clone(), comm.shm.arena_in_use
+    moved = comm.register_in_place(t)
+    same = torch.equal(t, before) and torch.equal(view, before[10:20])
+    reg = comm.is_registered(t) and comm.is_registered(view)
+    grew = comm.shm.arena_in_use - in_use
+    for _ in range(2):
+        t.copy_(before)
+        ringdp.all_reduce(t)
+    summed = torch.equal(t, torch.arange(4099, dtype=torch.float64) * sum(range(1, world + 1)))
+    view.fill_(-1.0)  # the view writes into the moved memory
+    refused = {
+        "again": comm.register_in_place(t),  # already registered
+        "slice": comm.register_in_place(torch.zeros(8)[2:6]),  # not the whole storage
+        "strided": comm.register_in_place(torch.zeros(4, 4).t()),
+        "empty": comm.register_in_place(torch.zeros(0)),
+        "shared": comm.register_in_place(torch.zeros(8).share_memory_()),
+    }
+    return {"moved": moved, "same": same, "registered": reg, "grew": grew, "summed": summed,
+            "view_writes": float(t[10:20].sum()), "refused": refused}
+
+
+def test_register_in_place():
+    for r, out in enumerate(values(run_ranks(_register_in_place, 3))):
+        assert out["moved"] and out["same"] and out["registered"], (r, out)
+        assert out["grew"] >= 4099 * 8, (r, out)
+        assert out["summed"], (r, out)
+        assert out["view_writes"] == -10.0, (r, out)
+        assert not any(out["refused"].values()), (r, out["refused"])
+
+
 def _forced_algo(rank, world):
     import ringdp
 

@@ -72,9 +72,9 @@ def params(m):
     return [p.detach().clone() for p in m.parameters()]
 
 
-def train_ddp(rank, world, group, variant, steps=STEPS, per_rank=4):
+def train_ddp(rank, world, group, variant, steps=STEPS, per_rank=4, keep=None):
     """Stock DDP over `group`, started from a rank-dependent init (DDP broadcasts rank 0's).
-    Returns the parameters after `steps` SGD steps."""
+    Returns the parameters after `steps` SGD steps (and puts the DDP module in keep["ddp"])."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.distributed.algorithms.join import Join
 
@@ -85,7 +85,11 @@ def train_ddp(rank, world, group, variant, steps=STEPS, per_rank=4):
         kw["bucket_cap_mb"] = 1e-4  # a few hundred bytes: a bucket per parameter or two
     if variant == "unused":
         kw["find_unused_parameters"] = True
+    if variant == "view":
+        kw["gradient_as_bucket_view"] = True  # the gradients are views of DDP's buckets
     ddp = nn.parallel.DistributedDataParallel(model, **kw)
+    if keep is not None:
+        keep["ddp"] = ddp
     if variant == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif variant == "bf16":
@@ -187,6 +191,53 @@ def test_ddp_default_group_world(world):
 @pytest.mark.parametrize("variant", ["small_buckets", "unused", "no_sync", "join"])
 def test_ddp_variants(pool, variant):
     check_ddp(pool.run(case_ddp, variant=variant), variant)
+
+
+def case_adopt(rank, world):
+    """Stock DDP with gradient_as_bucket_view on ringdp groups made without and with
+    RINGDP_BACKEND_ADOPT_MIN_BYTES (the backend's communicator reads it when the group is
+    made): whether the gradients (views of the buckets) ended in registered memory, and the
+    parameters."""
+    import os
+
+    import ringdp
+
+    out = {}
+    for name, adopt in (("off", None), ("on", "1")):
+        if adopt is not None:
+            os.environ["RINGDP_BACKEND_ADOPT_MIN_BYTES"] = adopt
+        try:
+            g = dist.new_group(backend="cpu:ringdp")
+        finally:
+            os.environ.pop("RINGDP_BACKEND_ADOPT_MIN_BYTES", None)
+        comm = ringdp.get_communicator(g)
+        keep = {}
+        ps = train_ddp(rank, world, g, "view", keep=keep)
+        grads = [p.grad for p in keep["ddp"].module.parameters()]
+        out[name] = {"params": ps, "registered": [comm.is_registered(gr) for gr in grads],
+                     "grads": [gr.clone() for gr in grads]}
+        del keep, grads
+        dist.destroy_process_group(g)
+    out["ref"] = reference(world, "view")
+    return out
+
+
+def test_ddp_buckets_registered_in_place(pool):
+    """RINGDP_BACKEND_ADOPT_MIN_BYTES: DDP's buckets, all-reduced a second time, move into
+    registered memory in place (Communicator.register_in_place), so that the gradients DDP
+    made views of them are registered too, and training is unchanged: the same parameters
+    as without it and as one process on the full batch, bitwise equal on every rank."""
+    res = pool.run(case_adopt)
+    for r, out in enumerate(res):
+        assert not any(out["off"]["registered"]), f"rank {r}: registered without the setting"
+        assert all(out["on"]["registered"]), f"rank {r}: {out['on']['registered']}"
+        for a, b, c in zip(out["on"]["params"], out["off"]["params"], out["ref"]):
+            assert torch.equal(a, b), f"rank {r}: moving the buckets changed the result"
+            torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
+        for a, b in zip(out["on"]["grads"], out["off"]["grads"]):
+            assert torch.equal(a, b), f"rank {r}: the gradients differ"
+        for a, b in zip(out["on"]["params"], res[0]["on"]["params"]):
+            assert torch.equal(a, b), f"rank {r}'s parameters differ from rank 0's"
 
 
 @pytest.mark.parametrize("variant", ["fp16", "bf16"])
