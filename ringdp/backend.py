@@ -203,11 +203,16 @@ class _Adopter:
     do every step; a temporary seen once is not worth the copy. Its reductions then need no
     staging copies (stock DDP on this backend: README "As a torch.distributed backend").
     Off by default: memory that something outside torch points at (a numpy array from
-    .numpy(), a DLPack export) would not follow the move. Ranks decide alone; DDP's buckets
+    .numpy(), a DLPack export) would not follow the move. The move is ordered with the
+    communicator's calls (a collective still running on the tensor finishes first). The key
+    is the memory's address: a temporary that the allocator places where the last one was
+    counts as seen again and moves (one copy into the arena instead of the staged copies;
+    correct either way). Ranks decide alone; DDP's buckets
     come the same way on every rank, and a call where some ranks' tensors are registered and
     others' not is staged, as ever (correct, just not in place)."""
 
-    _SEEN_MAX = 256  # remembered tensors (a bucket is remembered until it moves)
+    _SEEN_MAX = 4096  # remembered tensors (a bucket is remembered until it moves; more buckets
+    # than this per step would push each out before its second sighting)
 
     def __init__(self, comm: Communicator):
         self._comm = comm

@@ -776,7 +776,7 @@ class Communicator:
             return self._shm
         return self.across.inhost if self.across is not None else None
 
-    def register_in_place(self, tensor: torch.Tensor) -> bool:
+    def register_in_place(self, tensor: torch.Tensor) -> bool | None:
         """Move a CPU tensor's memory into registered shared memory (the arena of
         ringdp.empty) in place, so that ringdp reduces it without staging copies: its values
         are copied there and its storage's memory pointer swapped (torch's
@@ -784,26 +784,52 @@ class Communicator:
         follows and the old memory is freed. Memory that something outside torch still points
         at (a numpy array from .numpy(), a DLPack export) would NOT follow: callers decide
         which tensors may move (ringdp/backend.py: only with RINGDP_BACKEND_ADOPT_MIN_BYTES).
-        Returns whether it moved: False for a tensor that is not a whole contiguous CPU
-        storage, pinned, shared or already registered, when the arena is full, or with a
-        torch that lacks the swap."""
-        if (not hasattr(torch.UntypedStorage, "_swap_data_ptr_") or tensor.device.type != "cpu"
-                or not tensor.is_contiguous() or tensor.storage_offset() != 0
-                or tensor.is_pinned() or tensor.is_shared() or self.is_registered(tensor)):
-            return False
-        storage = tensor.untyped_storage()
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0 or storage.nbytes() != nbytes:
+        The moved storage cannot be resized (it is the arena's, as a ringdp.empty tensor's).
+
+        Ordered with this communicator's calls, as a collective is: with none pending it
+        moves now and returns whether it did; else it is queued behind them (a collective
+        still running on the tensor finishes first, a later one finds it moved) and returns
+        None. Never raises: it does not move (False) a tensor that is not a whole contiguous
+        CPU storage of a dtype reduced in place (float16 and bfloat16 are always staged),
+        pinned, shared or already registered, nor when the arena or /dev/shm is full, the
+        communicator is closed, or torch lacks the swap."""
+        if not self._movable(tensor):
             return False
         try:
+            inline = self._take_inline(async_op=False)
+        except RingError:  # closed, or its group destroyed
+            return False
+        if inline:
+            with self._lock:
+                return self._move(tensor)
+        self._enqueue(lambda: self._move(tensor), True, [tensor])
+        return None
+
+    # reduced through a float32 accumulator, so staged even when registered (csrc/common/types.h acc_size)
+    _STAGED_DTYPES = (torch.float16, torch.bfloat16)
+
+    def _movable(self, tensor: torch.Tensor) -> bool:
+        return (hasattr(torch.UntypedStorage, "_swap_data_ptr_") and isinstance(tensor, torch.Tensor)
+                and tensor.device.type == "cpu" and tensor.dtype in _SUPPORTED_DTYPES
+                and tensor.dtype not in self._STAGED_DTYPES and tensor.layout == torch.strided
+                and tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.numel() > 0
+                and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+                and not tensor.is_pinned() and not tensor.is_shared())
+
+    def _move(self, tensor: torch.Tensor) -> bool:
+        """register_in_place's move, on the thread that runs this communicator's calls."""
+        try:
+            if self.is_registered(tensor):
+                return False
             reg = self.empty((tensor.numel(),), tensor.dtype)
-        except ValueError:  # the arena is full (or this rank has no in-host peers)
+            if not self.is_registered(reg):  # (a rank alone on its host gets ordinary memory)
+                return False
+            reg.copy_(tensor.view(-1))
+            tensor.untyped_storage()._swap_data_ptr_(reg.untyped_storage())  # reg now holds the old memory
+            return True
+        except (RuntimeError, ValueError, TypeError) as e:  # the arena or /dev/shm full (RingError), ...
+            log.debug("ringdp rank %d: register_in_place: not moved (%s)", self.rank, e)
             return False
-        if not self.is_registered(reg) or reg.untyped_storage().nbytes() != nbytes:
-            return False
-        reg.copy_(tensor.view(-1))
-        storage._swap_data_ptr_(reg.untyped_storage())  # reg now holds the old memory, freed with it
-        return True
 
     def is_registered(self, tensor: torch.Tensor) -> bool:
         if tensor.is_cuda:

@@ -142,8 +142,10 @@ def test_registered_views():
 
 
 def _register_in_place(rank, world):
-    """Communicator.register_in_place on what may move and what may not; a moved tensor's
-    views follow it, its values stay, and it all-reduces in place (closed form, twice)."""
+    """Communicator.register_in_place (in a 10 MiB arena) on what may move and what may not; a
+    moved tensor's views follow it, its values stay, it all-reduces in place (closed form,
+    twice), and freeing it gives the arena back. A move asked for while an async all-reduce
+    of the tensor is still queued waits for it (queued: None)."""
     import ringdp
 
     comm = ringdp.get_communicator()
@@ -159,23 +161,43 @@ def _register_in_place(rank, world):
         ringdp.all_reduce(t)
     summed = torch.equal(t, torch.arange(4099, dtype=torch.float64) * sum(range(1, world + 1)))
     view.fill_(-1.0)  # the view writes into the moved memory
+    view_writes = float(t[10:20].sum())
+    del t, view
+    freed = comm.shm.arena_in_use == in_use
+    # in flight: the move queued behind the first all-reduce, before the second
+    u = torch.arange(1000003, dtype=torch.float64) * (rank + 1)  # 8 MB: the ring takes a while
+    w1 = ringdp.all_reduce(u, async_op=True)
+    queued = comm.register_in_place(u)
+    w2 = ringdp.all_reduce(u, async_op=True)
+    w1.wait()
+    w2.wait()
+    s = sum(range(1, world + 1))
+    in_flight = {"queued": queued, "registered": comm.is_registered(u),
+                 "exact": torch.equal(u, torch.arange(1000003, dtype=torch.float64) * s * world)}
     refused = {
-        "again": comm.register_in_place(t),  # already registered
-        "slice": comm.register_in_place(torch.zeros(8)[2:6]),  # not the whole storage
+        "again": comm.register_in_place(u),  # already registered
+        "slice": comm.register_in_place(torch.zeros(8)[2:6]),  # not at the storage's start
+        "prefix": comm.register_in_place(torch.zeros(8)[:4]),  # not the whole storage
         "strided": comm.register_in_place(torch.zeros(4, 4).t()),
         "empty": comm.register_in_place(torch.zeros(0)),
         "shared": comm.register_in_place(torch.zeros(8).share_memory_()),
+        "half": comm.register_in_place(torch.zeros(8, dtype=torch.float16)),  # staged anyway
+        "bool": comm.register_in_place(torch.zeros(8, dtype=torch.bool)),
+        "arena_full": comm.register_in_place(torch.zeros(1 << 22)),  # 16 MiB
     }
     return {"moved": moved, "same": same, "registered": reg, "grew": grew, "summed": summed,
-            "view_writes": float(t[10:20].sum()), "refused": refused}
+            "view_writes": view_writes, "freed": freed, "in_flight": in_flight, "refused": refused}
 
 
 def test_register_in_place():
-    for r, out in enumerate(values(run_ranks(_register_in_place, 3))):
-        assert out["moved"] and out["same"] and out["registered"], (r, out)
+    for r, out in enumerate(values(run_ranks(_register_in_place, 3, env={"RINGDP_ARENA_GB": "0.01"}))):
+        assert out["moved"] is True and out["same"] and out["registered"], (r, out)
         assert out["grew"] >= 4099 * 8, (r, out)
         assert out["summed"], (r, out)
         assert out["view_writes"] == -10.0, (r, out)
+        assert out["freed"], (r, out)
+        assert out["in_flight"]["queued"] in (None, True), (r, out)
+        assert out["in_flight"]["registered"] and out["in_flight"]["exact"], (r, out)
         assert not any(out["refused"].values()), (r, out["refused"])
 
 

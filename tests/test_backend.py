@@ -198,6 +198,7 @@ def case_adopt(rank, world):
     RINGDP_BACKEND_ADOPT_MIN_BYTES (the backend's communicator reads it when the group is
     made): whether the gradients (views of the buckets) ended in registered memory, and the
     parameters."""
+    import gc
     import os
 
     import ringdp
@@ -216,7 +217,10 @@ def case_adopt(rank, world):
         grads = [p.grad for p in keep["ddp"].module.parameters()]
         out[name] = {"params": ps, "registered": [comm.is_registered(gr) for gr in grads],
                      "grads": [gr.clone() for gr in grads]}
+        held = comm.shm.arena_in_use
         del keep, grads
+        gc.collect()  # DDP holds itself in cycles
+        out[name]["arena"] = (held, comm.shm.arena_in_use)  # with the buckets, after them
         dist.destroy_process_group(g)
     out["ref"] = reference(world, "view")
     return out
@@ -231,6 +235,9 @@ def test_ddp_buckets_registered_in_place(pool):
     for r, out in enumerate(res):
         assert not any(out["off"]["registered"]), f"rank {r}: registered without the setting"
         assert all(out["on"]["registered"]), f"rank {r}: {out['on']['registered']}"
+        held, after = out["on"]["arena"]
+        assert held >= 4 * sum(p.numel() for p in out["ref"]) and after == 0, (r, out["on"]["arena"])
+        assert out["off"]["arena"] == (0, 0), (r, out["off"]["arena"])
         for a, b, c in zip(out["on"]["params"], out["off"]["params"], out["ref"]):
             assert torch.equal(a, b), f"rank {r}: moving the buckets changed the result"
             torch.testing.assert_close(a, c, rtol=1e-6, atol=1e-6)
