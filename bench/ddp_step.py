@@ -285,7 +285,9 @@ def main_rank(rank, world, args):
                                   f" (exposed comm {t[m]['exposed_comm_ms']:.1f} ms vs {t['torch']['exposed_comm_ms']:.1f} ms)")
             if args.plot:
                 png = out.with_suffix(".png")
-                plot(rows, png, f"RingDDP vs torch DDP(gloo): world {world}, {args.layers}x Linear(H,H)+ReLU, "
+                who = "RingDDP vs torch DDP(gloo)" if any(m.startswith("ring") for m in args.modes) else \
+                    "stock DDP: ringdp vs gloo"
+                plot(rows, png, f"{who}: world {world}, {args.layers}x Linear(H,H)+ReLU, "
                                 f"batch {args.batch}/rank, {args.threads} thread(s)/rank")
                 print(f"wrote {png}")
 
