@@ -195,6 +195,34 @@ class RingWork(dist.Work):
         self.wait()
 
 
+# ==================================================================== the CPU backend view
+class _CpuBackendView:
+    """ProcessGroupRingdp._get_backend's answer for CPU: the optional c10d Backend features
+    torch's Python code asks about, all declined. Not a c10d Backend: isinstance checks for
+    gloo or NCCL backends (torch's timeout helpers) skip it."""
+
+    supports_splitting = False
+    supports_coalescing = False
+    supports_time_estimate = False
+    supports_shrinking = False
+
+    def supports_tensor_alloc(self, device) -> bool:
+        # Registered memory would let ringdp all-gather in place, but the arena commits and
+        # pre-faults a block on each allocation and punches it out on free: FSDP2's buffers,
+        # new every step, would fault their pages every step (issue 12 measured a fresh
+        # buffer's first touch as dearer than the copies it saves).
+        return False
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def __repr__(self):
+        return "ringdp CPU backend view"
+
+
+_CPU_BACKEND_VIEW = _CpuBackendView()
+
+
 # ==================================================================== registered in place
 class _Adopter:
     """Which CPU tensors the group's all-reduce moves into registered memory in place
@@ -295,6 +323,21 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     # -- identity -------------------------------------------------------------------------
     def getBackendName(self):
         return BACKEND_NAME
+
+    def _get_backend(self, device):
+        """torch's Python code asks a group for its per-device c10d Backend: FSDP2's
+        set_allocate_memory_from_process_group_for_comm (supports_tensor_alloc), torch's
+        timeout, split, shrink and time-estimate helpers. This group is its own backend and
+        registers none per device, so c10d raises "No backend type associated with device
+        type cpu", which failed FSDP2's first all-gather with that option on. For CPU it now
+        answers with _CpuBackendView, which declines every optional feature (callers take
+        their default path: FSDP2 its own torch.empty buffers, as without the option); other
+        devices as before (torch's NCCL split-source lookup must not get a non-NCCL object)."""
+        try:
+            cpu = torch.device(device).type == "cpu"
+        except (TypeError, RuntimeError):
+            cpu = False
+        return _CPU_BACKEND_VIEW if cpu else super()._get_backend(device)
 
     def _get_backend_name(self):
         return BACKEND_NAME

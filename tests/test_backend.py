@@ -254,12 +254,13 @@ def test_ddp_compression_hooks(pool, variant):
     check_ddp(pool.run(case_ddp, variant=variant), variant, rtol=1e-2, atol=1e-3)
 
 
-def case_fsdp2(rank, world, mixed=False, steps=4, premul=False):
+def case_fsdp2(rank, world, mixed=False, steps=4, premul=False, pg_alloc=False):
     """Stock FSDP2 (fully_shard) of a small TransformerEncoder stack on a ringdp group and on
     a gloo group; every step's loss on this rank. `premul`: on the ringdp group the gradients
     are divided by 2 x world (set_gradient_divide_factor: FSDP2 reduce-scatters with
     PREMUL_SUM(1 / (2 world)), which gloo lacks) with twice gloo's learning rate: plain SGD
-    then takes the same steps."""
+    then takes the same steps. `pg_alloc`: FSDP2 asks the group for its buffers
+    (set_allocate_memory_from_process_group_for_comm)."""
     import ringdp
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -277,6 +278,9 @@ def case_fsdp2(rank, world, mixed=False, steps=4, premul=False):
         if factor is not None:
             for m in [*model, model]:
                 m.set_gradient_divide_factor(factor)
+        if pg_alloc:
+            for m in [*model, model]:
+                m.set_allocate_memory_from_process_group_for_comm(True)
         opt = torch.optim.SGD(model.parameters(), lr=lr)
         losses = []
         for step in range(steps):
@@ -313,6 +317,13 @@ def check_fsdp2(res):
 @pytest.mark.parametrize("mixed", [False, True])
 def test_fsdp2_world2(pool, mixed):
     check_fsdp2(pool.run(case_fsdp2, mixed=mixed))
+
+
+def test_fsdp2_buffers_from_the_group(pool):
+    """FSDP2's set_allocate_memory_from_process_group_for_comm asks the group's CPU backend
+    (ProcessGroupRingdp._get_backend) whether it allocates; it declines, and FSDP2 trains as
+    on gloo (the same option there: gloo declines too). It raised at the first all-gather."""
+    check_fsdp2(pool.run(case_fsdp2, pg_alloc=True))
 
 
 def test_fsdp2_premul_sum(pool):
