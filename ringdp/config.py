@@ -57,12 +57,12 @@ class Config:
     # -- RingDDP ---------------------------------------------------------------------------
     ddp_in_grad_min_bytes: int = policy.IN_GRAD_MIN_BYTES  # RINGDP_DDP_IN_GRAD_MIN_BYTES (-1: never)
     ddp_overlap: bool = True  # RINGDP_DDP_OVERLAP
-    # -- the torch.distributed backend -----------------------------------------------------
-    backend_adopt_min_bytes: int = -1  # RINGDP_BACKEND_ADOPT_MIN_BYTES: all-reduced CPU tensors this
-    # large, seen a second time, move into registered memory in place (-1: never; ringdp/backend.py)
     trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes; its
     # folder also receives each rank's flight record on a stall or a failed collective
     trace_steps: int = 1000  # RINGDP_TRACE_STEPS: steps with events (later ones: summary only)
+    # -- the torch.distributed backend -----------------------------------------------------
+    backend_adopt_min_bytes: int = -1  # RINGDP_BACKEND_ADOPT_MIN_BYTES: all-reduced CPU tensors this
+    # large, seen a second time, move into registered memory in place (-1: never; ringdp/backend.py)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
@@ -152,9 +152,9 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_NCCL_HOSTID_PER_RANK": ("nccl_hostid_per_rank", _bool),
     "RINGDP_DDP_IN_GRAD_MIN_BYTES": ("ddp_in_grad_min_bytes", _int_or_never),
     "RINGDP_DDP_OVERLAP": ("ddp_overlap", _bool),
-    "RINGDP_BACKEND_ADOPT_MIN_BYTES": ("backend_adopt_min_bytes", _int_or_never),
     "RINGDP_TRACE": ("trace", _text),
     "RINGDP_TRACE_STEPS": ("trace_steps", _nonneg_int),
+    "RINGDP_BACKEND_ADOPT_MIN_BYTES": ("backend_adopt_min_bytes", _int_or_never),
 }
 # Read by setup.py / the build scripts, or by the tests themselves, not at run time.
 _NOT_RUNTIME = {"RINGDP_BUILD_CUDA", "RINGDP_CUDA_ARCHS", "RINGDP_REQUIRE_CUDA"}

@@ -38,6 +38,13 @@ def test_env_overrides():
         Config.from_env({"RINGDP_ALGO": "auto", "RINGDP_ONESHOT_MAX_BYTES": "lots"})
 
 
+def test_backend_adopt_setting():
+    assert Config.from_env({}).backend_adopt_min_bytes == -1  # off unless asked for
+    assert Config.from_env({"RINGDP_BACKEND_ADOPT_MIN_BYTES": "1048576"}).backend_adopt_min_bytes == 1 << 20
+    with pytest.raises(ValueError, match="RINGDP_BACKEND_ADOPT_MIN_BYTES"):
+        Config.from_env({"RINGDP_BACKEND_ADOPT_MIN_BYTES": "-5"})
+
+
 def test_cuda_threshold_is_the_transports_own():
     cfg = Config.from_env({})
     assert policy.oneshot_threshold("ipc", 4, cfg, 256 << 10) == 256 << 10  # the whole buffer
