@@ -82,7 +82,7 @@ def init_training_group(backend: str = "gloo") -> None:
     interpreter shuts down: the process aborts ("terminate called without an active
     exception", SIGABRT) after its work is done, about once in 30-40 runs on 2 cores. Imported
     before, it keeps none, and destroy_process_group() joins gloo's threads (README
-    "Known traps"; tests/test_train_recipe.py::test_training_group_is_freed_at_destroy)."""
+    "Failures"; tests/test_train_recipe.py::test_training_group_is_freed_at_destroy)."""
     import importlib
 
     import torch.distributed as dist

@@ -54,6 +54,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -116,12 +117,10 @@ def ringdp_group(adopt: bool = False):
 
         import ringdp  # noqa: F401 -- registers the backend
 
-        if adopt:
-            os.environ["RINGDP_BACKEND_ADOPT_MIN_BYTES"] = str(ADOPT_MIN_BYTES)
-        try:
+        # the group's communicator reads the setting when the group is made; the environment
+        # is restored after, so a value set outside neither leaks into nor is lost by the run
+        with mock.patch.dict(os.environ, {"RINGDP_BACKEND_ADOPT_MIN_BYTES": str(ADOPT_MIN_BYTES if adopt else -1)}):
             _ringdp_groups[adopt] = dist.new_group(backend="cpu:ringdp")
-        finally:
-            os.environ.pop("RINGDP_BACKEND_ADOPT_MIN_BYTES", None)
     return _ringdp_groups[adopt]
 
 

@@ -199,18 +199,14 @@ def case_adopt(rank, world):
     made): whether the gradients (views of the buckets) ended in registered memory, and the
     parameters."""
     import gc
-    import os
 
     import ringdp
+    from _dist import _env_overrides
 
     out = {}
-    for name, adopt in (("off", None), ("on", "1")):
-        if adopt is not None:
-            os.environ["RINGDP_BACKEND_ADOPT_MIN_BYTES"] = adopt
-        try:
+    for name, adopt in (("off", "-1"), ("on", "1")):
+        with _env_overrides({"RINGDP_BACKEND_ADOPT_MIN_BYTES": adopt}):
             g = dist.new_group(backend="cpu:ringdp")
-        finally:
-            os.environ.pop("RINGDP_BACKEND_ADOPT_MIN_BYTES", None)
         comm = ringdp.get_communicator(g)
         keep = {}
         ps = train_ddp(rank, world, g, "view", keep=keep)
