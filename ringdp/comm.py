@@ -443,13 +443,26 @@ class Communicator:
                 shm.spin_ns = spin
             self._spin_set = spin
 
-    def _submit(self, fn, async_op: bool, outputs=()) -> Work | None:
+    def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
-        synchronous, else behind the queued ones on the worker thread."""
-        if self._take_inline(async_op):
+        synchronous, or asynchronous on shared memory (`nbytes`: its size; None elsewhere)
+        and small (policy.inline_async: handing it to the worker would cost more than it
+        takes), else behind the queued ones on the worker thread. An asynchronous call run
+        inline returns a completed Work; its failure is raised by wait(), as the worker's."""
+        small = async_op and nbytes is not None and policy.inline_async(nbytes, self.config)
+        if not self._take_inline(async_op and not small):
+            return self._enqueue(fn, async_op, outputs)
+        if not async_op:
             self._call(fn)
             return None
-        return self._enqueue(fn, async_op, outputs)
+        fut = Future()
+        try:
+            self._call(fn)
+        except Exception as e:  # noqa: BLE001 -- handed to the waiter, as the worker does
+            fut.set_exception(e)
+        else:
+            fut.set_result(None)
+        return Work(fut, list(outputs))
 
     def _take_inline(self, async_op: bool) -> bool:
         """Whether this call runs inline, on the calling thread (synchronous, nothing queued);
@@ -500,7 +513,8 @@ class Communicator:
         if self._shm_error:
             raise RingError(self._shm_error)
         a = self._shm_algo(nbytes, forced)
-        return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor])
+        return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor],
+                            nbytes=nbytes)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -525,9 +539,10 @@ class Communicator:
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
                                 outputs=[output])
-        a = self._shm_algo(input.numel() * input.element_size(), forced)
+        nbytes = input.numel() * input.element_size()
+        a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
-                            outputs=[output])
+                            outputs=[output], nbytes=nbytes)
 
     def all_gather_into_tensor(self, output, input, async_op=False, tag=None, timeout=None, algo=None):
         """torch's all_gather_into_tensor: `output` holds world x input.numel() elements and
@@ -552,7 +567,8 @@ class Communicator:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
                                 outputs=[output])
         a = self._shm_algo(input.numel() * input.element_size(), forced)
-        return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output])
+        return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output],
+                            nbytes=output.numel() * output.element_size())
 
     def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
@@ -579,8 +595,10 @@ class Communicator:
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
                                 outputs=[tensor])
-        a = self._shm_algo(tensor.numel() * tensor.element_size(), forced)
-        return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor])
+        nbytes = tensor.numel() * tensor.element_size()
+        a = self._shm_algo(nbytes, forced)
+        return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor],
+                            nbytes=nbytes)
 
     def _cuda_algo(self, device, nbytes: int, forced: str) -> int:
         """The algorithm code of a CUDA collective that one-shot would stage `nbytes` for

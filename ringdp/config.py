@@ -39,6 +39,8 @@ class Config:
     fifo_slots: int = policy.FIFO_SLOTS  # RINGDP_FIFO_SLOTS
     arena_gb: float = policy.ARENA_GB  # RINGDP_ARENA_GB: virtual size of the registered arena
     spin_us: float | None = None  # RINGDP_SPIN_US (None: policy.spin_ns decides)
+    inline_async_max_bytes: int = policy.INLINE_ASYNC_MAX_BYTES  # RINGDP_INLINE_ASYNC_MAX_BYTES: async
+    # collectives this small run on the calling thread when nothing is queued (0: never)
     # -- across hosts (CPU tensors) ------------------------------------------------------
     host_id: str = ""  # RINGDP_HOST_ID: this rank's host key ("": hostname + boot id); tests simulate hosts
     hierarchy: bool = True  # RINGDP_HIERARCHY: collectives across hosts hierarchical, CPU and CUDA (0: flat)
@@ -137,6 +139,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_FIFO_SLOTS": ("fifo_slots", _nonneg_int),
     "RINGDP_ARENA_GB": ("arena_gb", _positive_float),
     "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
+    "RINGDP_INLINE_ASYNC_MAX_BYTES": ("inline_async_max_bytes", _nonneg_int),
     "RINGDP_HOST_ID": ("host_id", _text),
     "RINGDP_HIERARCHY": ("hierarchy", _bool),
     "RINGDP_HIER_PIECE_BYTES": ("hier_piece_bytes", _number(int, 1)),

@@ -176,6 +176,86 @@ def test_async_op(world):
         assert all(ok), ok
 
 
+def _small_async(rank, world):
+    """Small asynchronous collectives (policy.inline_async): run on the calling thread when
+    nothing is queued (a completed Work comes back, no worker thread exists yet), behind
+    the queue otherwise, with the same values; a failure is raised by wait(), not the call."""
+    import threading
+
+    import ringdp
+
+    def worker_started():
+        return any(t.name.startswith("ringdp-worker") for t in threading.enumerate())
+
+    out = {}
+    k = 1001  # elements per rank: 4 KiB, and prime-ish
+    for rep in range(2):  # each twice in a row
+        ar = value(rank, world * k, torch.float32)
+        rs_out, ag_out, bc = torch.empty(k), torch.empty(world * k), torch.full((k,), -1.0)
+        if rank == world - 1:
+            bc.copy_(value(rank, k, torch.float32) + 1)
+        works = [ringdp.all_reduce(ar, async_op=True),
+                 ringdp.reduce_scatter_tensor(rs_out, value(rank, world * k, torch.float32), async_op=True),
+                 ringdp.all_gather_into_tensor(ag_out, _gather_input(rank, k, torch.float32), async_op=True),
+                 ringdp.broadcast(bc, world - 1, async_op=True)]
+        out[f"completed at return {rep}"] = [w.is_completed() for w in works]
+        assert all(w.wait() for w in works)
+        out[f"values {rep}"] = [
+            torch.equal(ar, expected("SUM", world, world * k, torch.float32)),
+            torch.equal(rs_out, expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]),
+            torch.equal(ag_out, torch.cat([_gather_input(q, k, torch.float32) for q in range(world)])),
+            torch.equal(bc, value(world - 1, k, torch.float32) + 1)]
+    out["worker after small calls"] = worker_started()
+    # a small call behind a large one queued on the worker: it waits its turn, in order
+    big, small = torch.full((1 << 20,), float(rank)), torch.full((k,), float(rank))
+    w_big = ringdp.all_reduce(big, async_op=True)
+    w_small = ringdp.all_reduce(small, async_op=True)
+    w_small.wait()
+    out["in order"] = [w_big.is_completed(), torch.equal(small, torch.full((k,), float(sum(range(world))))),
+                       torch.equal(big, torch.full((1 << 20,), float(sum(range(world)))))]
+    w_big.wait()
+    # ranks disagree on the count: the call returns, wait() raises, the communicator goes on
+    w = ringdp.all_reduce(torch.ones(k + rank), async_op=True)
+    try:
+        w.wait()
+        out["mismatch"] = "no error"
+    except ringdp.RingError as e:
+        out["mismatch"] = str(e)
+    t = torch.full((k,), 1.0)
+    ringdp.all_reduce(t)
+    out["after"] = torch.equal(t, torch.full((k,), float(world)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_async_runs_inline(world):
+    for r, out in enumerate(values(run_ranks(_small_async, world))):
+        for rep in range(2):
+            assert out[f"completed at return {rep}"] == [True] * 4, (r, out)
+            assert out[f"values {rep}"] == [True] * 4, (r, out)
+        assert not out["worker after small calls"], f"rank {r}: a small call went through the worker"
+        assert out["in order"] == [True, True, True], (r, out)
+        assert "ranks disagree on the call" in out["mismatch"] and f"{1001 + r} x float32" in out["mismatch"], (r, out)
+        assert out["after"], (r, out)
+
+
+def _worker_when_off(rank, world):
+    import threading
+
+    import ringdp
+
+    t = torch.full((5,), float(rank))
+    ringdp.all_reduce(t, async_op=True).wait()
+    return torch.equal(t, torch.full((5,), 1.0)), any(x.name.startswith("ringdp-worker") for x in threading.enumerate())
+
+
+def test_small_async_through_the_worker_when_off():
+    """RINGDP_INLINE_ASYNC_MAX_BYTES=0: every asynchronous call goes through the worker."""
+    res = values(run_ranks(_worker_when_off, 2, env={"RINGDP_INLINE_ASYNC_MAX_BYTES": "0"}))
+    for r, (ok, worker) in enumerate(res):
+        assert ok and worker, (r, ok, worker)
+
+
 def _kind_mismatch(rank, world):
     import ringdp
 

@@ -45,6 +45,18 @@ def test_backend_adopt_setting():
         Config.from_env({"RINGDP_BACKEND_ADOPT_MIN_BYTES": "-5"})
 
 
+def test_inline_async():
+    cfg = Config.from_env({})
+    assert cfg.inline_async_max_bytes == policy.INLINE_ASYNC_MAX_BYTES == 256 << 10
+    assert policy.inline_async(0, cfg) and policy.inline_async(256 << 10, cfg)
+    assert not policy.inline_async((256 << 10) + 1, cfg)
+    off = Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "0"})
+    assert not policy.inline_async(0, off) and not policy.inline_async(4, off)  # 0: none inline
+    assert policy.inline_async(4096, Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "4096"}))
+    with pytest.raises(ValueError, match="RINGDP_INLINE_ASYNC_MAX_BYTES"):
+        Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "-1"})
+
+
 def test_cuda_threshold_is_the_transports_own():
     cfg = Config.from_env({})
     assert policy.oneshot_threshold("ipc", 4, cfg, 256 << 10) == 256 << 10  # the whole buffer
@@ -76,15 +88,17 @@ def test_check_payload_bytes():
 
 
 def case_spin_by_thread(rank, world):
-    """The endpoint's spin as each call runs: inline (synchronous) and on the worker (async_op)."""
+    """The endpoint's spin as each call runs: inline (synchronous, or asynchronous and small:
+    policy.inline_async) and on the worker (async_op, larger)."""
     import ringdp
     from ringdp import policy
     from ringdp.config import Config
 
     c = ringdp.init()
     seen = []
-    for async_op in (False, True, False, True):
-        w = ringdp.all_reduce(torch.ones(10), async_op=async_op)
+    big = policy.INLINE_ASYNC_MAX_BYTES // 4 + 1  # float32 elements: one more than runs inline
+    for async_op, n in ((False, 10), (True, big), (False, 10), (True, big), (True, 10)):
+        w = ringdp.all_reduce(torch.ones(n), async_op=async_op)
         if w is not None:
             w.wait()
         seen.append(c.shm.spin_ns)
@@ -94,7 +108,7 @@ def case_spin_by_thread(rank, world):
 
 def test_spin_follows_the_thread(pool):
     for seen, (inline, worker) in pool.run(case_spin_by_thread):
-        assert seen == [inline, worker, inline, worker], (seen, inline, worker)
+        assert seen == [inline, worker, inline, worker, inline], (seen, inline, worker)
 
 
 @pytest.mark.parametrize("env,match", [
