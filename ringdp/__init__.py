@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm_hooks
+from ._eager import eager  # the functions below run eagerly under torch.compile
 from .comm import Communicator, RingError, Work, build_info, collective_tag, destroy, get_communicator, init
 from .ddp import RingDDP
 from . import backend
@@ -22,6 +23,7 @@ from .backend import ProcessGroupRingdp
 backend.register()  # torch.distributed backend "ringdp": init_process_group("cpu:ringdp,cuda:nccl")
 
 
+@eager
 def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None, tag=None):
     """Reduce `tensor` across the ranks of `group` in place (SUM, AVG, MIN, MAX).
 
@@ -40,6 +42,7 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout
                                               tag=tag)
 
 
+@eager
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout=None, algo=None,
                           tag=None):
     """torch.distributed.reduce_scatter_tensor on ringdp (CPU or CUDA tensors): `input` holds world x
@@ -51,6 +54,7 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
                                                          timeout=timeout, algo=algo)
 
 
+@eager
 def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=None, algo=None, tag=None):
     """torch.distributed.all_gather_into_tensor on ringdp (CPU or CUDA tensors): block q of `output`
     (world x input.numel() elements) becomes rank q's `input`. Returns None or a Work
@@ -59,6 +63,7 @@ def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=No
                                                           timeout=timeout, algo=algo)
 
 
+@eager
 def broadcast(tensor, src, group=None, async_op=False, timeout=None, algo=None, tag=None):
     """torch.distributed.broadcast on ringdp (CPU or CUDA tensors): every rank's `tensor` becomes
     rank `src`'s. As in torch, `src` is a global rank (the same as the group rank for the
@@ -75,21 +80,25 @@ def _size(size):
     return tuple(size)
 
 
+@eager
 def empty(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
     """A tensor whose storage lives in ringdp's registered shared memory, so all_reduce of it
     (or of a contiguous slice of it) needs no staging copy. Not collective."""
     return get_communicator(group).empty(_size(size), dtype, device)
 
 
+@eager
 def zeros(*size, dtype=torch.float32, device="cpu", group=None) -> torch.Tensor:
     return empty(*size, dtype=dtype, device=device, group=group).zero_()
 
 
+@eager
 def synchronize(group=None):
     """Wait until every collective submitted so far finished (CUDA: ringdp's stream too)."""
     get_communicator(group).synchronize()
 
 
+@eager
 def is_registered(tensor: torch.Tensor, group=None) -> bool:
     return get_communicator(group).is_registered(tensor)
 

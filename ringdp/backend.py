@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types
+from ._eager import eager_methods
 from ._native import _C
 from .comm import Communicator, RingError
 
@@ -680,3 +681,10 @@ def register():
     """Register the backend "ringdp" (devices cpu and cuda); ``import ringdp`` does it."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+
+
+# under torch.compile: what c10d calls runs eagerly (ringdp/_eager.py)
+eager_methods(ProcessGroupRingdp, dist.ProcessGroup)
+eager_methods(RingWork, dist.Work)
+eager_methods(_Chain, dist.Work)
+eager_methods(_CpuBackendView)

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from . import _types, cuda_comm, hosts, policy
+from ._eager import eager, eager_methods
 from ._native import RingError, _C
 from .config import ALGOS, Config, trace_path
 from .rendezvous import Rendezvous
@@ -941,6 +942,7 @@ _comms: dict[str, Communicator] = {}
 _comms_lock = threading.Lock()
 
 
+@eager
 def init(group=None, timeout=None) -> Communicator:
     """Set ringdp up for `group` (default: the default process group). Collective. Optional:
     every ringdp call initialises lazily. A communicator left from a destroyed group of the
@@ -961,6 +963,7 @@ def init(group=None, timeout=None) -> Communicator:
         return c
 
 
+@eager
 def get_communicator(group=None) -> Communicator:
     """The communicator of `group` (None: the default group), created on first use
     (collective). RingError when the group was destroyed. A group whose backend is ringdp's
@@ -988,6 +991,7 @@ def _backend_communicator(group):
     return fn() if fn is not None else None
 
 
+@eager
 def destroy(group=None):
     """Release ringdp's resources for `group` (all groups when None): collective for a group
     that is alive, local for one that was destroyed."""
@@ -1004,6 +1008,9 @@ def destroy(group=None):
                 c.close()
 
 
+# under torch.compile: ringdp's calls run eagerly (ringdp/_eager.py)
+eager_methods(Communicator)
+eager_methods(Work)
 atexit.register(destroy)
 
 

@@ -330,6 +330,196 @@ def test_fsdp2_world4():
     check_fsdp2(values(run_ranks(case_fsdp2, 4, True, backend="cpu:ringdp", timeout=180)))
 
 
+def case_mesh(rank, world):
+    """init_device_mesh on a ringdp default group: a 1-D mesh and a 2-D ("dp", "tp") one,
+    DTensor redistributions, the functional collectives (torch.distributed._functional_
+    collectives: DTensor's and tensor parallelism's, which reach the group through c10d's
+    ops, not dist.*) and a tensor-parallel MLP against the same model in one process.
+    Returns (name, got, want) triples and the native calls each mesh's group counted."""
+    import ringdp
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    out, native = [], {}
+
+    def counted(name, group, fn):
+        """Run fn(); how many collectives ringdp's communicator of `group` ran meanwhile."""
+        comm = ringdp.get_communicator(group)
+        before = len(comm.flight_record())
+        fn()
+        native[name] = native.get(name, 0) + len(comm.flight_record()) - before
+
+    mesh = init_device_mesh("cpu", (world,))
+    g = mesh.get_group()
+    s = world * (world + 1) // 2  # the sum of (rank + 1) over the ranks
+
+    def one_d():
+        x = torch.arange(world * 6, dtype=torch.float32).reshape(world * 2, 3)
+        full = distribute_tensor(x, mesh, [Shard(0)]).redistribute(mesh, [Replicate()]).to_local()
+        out.append(("shard->replicate", full, x))
+        part = torch.arange(2 * world * 3, dtype=torch.float32).reshape(2 * world, 3) * (rank + 1)
+        want = torch.arange(2 * world * 3, dtype=torch.float32).reshape(2 * world, 3) * s
+        rep = DTensor.from_local(part, mesh, [Partial()]).redistribute(mesh, [Replicate()]).to_local()
+        out.append(("partial->replicate", rep, want))
+        shard = DTensor.from_local(part, mesh, [Partial()]).redistribute(mesh, [Shard(0)]).to_local()
+        out.append(("partial->shard", shard, want[2 * rank:2 * rank + 2]))
+        for _ in range(2):  # each twice: a second call on the same buffers
+            y = funcol.wait_tensor(funcol.all_reduce(torch.arange(5.0) * (rank + 1), "sum", g))
+            out.append(("funcol.all_reduce", y, torch.arange(5.0) * s))
+            y = funcol.wait_tensor(funcol.all_gather_single(torch.full((3,), rank + 0.5), 0, g))
+            out.append(("funcol.all_gather", y, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5))
+            y = funcol.wait_tensor(funcol.reduce_scatter_single(torch.arange(2.0 * world) * (rank + 1), "sum", 0, g))
+            out.append(("funcol.reduce_scatter", y, torch.arange(2.0 * rank, 2.0 * rank + 2) * s))
+            y = funcol.wait_tensor(funcol.broadcast(torch.full((3,), float(rank)), world - 1, g))
+            out.append(("funcol.broadcast", y, torch.full((3,), float(world - 1))))
+        # delegated to the inner gloo group
+        y = funcol.wait_tensor(funcol.all_to_all_single(torch.arange(world, dtype=torch.float32) + 10 * rank,
+                                                        None, None, g))
+        out.append(("funcol.all_to_all_single", y, torch.tensor([10.0 * r + rank for r in range(world)])))
+
+    counted("1d", g, one_d)
+
+    # tensor parallelism over the 1-D mesh against one process: same forward, same gradients
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    ref.load_state_dict(model.state_dict())
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    want = ref(x)
+    want.square().sum().backward()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+
+    def run_tp():
+        y = model(x)
+        y.square().sum().backward()
+        out.append(("tensor_parallel.forward", y.detach(), want.detach()))
+        out.append(("tensor_parallel.grad", model[0].weight.grad.full_tensor(), ref[0].weight.grad))
+
+    counted("tensor_parallel", g, run_tp)
+
+    if world == 4:  # a 2-D mesh: its row and column groups are ringdp groups too
+        m2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        for dim in ("dp", "tp"):
+            sub = m2[dim].get_group()
+            ranks = dist.get_process_group_ranks(sub)
+            out.append((f"{dim}.backend", dist.get_backend(sub), "cpu:ringdp"))
+
+            def reduce(sub=sub, ranks=ranks, dim=dim):
+                y = funcol.wait_tensor(funcol.all_reduce(torch.arange(3.0) * (rank + 1), "sum", sub))
+                out.append((f"{dim}.all_reduce", y, torch.arange(3.0) * sum(q + 1 for q in ranks)))
+
+            counted(dim, sub, reduce)
+        x2 = torch.arange(8, dtype=torch.float32).reshape(4, 2)
+        out.append(("2d.full_tensor", distribute_tensor(x2, m2, [Replicate(), Shard(0)]).full_tensor(), x2))
+    return {"out": out, "native": native}
+
+
+# case_mesh's results that differ between ranks (a shard, a subgroup's sum); the rest are replicated
+PER_RANK = {"partial->shard", "funcol.reduce_scatter", "funcol.all_to_all_single", "dp.all_reduce", "tp.all_reduce"}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_device_mesh_and_functional_collectives(world):
+    """issue 11: init_device_mesh on the backend string, DTensor and tensor parallelism on it;
+    the functional collectives reach ringdp's communicator (native calls counted), not gloo."""
+    res = values(run_ranks(case_mesh, world, backend="cpu:ringdp", timeout=180))
+    for r, got in enumerate(res):
+        for name, a, b in got["out"]:
+            if isinstance(b, str):
+                assert a == b, f"rank {r} {name}: {a} != {b}"
+            elif name.startswith("tensor_parallel."):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+            else:
+                torch.testing.assert_close(a, b, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+        # 1d: 3 redistributions + 2 x 4 functional collectives on ringdp (all_to_all is gloo's)
+        assert got["native"]["1d"] == 11, f"rank {r}: {got['native']}"
+        assert got["native"]["tensor_parallel"] > 0, f"rank {r}: tensor parallelism never reached ringdp"
+        if world == 4:  # one all-reduce on each of the 2-D mesh's groups
+            assert got["native"]["dp"] == 1 and got["native"]["tp"] == 1, f"rank {r}: {got['native']}"
+        for (name, a, _), (_, a0, _) in zip(got["out"], res[0]["out"]):  # replicated: bitwise rank 0's
+            if name not in PER_RANK and not isinstance(a, str):
+                assert torch.equal(a, a0), f"rank {r} {name} differs from rank 0's"
+
+
+def case_compiled(rank, world):
+    """ringdp under torch.compile (ringdp/_eager.py), on a ringdp default group: stock DDP and
+    RingDDP compiled, against one process; a compiled function with a functional all-reduce
+    (in its graph, fullgraph) and one calling ringdp.all_reduce (a graph break, run eagerly).
+    Before, Dynamo traced the group's methods that DDP's reducer calls in the compiled
+    forward and failed at their first attribute."""
+    import ringdp
+    import torch.distributed._functional_collectives as funcol
+
+    torch._dynamo.reset()
+    g = dist.group.WORLD
+    comm = ringdp.get_communicator(g)
+    out = {}
+
+    def train(wrap):
+        model = build(MLP, 0)
+        compiled = torch.compile(wrap(model), backend="aot_eager")
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        before = len(comm.flight_record())
+        for step in range(STEPS):
+            x, y = batch(step, 4 * world)
+            opt.zero_grad()
+            nn.functional.mse_loss(compiled(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+        return params(model), len(comm.flight_record()) - before
+
+    out["ddp"] = train(nn.parallel.DistributedDataParallel)
+    out["ringddp"] = train(ringdp.RingDDP)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def in_graph(x):
+        return funcol.all_reduce(x * 2, "sum", g) + 1
+
+    @torch.compile(backend="aot_eager")
+    def graph_break(x):
+        x = x * 2
+        ringdp.all_reduce(x)
+        return x + 1
+
+    x = torch.arange(7.0) * (rank + 1)
+    s = world * (world + 1) // 2
+    for name, fn in (("funcol", in_graph), ("ringdp.all_reduce", graph_break)):
+        before = len(comm.flight_record())
+        got = [fn(x), fn(x)]  # twice: the second call runs the compiled code
+        out[name] = (got, torch.arange(7.0) * 2 * s + 1, len(comm.flight_record()) - before)
+    return out
+
+
+def test_torch_compile():
+    res = values(run_ranks(case_compiled, 2, backend="cpu:ringdp", timeout=240))
+    want = reference(2, "plain")
+    for r, out in enumerate(res):
+        for name in ("ddp", "ringddp"):
+            got, native = out[name]
+            assert native >= STEPS, f"rank {r} {name}: {native} collectives on ringdp in {STEPS} steps"
+            for a, b, a0 in zip(got, want, res[0][name][0]):
+                torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
+                assert torch.equal(a, a0), f"rank {r} {name}: parameters differ from rank 0's"
+        for name in ("funcol", "ringdp.all_reduce"):
+            got, expect, native = out[name]
+            assert native == 2, f"rank {r} {name}: {native} collectives on ringdp for 2 calls"
+            for y in got:
+                torch.testing.assert_close(y, expect, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+def test_import_leaves_dynamo_alone():
+    """ringdp/_eager.py marks ringdp's entry points without importing torch._dynamo: imported
+    after init_process_group, it keeps the group (and its store's port) alive past
+    destroy_process_group (tests/test_lifecycle.py re-initialises on the same port)."""
+    import subprocess
+    import sys
+
+    code = "import sys, ringdp; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "False", out
+
+
 def case_collectives(rank, world):
     """Every native collective through torch.distributed's API on a ringdp group, against
     values computed here from the rank numbers."""
