@@ -164,7 +164,9 @@ class RingWork(dist.Work):
 
     def wait(self, timeout=timedelta(0)):
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        if not self._done.wait(secs if secs > 0 else None):
+        with self._parts[-1].waiting() if self._parts else contextlib.nullcontext():
+            done = self._done.wait(secs if secs > 0 else None)
+        if not done:
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")
         if self._exc is not None:
             raise self._exc

@@ -117,16 +117,22 @@ class Work:
     enqueued, raises any failure the device reported so far, and makes the current stream
     wait for the collective's end (no host synchronisation); is_completed() asks the GPU."""
 
-    def __init__(self, future: Future, outputs: list, cuda=None):
+    def __init__(self, future: Future, outputs: list, cuda=None, waiting=None):
         self._future = future
         self._outputs = outputs  # the tensors the collective writes
         self._cuda = cuda  # CUDA: (endpoint, event recorded on ringdp's stream after the collective)
+        self._waiting = waiting  # CPU, on the worker: a context while a caller blocks on it (_caller_waits)
         self._torch_future: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
+    def waiting(self):
+        """A context for a caller that blocks until this collective ends (Communicator._caller_waits)."""
+        return self._waiting() if self._waiting is not None and not self._future.done() else contextlib.nullcontext()
+
     def wait(self, timeout=None) -> bool:
         """Wait for the collective (module doc); re-raises its error (a RingError)."""
-        self._future.result(timeout=timeout)
+        with self.waiting():
+            self._future.result(timeout=timeout)
         if self._cuda is not None:
             _join_stream(self._cuda)
         return True
@@ -261,6 +267,8 @@ class Communicator:
         self._spins = (policy.spin_ns(self.machine_ranks, self.config),
                        policy.spin_ns(self.machine_ranks, self.config, torch.get_num_threads()))
         self._spin_set = self._spins[False]
+        self._spin_lock = threading.Lock()  # _spin_set and the endpoint's spin, from either thread
+        self._waiters = 0  # threads blocked in Work.wait() on a CPU call (_caller_waits)
         self.host_order = list(dict.fromkeys(self.hosts))  # the hosts, by their first rank
         self.host_ranks = [r for r, h in enumerate(self.hosts) if h == self.host_key]  # this host's ranks
         self.local_rank = self.host_ranks.index(self.rank)
@@ -436,13 +444,33 @@ class Communicator:
             raise
 
     def _set_spin(self, on_worker: bool) -> None:
-        """Set the shared-memory endpoint's spin for the next call (under the lock, between calls)."""
-        spin = self._spins[on_worker]
+        """Set the shared-memory endpoint's spin for the next call (under the lock, between
+        calls): the worker's short one while the caller computes beside it, the inline one
+        while a caller waits for it (_caller_waits)."""
+        with self._spin_lock:
+            self._apply_spin(self._spins[on_worker and self._waiters == 0])
+
+    def _apply_spin(self, spin: int) -> None:
+        """(under _spin_lock) The endpoint's spin, set when it changes."""
         if spin != self._spin_set:
             shm = self._shm if self._shm is not None else (self.across.inhost if self.across is not None else None)
             if shm is not None:
                 shm.spin_ns = spin
             self._spin_set = spin
+
+    @contextlib.contextmanager
+    def _caller_waits(self):
+        """A thread blocked in Work.wait() on a CPU call computes nothing meanwhile, so the
+        worker may spin as an inline call does (policy.spin_ns): raised at once, during the
+        call too (the endpoint's spin is atomic); the worker's next call picks its own."""
+        with self._spin_lock:
+            self._waiters += 1
+            self._apply_spin(self._spins[False])
+        try:
+            yield
+        finally:
+            with self._spin_lock:
+                self._waiters -= 1
 
     def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
@@ -482,7 +510,7 @@ class Communicator:
             self._start_worker()
         fut = Future()
         self._queue.put((fn, fut))
-        work = Work(fut, list(outputs), cuda)
+        work = Work(fut, list(outputs), cuda, None if cuda else self._caller_waits)
         if async_op:
             return work
         work.wait()

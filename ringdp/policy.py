@@ -51,10 +51,12 @@ IN_GRAD_MIN_BYTES = 1 << 20
 # torch.distributed backend, since c10d always asks for a Work) runs on the calling thread,
 # and a completed Work comes back, when nothing is queued and it moves at most this many
 # bytes (RINGDP_INLINE_ASYNC_MAX_BYTES; 0: never): handing it to ringdp's worker thread and
-# waking the waiter costs more than the collective. Measured on the 2-core CI machine, world
-# 2, float32 all-reduce, per call, inline vs through the worker: 4 KiB 7.5 vs 151 us, 64 KiB
-# 21 vs 169 us, 256 KiB 24 vs 188 us, 1 MiB 604 vs 871 us. Above it the caller's own work
-# beside the collective (DDP's backward beside its buckets) is worth the handoff.
+# back costs as much as the collective or more. Measured on the 2-core CI machine, world 2,
+# float32 all-reduce, per call waited for at once, inline vs through the worker (which then
+# spins as inline calls do: spin_ns): 4 KiB 7 vs 35 us, 64 KiB 21 vs 47, 256 KiB 25 vs 52,
+# 1 MiB 59 vs 92, 4 MiB 220 vs 252. Above it the handoff costs a third of the call or less,
+# and the caller's own work beside the collective (DDP's backward beside its buckets) is
+# worth more.
 INLINE_ASYNC_MAX_BYTES = 256 << 10
 # Busy-wait before sleeping on the futex: long when every rank has a core, short when
 # ranks outnumber cores (the spinning rank would take the core its peer needs).
@@ -134,7 +136,10 @@ def spin_ns(machine_ranks: int, cfg, compute_threads: int = 0) -> int:
     runs: stock DDP on cpu:ringdp 134 ms per step on average with this rule vs 142 ms with
     50 us spins everywhere (faster in 5 of 7 pairs; RingDDP 122 vs 125 ms, within noise),
     while a synchronous 64 KiB all-reduce takes 20 us with 50 us spins and 80 us with 2 us
-    ones: so the short spin only where the caller computes meanwhile."""
+    ones: so the short spin only where the caller computes meanwhile. A caller blocked in
+    Work.wait() computes nothing: while one waits, the worker spins as inline calls do
+    (Communicator._caller_waits; a 8 MiB dist.all_reduce on a ringdp group took 1.3-1.4 ms
+    with the short spin, 0.64-0.70 ms so)."""
     if cfg.spin_us is not None:
         return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

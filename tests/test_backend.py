@@ -5,6 +5,7 @@ group; cases make a ringdp group beside it with new_group) and `run_ranks` for o
 sizes and for a default group of ringdp's own."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from datetime import timedelta
@@ -974,6 +975,9 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
 
         def wait(self):
             log.append(("part wait", current[0]))
+
+        def waiting(self):  # (a CUDA Work: no worker spin to raise for its waiter)
+            return contextlib.nullcontext()
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
     monkeypatch.setattr(torch.cuda, "stream", on)

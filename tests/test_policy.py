@@ -89,7 +89,11 @@ def test_check_payload_bytes():
 
 def case_spin_by_thread(rank, world):
     """The endpoint's spin as each call runs: inline (synchronous, or asynchronous and small:
-    policy.inline_async) and on the worker (async_op, larger)."""
+    policy.inline_async), on the worker while the caller goes on (polled with
+    is_completed()), and on the worker while the caller blocks in wait() (_caller_waits:
+    the inline spin)."""
+    import time
+
     import ringdp
     from ringdp import policy
     from ringdp.config import Config
@@ -97,18 +101,23 @@ def case_spin_by_thread(rank, world):
     c = ringdp.init()
     seen = []
     big = policy.INLINE_ASYNC_MAX_BYTES // 4 + 1  # float32 elements: one more than runs inline
-    for async_op, n in ((False, 10), (True, big), (False, 10), (True, big), (True, 10)):
-        w = ringdp.all_reduce(torch.ones(n), async_op=async_op)
-        if w is not None:
+    for how, n in (("sync", 10), ("poll", big), ("wait", big), ("poll", big), ("async", 10), ("sync", 10)):
+        w = ringdp.all_reduce(torch.ones(n), async_op=how != "sync")
+        if how == "poll":
+            while not w.is_completed():
+                time.sleep(0.0005)
+        elif w is not None:
             w.wait()
-        seen.append(c.shm.spin_ns)
+        seen.append((how, c.shm.spin_ns))
     cfg = Config.from_env()
     return seen, [policy.spin_ns(c.machine_ranks, cfg), policy.spin_ns(c.machine_ranks, cfg, torch.get_num_threads())]
 
 
 def test_spin_follows_the_thread(pool):
     for seen, (inline, worker) in pool.run(case_spin_by_thread):
-        assert seen == [inline, worker, inline, worker, inline], (seen, inline, worker)
+        want = [("sync", inline), ("poll", worker), ("wait", inline), ("poll", worker), ("async", inline),
+                ("sync", inline)]
+        assert seen == want, (seen, inline, worker)
 
 
 @pytest.mark.parametrize("env,match", [

@@ -48,7 +48,7 @@ class Link {
   int rank() const { return rank_; }
   int world() const { return world_; }
   // How long a wait spins before sleeping (ShmComm::set_spin_ns).
-  void set_spin_ns(int64_t ns) { policy_.spin_ns = ns; }
+  void set_spin_ns(int64_t ns) { policy_.spin_ns.store(ns, std::memory_order_relaxed); }
   int prev() const { return prev_; }
   int next() const { return next_; }
 

@@ -96,7 +96,7 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
   cfg_.oneshot_bytes = shm::align_up(cfg_.oneshot_bytes, 64);
   cfg_.arena_bytes = shm::align_up(cfg_.arena_bytes, kArenaAlign);
   geo_ = shm::Geometry{cfg_.fifo_slots, cfg_.slot_bytes, cfg_.oneshot_bytes, cfg_.arena_bytes};
-  wait_policy_.spin_ns = cfg_.spin_ns;
+  wait_policy_.spin_ns.store(cfg_.spin_ns, std::memory_order_relaxed);
 
   segs_.resize(static_cast<size_t>(cfg_.world));
   pid_usable_.assign(static_cast<size_t>(cfg_.world), false);
@@ -256,8 +256,9 @@ void ShmComm::wait(const shm::Flag& flag, int owner, uint32_t target, const char
 }
 
 void ShmComm::set_spin_ns(int64_t ns) {
-  wait_policy_.spin_ns = ns < 0 ? 0 : ns;
-  if (link_) link_->set_spin_ns(wait_policy_.spin_ns);
+  if (ns < 0) ns = 0;
+  wait_policy_.spin_ns.store(ns, std::memory_order_relaxed);
+  if (link_) link_->set_spin_ns(ns);
 }
 
 void ShmComm::abort(const std::string& why) {

@@ -108,11 +108,11 @@ class ShmComm final : public Endpoint {
   // Largest message the one-shot path takes (its buffer).
   size_t oneshot_bytes() const { return geo_.oneshot_bytes; }
 
-  // How long every wait of the following calls spins before sleeping on the futex (the
-  // caller picks it per call: ringdp/policy.py spin_ns). Not thread-safe against a running
-  // call: set it between calls, on the thread that runs them.
+  // How long every wait spins before sleeping on the futex (the caller picks it per call:
+  // ringdp/policy.py spin_ns). Any thread may set it, during a call too: the call's later
+  // waits spin as set (shm::WaitPolicy).
   void set_spin_ns(int64_t ns);
-  int64_t spin_ns() const { return wait_policy_.spin_ns; }
+  int64_t spin_ns() const { return wait_policy_.spin_ns.load(std::memory_order_relaxed); }
 
  private:
   // The health check every wait of this communicator runs (deadline, aborted or dead peers).

@@ -46,8 +46,9 @@ uint32_t wait_reached(const Flag& flag, Flag& sleepers, uint32_t target, const W
   uint32_t v = flag.v.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
   // Phase 1: spin.
-  if (p.spin_ns > 0) {
-    const auto spin_end = Clock::now() + std::chrono::nanoseconds(p.spin_ns);
+  const int64_t spin_ns = p.spin_ns.load(std::memory_order_relaxed);
+  if (spin_ns > 0) {
+    const auto spin_end = Clock::now() + std::chrono::nanoseconds(spin_ns);
     for (unsigned i = 1;; ++i) {
       RINGDP_PAUSE();
       v = flag.v.load(std::memory_order_acquire);

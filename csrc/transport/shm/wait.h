@@ -19,8 +19,20 @@ inline bool reached(uint32_t a, uint32_t b) { return static_cast<int32_t>(a - b)
 using Clock = std::chrono::steady_clock;
 
 struct WaitPolicy {
-  int64_t spin_ns = 50000;       // busy-wait this long before sleeping
+  // Busy-wait this long before sleeping. Atomic: another thread may change it while a call
+  // runs (a caller that starts waiting for the worker's call: ringdp/comm.py); each wait
+  // reads it once.
+  std::atomic<int64_t> spin_ns{50000};
   int64_t check_every_ns = 5000000;  // how often a sleeper checks deadline / peers
+
+  WaitPolicy() = default;
+  WaitPolicy(const WaitPolicy& o)
+      : spin_ns(o.spin_ns.load(std::memory_order_relaxed)), check_every_ns(o.check_every_ns) {}
+  WaitPolicy& operator=(const WaitPolicy& o) {
+    spin_ns.store(o.spin_ns.load(std::memory_order_relaxed), std::memory_order_relaxed);
+    check_every_ns = o.check_every_ns;
+    return *this;
+  }
 };
 
 // Called by a waiter every check_every_ns; throws RingError when the wait must end.
