@@ -23,6 +23,9 @@ Series (each size measures them back to back, in this order):
     ringdp-reg    ringdp.all_reduce on a tensor from ringdp.empty (registered memory)
     ringdp-flat   (--hosts only) ringdp's collective on a communicator made with
                   RINGDP_HIERARCHY=0: the inter-host engine (gloo) on the whole group
+    ringdp-pg     (opt-in: --series) torch.distributed's collective on a group of ringdp's
+                  backend (dist.new_group(backend="cpu:ringdp"), "cuda:ringdp" on CUDA):
+                  what a stock torch.distributed program gets, Work and c10d dispatch included
 With --algo ring,oneshot the ringdp series are split per forced algorithm (ringdp:ring,
 ringdp:oneshot, ringdp-reg:ring, ...), each call passing algo= to ringdp.all_reduce; a
 forced series is measured only at the sizes where ringdp really runs that algorithm (a
@@ -303,10 +306,10 @@ class Collective:
                 bad += int((t[a:b].cpu() != self._g(0, i).to(self.dtype)).sum())
         return bad
 
-    def call(self, bufs, op, baseline: bool, group=None, comm=None) -> None:
-        """One call: torch.distributed's on the baseline's group, else ringdp's on `comm` (a
-        Communicator; None: the module functions, on the default group's)."""
-        if baseline:
+    def call(self, bufs, op, torch_api: bool, group=None, comm=None) -> None:
+        """One call: torch.distributed's on `group` (the baseline's, or ringdp-pg's), else
+        ringdp's on `comm` (a Communicator; None: the module functions, on the default group's)."""
+        if torch_api:
             # torch 2.13 names them *_single (the *_tensor names warn as deprecated)
             if self.name == "reduce_scatter":
                 getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(bufs[1], bufs[0], op=op, group=group)
@@ -430,6 +433,8 @@ class Caller:
             # (NCCL refuses two ranks of one GPU otherwise), set before ringdp reads its settings
             os.environ.setdefault("RINGDP_NCCL_HOSTID_PER_RANK", "1")
         self.comm = ringdp.init() if {"ringdp", "ringdp-reg", "ringdp-flat"} & set(args.series) else None
+        # ringdp-pg: a group of ringdp's torch.distributed backend (its own communicator)
+        self.pg = (dist.new_group(backend=f"{self.device.type}:ringdp") if "ringdp-pg" in args.series else None)
         # across hosts: the path the hierarchical all-reduce takes, and ringdp-flat's communicator
         self.cross_path = self.comm.cross_path if self.comm is not None else None
         self.flat_comm = None
@@ -469,6 +474,8 @@ class Caller:
             if kind in self.args.series:
                 out += [Series(kind if len(self.args.algos) == 1 else f"{kind}:{a}", kind, a)
                         for a in self.args.algos]
+        if self.pg is not None:  # (torch.distributed's calls take no algo=)
+            out.append(Series("ringdp-pg", "ringdp-pg", None))
         return out
 
     def algo(self, s: Series, nbytes: int) -> str:
@@ -481,9 +488,10 @@ class Caller:
             return self.cross_path if self.cuda_hier and s.kind != "ringdp-flat" else "ring"
         if s.kind == "ringdp-flat":
             return self.flat_comm.cross_path
-        if self.cross_path is not None:
-            return self.cross_path
-        return self.comm.algo_for(nbytes, self.device.type, s.algo)
+        comm = ringdp.get_communicator(self.pg) if s.kind == "ringdp-pg" else self.comm
+        if comm.cross_path is not None:
+            return comm.cross_path
+        return comm.algo_for(nbytes, self.device.type, s.algo)
 
     def oneshot_max_bytes(self) -> int:
         """Largest size (whole elements, up to 1 GiB) that algo "auto" runs one-shot."""
@@ -514,8 +522,8 @@ class Caller:
         return torch.empty(count, dtype=self.dtype, device=self.device)
 
     def call(self, s: Series, t):
-        if s.kind == "baseline":
-            dist.all_reduce(t, op=self.op, group=self.group)
+        if s.kind in ("baseline", "ringdp-pg"):
+            dist.all_reduce(t, op=self.op, group=self.pg if s.kind == "ringdp-pg" else self.group)
         elif s.kind == "ringdp-flat":
             self.flat_comm.all_reduce(t, op=self.op, algo=s.algo)
         else:
@@ -566,7 +574,9 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
             coll.fill(t)
 
         def run():
-            coll.call(t, c.op, s.kind == "baseline", c.group, c.flat_comm if s.kind == "ringdp-flat" else None)
+            torch_api = s.kind in ("baseline", "ringdp-pg")  # torch.distributed's call, on the series' group
+            coll.call(t, c.op, torch_api, c.pg if s.kind == "ringdp-pg" else c.group,
+                      c.flat_comm if s.kind == "ringdp-flat" else None)
 
         def check() -> int:
             return coll.wrong(t)
@@ -829,8 +839,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--series", default=None,
-                    help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat (default: baseline,ringdp,"
-                         "ringdp-reg; with --hosts: all four)")
+                    help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat, ringdp-pg (default: "
+                         "baseline,ringdp,ringdp-reg; with --hosts: and ringdp-flat)")
     ap.add_argument("--out-dir", default=str(OUT_DIR),
                     help="where the JSON/PNG go (default bench/out, ignored by git; "
                          "bench/results holds the committed ones)")
@@ -850,7 +860,7 @@ def parse_args(argv: list[str] | None = None):
     if args.series is None:
         args.series = "baseline,ringdp,ringdp-reg,ringdp-flat" if args.hosts > 1 else "baseline,ringdp,ringdp-reg"
     args.series = [s.strip() for s in args.series.split(",") if s.strip()]
-    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat"}
+    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat", "ringdp-pg"}
     if bad:
         ap.error(f"unknown --series {sorted(bad)}")
     if "ringdp-flat" in args.series and args.hosts == 1:

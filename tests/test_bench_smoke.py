@@ -118,6 +118,22 @@ def test_bench_hosts_uneven_other_collectives(tmp_path):
         assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows) and len(rows) == 4 * 2, coll
 
 
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_process_group_series(tmp_path):
+    """--series ringdp-pg: torch.distributed's collectives on a group of ringdp's backend,
+    exact, beside gloo (its speedup column) and ringdp's own calls."""
+    cmd = [sys.executable, str(BENCH), "--world", "2", "--series", "baseline,ringdp,ringdp-pg", "--coll",
+           "all_reduce,broadcast", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2", "--warmup", "1",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for coll in ("allreduce", "broadcast"):
+        rows = json.loads((tmp_path / f"{coll}_cpu_w2_float32.json").read_text())["rows"]
+        assert {r["series"] for r in rows} == {"gloo", "ringdp", "ringdp-pg"}, coll
+        pg = [r for r in rows if r["series"] == "ringdp-pg"]
+        assert len(pg) == 2 and all(r["wrong"] == 0 and r["speedup"] > 0 and r["algo"] == "ring" for r in pg), pg
+
+
 def test_bench_hosts_rejects_what_needs_one_host():
     """--hosts with a series or world it cannot run: a clear usage error (--device cuda is
     allowed with --hosts: the CUDA two-level all-reduce; without a GPU it is the usual
