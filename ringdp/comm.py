@@ -420,16 +420,19 @@ class Communicator:
             if item is None:
                 return
             fn, fut = item
-            if fut.set_running_or_notify_cancel():
+            error, ran = None, fut.set_running_or_notify_cancel()
+            if ran:
                 try:
                     self._call(fn)
-                except BaseException as e:
-                    fut.set_exception(e)
-                else:
-                    fut.set_result(None)
-            del item, fn, fut  # hold no tensor of a finished collective while idle
-            with self._pending_lock:
+                except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+                    error = e
+            with self._pending_lock:  # done before its waiter hears: the waiter's next call may run inline
                 self._pending -= 1
+            if ran and error is not None:
+                fut.set_exception(error)
+            elif ran:
+                fut.set_result(None)
+            del item, fn, fut, error  # hold no tensor of a finished collective while idle
 
     def _call(self, fn):
         """Run one collective (on whichever thread runs it); a failure leaves the flight record.
@@ -453,7 +456,8 @@ class Communicator:
     def _apply_spin(self, spin: int) -> None:
         """(under _spin_lock) The endpoint's spin, set when it changes."""
         if spin != self._spin_set:
-            shm = self._shm if self._shm is not None else (self.across.inhost if self.across is not None else None)
+            across = self.across  # (read once: close() may clear it meanwhile, from another thread)
+            shm = self._shm if self._shm is not None else (across.inhost if across is not None else None)
             if shm is not None:
                 shm.spin_ns = spin
             self._spin_set = spin

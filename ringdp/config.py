@@ -40,7 +40,7 @@ class Config:
     arena_gb: float = policy.ARENA_GB  # RINGDP_ARENA_GB: virtual size of the registered arena
     spin_us: float | None = None  # RINGDP_SPIN_US (None: policy.spin_ns decides)
     inline_async_max_bytes: int = policy.INLINE_ASYNC_MAX_BYTES  # RINGDP_INLINE_ASYNC_MAX_BYTES: async
-    # collectives this small run on the calling thread when nothing is queued (0: never)
+    # collectives this small run on the calling thread when nothing is queued (0, the default: never)
     # -- across hosts (CPU tensors) ------------------------------------------------------
     host_id: str = ""  # RINGDP_HOST_ID: this rank's host key ("": hostname + boot id); tests simulate hosts
     hierarchy: bool = True  # RINGDP_HIERARCHY: collectives across hosts hierarchical, CPU and CUDA (0: flat)

@@ -47,17 +47,20 @@ CUDA_ARENA_MB = 256
 # and the end of backward copying it back). Measured on the 2-core CI machine, world 2,
 # 4 x Linear(2560, 2560): ~90 ms per step with it vs ~100-110 ms through the buckets.
 IN_GRAD_MIN_BYTES = 1 << 20
-# An asynchronous collective on shared memory (async_op=True; every call of the
-# torch.distributed backend, since c10d always asks for a Work) runs on the calling thread,
-# and a completed Work comes back, when nothing is queued and it moves at most this many
-# bytes (RINGDP_INLINE_ASYNC_MAX_BYTES; 0: never): handing it to ringdp's worker thread and
-# back costs as much as the collective or more. Measured on the 2-core CI machine, world 2,
-# float32 all-reduce, per call waited for at once, inline vs through the worker (which then
-# spins as inline calls do: spin_ns): 4 KiB 7 vs 35 us, 64 KiB 21 vs 47, 256 KiB 25 vs 52,
-# 1 MiB 59 vs 92, 4 MiB 220 vs 252. Above it the handoff costs a third of the call or less,
-# and the caller's own work beside the collective (DDP's backward beside its buckets) is
-# worth more.
-INLINE_ASYNC_MAX_BYTES = 256 << 10
+# RINGDP_INLINE_ASYNC_MAX_BYTES (off by default): an asynchronous collective on shared
+# memory (async_op=True; every call of the torch.distributed backend, since c10d always asks
+# for a Work) of at most this many bytes runs on the calling thread when nothing is queued,
+# and a completed Work comes back. It saves the handoff to ringdp's worker thread and back:
+# measured on the 2-core CI machine, world 2, float32 all-reduce waited for at once, inline
+# vs through the worker (which spins as inline calls do while its caller waits: spin_ns):
+# 4 KiB 7 vs 35 us, 64 KiB 21 vs 47, 256 KiB 25 vs 52, 1 MiB 59 vs 92, 4 MiB 220 vs 252.
+# Off by default because the call then blocks until every peer has entered the collective:
+# a program that issues an async collective and then does something its peer needs first
+# (a send the peer receives before its own all-reduce; async calls on two groups issued in
+# different orders on different ranks) waits until the timeout, where gloo and NCCL return
+# at once. Safe when every rank issues the same collectives in the same order with nothing
+# in between that a peer waits for (DDP, FSDP, most data-parallel loops).
+INLINE_ASYNC_MAX_BYTES = 0
 # Busy-wait before sleeping on the futex: long when every rank has a core, short when
 # ranks outnumber cores (the spinning rank would take the core its peer needs).
 SPIN_NS = 50_000

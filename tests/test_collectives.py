@@ -229,7 +229,8 @@ def _small_async(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_small_async_runs_inline(world):
-    for r, out in enumerate(values(run_ranks(_small_async, world))):
+    """RINGDP_INLINE_ASYNC_MAX_BYTES (off by default)."""
+    for r, out in enumerate(values(run_ranks(_small_async, world, env={"RINGDP_INLINE_ASYNC_MAX_BYTES": "262144"}))):
         for rep in range(2):
             assert out[f"completed at return {rep}"] == [True] * 4, (r, out)
             assert out[f"values {rep}"] == [True] * 4, (r, out)
@@ -239,21 +240,36 @@ def test_small_async_runs_inline(world):
         assert out["after"], (r, out)
 
 
-def _worker_when_off(rank, world):
+def _async_then_send(rank, world):
+    """Rank 0 issues an async all-reduce, then sends to rank 1, which receives before its
+    own all-reduce: legal with torch.distributed (an async call returns at once), and so
+    with ringdp by default (the call goes to the worker); with RINGDP_INLINE_ASYNC_MAX_BYTES
+    the small call would wait for rank 1, which waits for the send."""
     import threading
+
+    import torch.distributed as dist
 
     import ringdp
 
+    ringdp.init()  # (set-up is collective)
     t = torch.full((5,), float(rank))
-    ringdp.all_reduce(t, async_op=True).wait()
-    return torch.equal(t, torch.full((5,), 1.0)), any(x.name.startswith("ringdp-worker") for x in threading.enumerate())
+    x = torch.zeros(3)
+    if rank == 0:
+        w = ringdp.all_reduce(t, async_op=True)
+        dist.send(torch.tensor([1.0, 2.0, 3.0]), 1)
+        w.wait()
+    else:
+        dist.recv(x, 0)
+        ringdp.all_reduce(t)
+    worker = any(th.name.startswith("ringdp-worker") for th in threading.enumerate())
+    return torch.equal(t, torch.full((5,), 1.0)), x.tolist(), worker
 
 
-def test_small_async_through_the_worker_when_off():
-    """RINGDP_INLINE_ASYNC_MAX_BYTES=0: every asynchronous call goes through the worker."""
-    res = values(run_ranks(_worker_when_off, 2, env={"RINGDP_INLINE_ASYNC_MAX_BYTES": "0"}))
-    for r, (ok, worker) in enumerate(res):
-        assert ok and worker, (r, ok, worker)
+def test_async_returns_before_peers_arrive():
+    res = values(run_ranks(_async_then_send, 2, env={"RINGDP_TIMEOUT_S": "30"}, timeout=90))
+    assert res[0][0] and res[1][0], res
+    assert res[1][1] == [1.0, 2.0, 3.0], res
+    assert res[0][2], "rank 0's async call did not go through the worker"
 
 
 def _kind_mismatch(rank, world):

@@ -46,13 +46,12 @@ def test_backend_adopt_setting():
 
 
 def test_inline_async():
-    cfg = Config.from_env({})
-    assert cfg.inline_async_max_bytes == policy.INLINE_ASYNC_MAX_BYTES == 256 << 10
+    off = Config.from_env({})  # off unless asked for: an inline call blocks until its peers arrive
+    assert off.inline_async_max_bytes == policy.INLINE_ASYNC_MAX_BYTES == 0
+    assert not policy.inline_async(0, off) and not policy.inline_async(4, off)
+    cfg = Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "262144"})
     assert policy.inline_async(0, cfg) and policy.inline_async(256 << 10, cfg)
     assert not policy.inline_async((256 << 10) + 1, cfg)
-    off = Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "0"})
-    assert not policy.inline_async(0, off) and not policy.inline_async(4, off)  # 0: none inline
-    assert policy.inline_async(4096, Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "4096"}))
     with pytest.raises(ValueError, match="RINGDP_INLINE_ASYNC_MAX_BYTES"):
         Config.from_env({"RINGDP_INLINE_ASYNC_MAX_BYTES": "-1"})
 
@@ -88,10 +87,10 @@ def test_check_payload_bytes():
 
 
 def case_spin_by_thread(rank, world):
-    """The endpoint's spin as each call runs: inline (synchronous, or asynchronous and small:
-    policy.inline_async), on the worker while the caller goes on (polled with
-    is_completed()), and on the worker while the caller blocks in wait() (_caller_waits:
-    the inline spin)."""
+    """The endpoint's spin as each call runs: inline (synchronous), on the worker while the
+    caller goes on (polled with is_completed()), and on the worker while the caller blocks
+    in wait() (_caller_waits: the inline spin; a small async call too, on the worker by
+    default: policy.inline_async)."""
     import time
 
     import ringdp
