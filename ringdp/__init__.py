@@ -31,10 +31,10 @@ def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False, timeout
     falls back to the ring above the one-shot buffer (Communicator.algo_for tells which runs).
 
     Returns None, or a Work with wait()/is_completed() when async_op=True; the tensor must
-    not be touched until wait() returns. (With RINGDP_INLINE_ASYNC_MAX_BYTES set, a small
-    async call runs before returning: policy.inline_async.) Raises RingError (naming the rank and the problem)
-    on a mismatch across ranks, a dead or stuck peer, or a timeout (`timeout` seconds, else
-    RINGDP_TIMEOUT_S, default 300).
+    not be touched until wait() returns (with RINGDP_INLINE_ASYNC_MAX_BYTES set, a small
+    async call runs before returning: policy.inline_async). Raises RingError (naming the
+    rank and the problem) on a mismatch across ranks, a dead or stuck peer, or a timeout
+    (`timeout` seconds, else RINGDP_TIMEOUT_S, default 300).
 
     `tag` names the call (at most 63 bytes; None: the enclosing ``collective_tag`` block's,
     else empty): every rank must make its calls in the same order with the same tags, or
