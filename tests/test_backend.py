@@ -473,11 +473,19 @@ def case_compiled(rank, world):
     out["ddp"] = train(nn.parallel.DistributedDataParallel)
     out["ringddp"] = train(ringdp.RingDDP)
 
-    @torch.compile(fullgraph=True, backend="aot_eager")
+    graphs = {"funcol": [], "ringdp.all_reduce": []}  # the graphs Dynamo hands its backend
+
+    def counting(name):
+        def backend(gm, example_inputs):
+            graphs[name].append(sum(1 for n in gm.graph.nodes if n.op == "call_function"))
+            return gm.forward
+        return backend
+
+    @torch.compile(fullgraph=True, backend=counting("funcol"))
     def in_graph(x):
         return funcol.all_reduce(x * 2, "sum", g) + 1
 
-    @torch.compile(backend="aot_eager")
+    @torch.compile(backend=counting("ringdp.all_reduce"))
     def graph_break(x):
         x = x * 2
         ringdp.all_reduce(x)
@@ -489,6 +497,7 @@ def case_compiled(rank, world):
         before = len(comm.flight_record())
         got = [fn(x), fn(x)]  # twice: the second call runs the compiled code
         out[name] = (got, torch.arange(7.0) * 2 * s + 1, len(comm.flight_record()) - before)
+    out["graphs"] = graphs
     return out
 
 
@@ -502,6 +511,10 @@ def test_torch_compile():
             for a, b, a0 in zip(got, want, res[0][name][0]):
                 torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {r} {name}: {m}")
                 assert torch.equal(a, a0), f"rank {r} {name}: parameters differ from rank 0's"
+        # one graph holding the functional all-reduce; ringdp.all_reduce breaks the graph in two
+        # (compiled once each: the second calls reuse them)
+        assert len(out["graphs"]["funcol"]) == 1 and out["graphs"]["funcol"][0] >= 3, out["graphs"]
+        assert len(out["graphs"]["ringdp.all_reduce"]) == 2, out["graphs"]
         for name in ("funcol", "ringdp.all_reduce"):
             got, expect, native = out[name]
             assert native == 2, f"rank {r} {name}: {native} collectives on ringdp for 2 calls"
