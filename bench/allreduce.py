@@ -521,9 +521,17 @@ class Caller:
             return t
         return torch.empty(count, dtype=self.dtype, device=self.device)
 
+    def torch_api(self, s: Series) -> bool:
+        """Whether the series calls torch.distributed (on group_of(s)) rather than ringdp."""
+        return s.kind in ("baseline", "ringdp-pg")
+
+    def group_of(self, s: Series):
+        """The torch.distributed group a torch_api series calls on (None: the default group)."""
+        return self.pg if s.kind == "ringdp-pg" else self.group
+
     def call(self, s: Series, t):
-        if s.kind in ("baseline", "ringdp-pg"):
-            dist.all_reduce(t, op=self.op, group=self.pg if s.kind == "ringdp-pg" else self.group)
+        if self.torch_api(s):
+            dist.all_reduce(t, op=self.op, group=self.group_of(s))
         elif s.kind == "ringdp-flat":
             self.flat_comm.all_reduce(t, op=self.op, algo=s.algo)
         else:
@@ -574,9 +582,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
             coll.fill(t)
 
         def run():
-            torch_api = s.kind in ("baseline", "ringdp-pg")  # torch.distributed's call, on the series' group
-            coll.call(t, c.op, torch_api, c.pg if s.kind == "ringdp-pg" else c.group,
-                      c.flat_comm if s.kind == "ringdp-flat" else None)
+            coll.call(t, c.op, c.torch_api(s), c.group_of(s), c.flat_comm if s.kind == "ringdp-flat" else None)
 
         def check() -> int:
             return coll.wrong(t)

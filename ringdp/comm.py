@@ -164,6 +164,14 @@ class Work:
             return self._torch_future
 
 
+def _settle(fut: Future, error: BaseException | None) -> None:
+    """A collective's future: its failure, or done."""
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(None)
+
+
 def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     """Complete Work.get_future()'s future from the collective's concurrent future."""
     exc = f.exception()
@@ -420,19 +428,21 @@ class Communicator:
             if item is None:
                 return
             fn, fut = item
-            error, ran = None, fut.set_running_or_notify_cancel()
-            if ran:
-                try:
-                    self._call(fn)
-                except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-                    error = e
+            ran = fut.set_running_or_notify_cancel()
+            error = self._call_catching(fn) if ran else None
             with self._pending_lock:  # done before its waiter hears: the waiter's next call may run inline
                 self._pending -= 1
-            if ran and error is not None:
-                fut.set_exception(error)
-            elif ran:
-                fut.set_result(None)
+            if ran:
+                _settle(fut, error)
             del item, fn, fut, error  # hold no tensor of a finished collective while idle
+
+    def _call_catching(self, fn) -> BaseException | None:
+        """_call(fn); its failure returned, for the Work's waiter, instead of raised."""
+        try:
+            self._call(fn)
+        except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+            return e
+        return None
 
     def _call(self, fn):
         """Run one collective (on whichever thread runs it); a failure leaves the flight record.
@@ -488,13 +498,11 @@ class Communicator:
         if not async_op:
             self._call(fn)
             return None
+        error = self._call_catching(fn)
+        if error is not None and not isinstance(error, Exception):
+            raise error  # (an interrupt on the calling thread is not the collective's failure)
         fut = Future()
-        try:
-            self._call(fn)
-        except Exception as e:  # noqa: BLE001 -- handed to the waiter, as the worker does
-            fut.set_exception(e)
-        else:
-            fut.set_result(None)
+        _settle(fut, error)
         return Work(fut, list(outputs))
 
     def _take_inline(self, async_op: bool) -> bool:
