@@ -87,10 +87,12 @@ def test_check_payload_bytes():
 
 
 def case_spin_by_thread(rank, world):
-    """The endpoint's spin as each call runs: inline (synchronous), on the worker while the
+    """The endpoint's spin after each call: inline (synchronous), on the worker while the
     caller goes on (polled with is_completed()), and on the worker while the caller blocks
-    in wait() (_caller_waits: the inline spin; a small async call too, on the worker by
-    default: policy.inline_async)."""
+    in wait() (_caller_waits: the inline spin), for a large call and a small async one (on
+    the worker by default: policy.inline_async). A wait() raises the spin only if it blocks:
+    one rank arrives late (`late`) so that the other's wait() surely does; the late rank's
+    spin is either, and recorded as such."""
     import time
 
     import ringdp
@@ -100,23 +102,31 @@ def case_spin_by_thread(rank, world):
     c = ringdp.init()
     seen = []
     big = policy.INLINE_ASYNC_MAX_BYTES // 4 + 1  # float32 elements: one more than runs inline
-    for how, n in (("sync", 10), ("poll", big), ("wait", big), ("poll", big), ("async", 10), ("sync", 10)):
+    steps = [("sync", 10, None), ("poll", big, None)]
+    steps += [("wait", big, late) for late in range(world)] + [("poll", big, None)]
+    steps += [("async", 10, late) for late in range(world)] + [("sync", 10, None)]
+    for how, n, late in steps:
+        if late == rank:
+            time.sleep(0.3)
         w = ringdp.all_reduce(torch.ones(n), async_op=how != "sync")
         if how == "poll":
             while not w.is_completed():
                 time.sleep(0.0005)
         elif w is not None:
             w.wait()
-        seen.append((how, c.shm.spin_ns))
+        seen.append(("late" if late == rank else how, c.shm.spin_ns))
     cfg = Config.from_env()
     return seen, [policy.spin_ns(c.machine_ranks, cfg), policy.spin_ns(c.machine_ranks, cfg, torch.get_num_threads())]
 
 
 def test_spin_follows_the_thread(pool):
-    for seen, (inline, worker) in pool.run(case_spin_by_thread):
-        want = [("sync", inline), ("poll", worker), ("wait", inline), ("poll", worker), ("async", inline),
-                ("sync", inline)]
-        assert seen == want, (seen, inline, worker)
+    for rank, (seen, (inline, worker)) in enumerate(pool.run(case_spin_by_thread)):
+        peers = (len(seen) - 4) // 2  # (the world: one "wait" and one "async" step per rank)
+        want = [("sync", inline), ("poll", worker)]
+        want += [("late", None) if late == rank else ("wait", inline) for late in range(peers)] + [("poll", worker)]
+        want += [("late", None) if late == rank else ("async", inline) for late in range(peers)] + [("sync", inline)]
+        got = [(how, None if how == "late" and spin in (inline, worker) else spin) for how, spin in seen]
+        assert got == want, (rank, seen, inline, worker)
 
 
 @pytest.mark.parametrize("env,match", [
