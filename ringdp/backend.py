@@ -125,7 +125,10 @@ class RingWork(dist.Work):
         if not pending:
             self._complete()
         else:
-            pending[-1]._future.add_done_callback(lambda _f: self._complete())
+            # the future keeps its callbacks: a one-shot box, so that nothing holds this Work
+            # once it completed (a cycle through it would leave ~30 objects a call to the GC)
+            box = [self]
+            pending[-1]._future.add_done_callback(lambda _f: box.pop()._complete())
 
     def _complete(self):
         exc = next((w._future.exception() for w in self._parts if w._future.exception() is not None), None)
@@ -641,19 +644,22 @@ ProcessGroupRingdp.all_gather_single_coalesced = ProcessGroupRingdp.allgather_in
 
 
 # Everything else goes to the inner group of the tensors' device (gloo for CPU).
+def _tensors_in(args) -> list:
+    """The tensors among `args`, in nested lists and tuples too (not recursive: a nested
+    function that calls itself is a reference cycle, garbage left to the GC every call)."""
+    found, todo = [], list(args)
+    while todo:
+        a = todo.pop()
+        if isinstance(a, torch.Tensor):
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            todo.extend(a)
+    return found
+
+
 def _delegate(name, inner_name=None):
     def method(self, *args, **kwargs):
-        tensors = []
-
-        def collect(a):
-            if isinstance(a, torch.Tensor):
-                tensors.append(a)
-            elif isinstance(a, (list, tuple)):
-                for x in a:
-                    collect(x)
-
-        collect(args)
-        return getattr(self._inner(tensors), inner_name or name)(*args, **kwargs)
+        return getattr(self._inner(_tensors_in(args)), inner_name or name)(*args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = f"{name}: on the inner gloo (CPU) / nccl (CUDA) group."

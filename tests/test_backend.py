@@ -689,6 +689,26 @@ def case_work(rank, world):
     t = torch.ones(3)
     dist.all_reduce(t, group=g)
     out["after"] = t
+    # a finished call leaves no reference cycle (garbage that only the GC would free)
+    import gc
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    u = torch.ones(3)
+    try:
+        for _ in range(3):
+            dist.all_reduce(u, group=g)
+            dist.all_reduce(u, group=g, async_op=True).get_future().wait()
+            dist.all_gather_into_tensor(o, torch.full((2,), float(rank)), group=g)
+            dist.broadcast(u, 0, group=g)
+            dist.barrier(group=g)
+            dist.all_to_all_single(torch.empty(world), torch.full((world,), float(rank)), group=g)  # (gloo's)
+        gc.collect()
+        out["garbage"] = sorted({type(x).__qualname__ for x in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
     drop(g)
     return out
 
@@ -707,6 +727,7 @@ def test_work_semantics(pool):
         assert out["mismatch_success"] is False and "RingError" in out["mismatch_exception"]
         assert out["mismatch_future"] is not None and "rank" in out["mismatch_future"]
         assert torch.equal(out["after"], torch.full((3,), float(world)))
+        assert out["garbage"] == [], out["garbage"]
 
 
 def case_dead_peer(rank, world):
