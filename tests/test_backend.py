@@ -689,6 +689,12 @@ def case_work(rank, world):
     t = torch.ones(3)
     dist.all_reduce(t, group=g)
     out["after"] = t
+    # async calls waited for in any order
+    ts = [torch.full((1000 + 7 * i,), float((rank + 1) * (i + 1))) for i in range(5)]
+    works = [dist.all_reduce(x, group=g, async_op=True) for x in ts]
+    for i in (2, 0, 1, 3, 4):
+        works[i].wait()
+    out["orders"] = ts
     # a finished call leaves no reference cycle (garbage that only the GC would free)
     import gc
     gc.collect()
@@ -727,6 +733,8 @@ def test_work_semantics(pool):
         assert out["mismatch_success"] is False and "RingError" in out["mismatch_exception"]
         assert out["mismatch_future"] is not None and "rank" in out["mismatch_future"]
         assert torch.equal(out["after"], torch.full((3,), float(world)))
+        for i, x in enumerate(out["orders"]):
+            assert torch.equal(x, torch.full((1000 + 7 * i,), s * (i + 1))), i
         assert out["garbage"] == [], out["garbage"]
 
 
