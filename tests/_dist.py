@@ -268,6 +268,24 @@ def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend
     return results
 
 
+def cyclic_garbage(fn) -> list[str]:
+    """The types of the objects that `fn()` left in reference cycles (garbage only the cyclic
+    GC frees: a library call should leave none), sorted; the GC is off meanwhile."""
+    import gc
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        fn()
+        gc.collect()
+        return sorted({type(x).__qualname__ for x in gc.garbage})
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+
+
 def values(results):
     """The return values of every rank; fails the test with each rank's error otherwise."""
     errs = [f"rank {r}: {v[1]}" for r, v in enumerate(results) if v is None or v[0] != "ok"]

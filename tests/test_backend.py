@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import run_ranks, values
+from _dist import cyclic_garbage, run_ranks, values
 from _fake_cuda import fake_cuda, on_stream
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -696,12 +696,9 @@ def case_work(rank, world):
         works[i].wait()
     out["orders"] = ts
     # a finished call leaves no reference cycle (garbage that only the GC would free)
-    import gc
-    gc.collect()
-    gc.disable()
-    gc.set_debug(gc.DEBUG_SAVEALL)
     u = torch.ones(3)
-    try:
+
+    def calls():
         for _ in range(3):
             dist.all_reduce(u, group=g)
             dist.all_reduce(u, group=g, async_op=True).get_future().wait()
@@ -709,12 +706,8 @@ def case_work(rank, world):
             dist.broadcast(u, 0, group=g)
             dist.barrier(group=g)
             dist.all_to_all_single(torch.empty(world), torch.full((world,), float(rank)), group=g)  # (gloo's)
-        gc.collect()
-        out["garbage"] = sorted({type(x).__qualname__ for x in gc.garbage})
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-        gc.enable()
+
+    out["garbage"] = cyclic_garbage(calls)
     drop(g)
     return out
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from _closed_form import expected, ops_for, value
-from _dist import run_ranks, values
+from _dist import cyclic_garbage, run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 SIZES = [0, 1, 7, 13, 4099]  # elements per rank (reduce_scatter's output, all_gather's input)
@@ -162,6 +162,15 @@ def _async(rank, world):
     ok.append(torch.equal(bc, torch.full((k,), 1.0)))
     ok.append(torch.equal(ar, torch.full((k,), float(world))))
     ok.append(fut.wait()[0] is outs[0])
+
+    def calls():  # each kind of call again: none leaves a reference cycle behind
+        ringdp.reduce_scatter_tensor(outs[0], ins[0])
+        ringdp.all_gather_into_tensor(outs[2], ins[2], async_op=True).wait()
+        ringdp.broadcast(bc, 0, async_op=True).get_future().wait()
+        ringdp.all_reduce(ar, async_op=True).wait()
+        ringdp.all_reduce(ar)
+
+    ok.append(cyclic_garbage(calls) == [])
     # overwrite at once; a second round on the same buffers must not see stale reads
     for t in outs + [bc]:
         t.fill_(-1e9)
