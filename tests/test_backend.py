@@ -331,6 +331,57 @@ def test_fsdp2_world4():
     check_fsdp2(values(run_ranks(case_fsdp2, 4, True, backend="cpu:ringdp", timeout=180)))
 
 
+def case_checkpoint(rank, world, path):
+    """torch.distributed.checkpoint of an FSDP2 model and its Adam state on a ringdp group:
+    saved after 2 steps, loaded into a model trained otherwise, which then holds the same
+    parameters and takes the same next step, bitwise."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    g = ringdp_group()
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+
+    def trained(seed, steps):
+        torch.manual_seed(seed)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(3)])
+        for layer in model:
+            fully_shard(layer, mesh=DeviceMesh.from_group(g, "cpu"))
+        fully_shard(model, mesh=DeviceMesh.from_group(g, "cpu"))
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for _ in range(steps):
+            model(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model, opt
+
+    def full(model):
+        return [p.full_tensor().clone() for p in model.parameters()]
+
+    a, opt_a = trained(0, 2)
+    model_sd, optim_sd = get_state_dict(a, opt_a)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path, process_group=g)
+    b, opt_b = trained(1, 1)
+    model_sd, optim_sd = get_state_dict(b, opt_b)
+    sd = {"model": model_sd, "optim": optim_sd}
+    out = {"differ before": not all(torch.equal(p, q) for p, q in zip(full(a), full(b)))}
+    dcp.load(sd, checkpoint_id=path, process_group=g)
+    set_state_dict(b, opt_b, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    out["restored"] = all(torch.equal(p, q) for p, q in zip(full(a), full(b)))
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        model(x).pow(2).sum().backward()
+        opt.step()
+    out["same next step"] = all(torch.equal(p, q) for p, q in zip(full(a), full(b)))
+    drop(g)
+    return out
+
+
+def test_distributed_checkpoint(pool, tmp_path):
+    for r, out in enumerate(pool.run(case_checkpoint, path=str(tmp_path / "ckpt"))):
+        assert out == {"differ before": True, "restored": True, "same next step": True}, (r, out)
+
+
 def case_mesh(rank, world):
     """init_device_mesh on a ringdp default group: a 1-D mesh and a 2-D ("dp", "tp") one,
     DTensor redistributions, the functional collectives (torch.distributed._functional_
