@@ -490,7 +490,8 @@ class Communicator:
         """Run collectives in submission order: inline when nothing is queued and the call is
         synchronous, or asynchronous on shared memory (`nbytes`: its size; None elsewhere)
         and small (policy.inline_async: handing it to the worker would cost more than it
-        takes), else behind the queued ones on the worker thread. An asynchronous call run
+        takes), or made on the worker itself (_take_inline), else behind the queued ones on
+        the worker thread. An asynchronous call run
         inline returns a completed Work; its failure is raised by wait(), as the worker's."""
         small = async_op and nbytes is not None and policy.inline_async(nbytes, self.config)
         if not self._take_inline(async_op and not small):
@@ -506,10 +507,16 @@ class Communicator:
         return Work(fut, list(outputs))
 
     def _take_inline(self, async_op: bool) -> bool:
-        """Whether this call runs inline, on the calling thread (synchronous, nothing queued);
-        if not, it is counted as pending until the worker has run it (_enqueue)."""
+        """Whether this call runs inline, on the calling thread: synchronous with nothing
+        queued, or made on the worker thread itself, by a callback of a call it just finished
+        (a future's then(): torch's PowerSGD comm hook all-reduces and waits there). The
+        worker runs that one now, between its queued calls, at the same place on every rank;
+        queued, it would wait for itself. If not inline, the call is counted as pending until
+        the worker has run it (_enqueue)."""
         if self._closed or not self.group_alive:
             raise RingError(self._unusable())
+        if self._worker is not None and threading.current_thread() is self._worker:
+            return True
         with self._pending_lock:
             inline = self._pending == 0 and not async_op
             if not inline:
@@ -667,7 +674,8 @@ class Communicator:
         ringdp's stream and makes `stream` wait for its end (csrc/cuda, no host sync).
         Inline (synchronous, nothing queued): `stream` is the current stream, nothing else
         (no record_stream either: that stream waits for ringdp's before anything after the
-        call, so memory freed there is reused only after the ring).
+        call, so memory freed there is reused only after the ring). An async call inline
+        (made on the worker: _take_inline) also records `done` on that stream for its Work.
         Queued (on the worker, later): an event on the current stream, recorded on the
         calling thread, and every tensor it touches recorded on ringdp's stream (the caching
         allocator keeps them until ringdp is done); then, in submission order, ringdp's stream
@@ -675,9 +683,15 @@ class Communicator:
         `done` after it is what Work.wait() makes the waiter's stream wait on."""
         ep = self._cuda_endpoint(device)
         if self._take_inline(async_op):
-            caller = torch.cuda.current_stream(device).cuda_stream
-            self._call(lambda: enqueue(ep, caller))
-            return None
+            caller = torch.cuda.current_stream(device)
+            self._call(lambda: enqueue(ep, caller.cuda_stream))
+            if not async_op:
+                return None
+            done = torch.cuda.Event()  # (async inline: made on the worker, by a callback)
+            done.record(caller)
+            fut = Future()
+            fut.set_result(None)
+            return Work(fut, list(outputs), (ep, done))
         try:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))  # on the calling thread

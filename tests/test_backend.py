@@ -88,11 +88,19 @@ def train_ddp(rank, world, group, variant, steps=STEPS, per_rank=4, keep=None):
         kw["find_unused_parameters"] = True
     if variant == "view":
         kw["gradient_as_bucket_view"] = True  # the gradients are views of DDP's buckets
+    if variant == "static_graph":
+        kw["static_graph"] = True
     ddp = nn.parallel.DistributedDataParallel(model, **kw)
     if keep is not None:
         keep["ddp"] = ddp
     if variant == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
+    elif variant == "powersgd":  # lossy: compared with gloo only (exact for 2 steps, then rank-1 approximations)
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                       min_compression_rate=0.5, use_error_feedback=True, random_seed=0)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
     elif variant == "bf16":
         # DDP.register_comm_hook refuses bf16_compress_hook without CUDA+NCCL (a check of
         # the build, not of the hook, which runs on CPU): register it as DDP would after it
@@ -156,7 +164,7 @@ def case_ddp(rank, world, variant="plain"):
     gloo = train_ddp(rank, world, gg, variant)
     dist.destroy_process_group(gg)
     out = {"ring": ring, "gloo": gloo, "native_calls": native_calls,
-           "ref": reference(world, variant) if variant not in ("fp16", "bf16", "join") else None,
+           "ref": reference(world, variant) if variant not in ("fp16", "bf16", "join", "powersgd") else None,
            "backend": dist.get_backend(g)}
     drop(g)
     return out
@@ -189,7 +197,7 @@ def test_ddp_default_group_world(world):
     check_ddp(values(run_ranks(case_ddp, world, "plain", backend="cpu:ringdp", timeout=180)), f"world {world}")
 
 
-@pytest.mark.parametrize("variant", ["small_buckets", "unused", "no_sync", "join"])
+@pytest.mark.parametrize("variant", ["small_buckets", "unused", "no_sync", "join", "static_graph", "powersgd"])
 def test_ddp_variants(pool, variant):
     check_ddp(pool.run(case_ddp, variant=variant), variant)
 
@@ -740,6 +748,12 @@ def case_work(rank, world):
     t = torch.ones(3)
     dist.all_reduce(t, group=g)
     out["after"] = t
+    # a collective made and waited for in a future's callback (torch's PowerSGD hook does):
+    # run by ringdp's worker when the first call finishes there (it hung, waiting for itself)
+    first, second = torch.ones(1 << 18), torch.full((3,), float(rank))
+    chained = dist.all_reduce(first, group=g, async_op=True).get_future().then(
+        lambda f: dist.all_reduce(second, group=g, async_op=True).get_future().wait()[0])
+    out["chained"] = (chained.wait(), first[:2])
     # async calls waited for in any order
     ts = [torch.full((1000 + 7 * i,), float((rank + 1) * (i + 1))) for i in range(5)]
     works = [dist.all_reduce(x, group=g, async_op=True) for x in ts]
@@ -777,6 +791,8 @@ def test_work_semantics(pool):
         assert out["mismatch_success"] is False and "RingError" in out["mismatch_exception"]
         assert out["mismatch_future"] is not None and "rank" in out["mismatch_future"]
         assert torch.equal(out["after"], torch.full((3,), float(world)))
+        assert torch.equal(out["chained"][0], torch.full((3,), float(sum(range(world))))), out["chained"]
+        assert torch.equal(out["chained"][1], torch.full((2,), float(world))), out["chained"]
         for i, x in enumerate(out["orders"]):
             assert torch.equal(x, torch.full((1000 + 7 * i,), s * (i + 1))), i
         assert out["garbage"] == [], out["garbage"]
@@ -1150,12 +1166,24 @@ def _cuda_call_paths(rank, world):
     work = comm._run_cuda("cuda:0", [Tensor(), Tensor()], [], True, enqueue)
     work.wait()
     queued = list(log)
+    log.clear()
+    # an async call made on the worker (a future's callback there): inline, its Work's event
+    # recorded after it on the current stream; queued, it would wait for itself
+    made, gate, called = [], threading.Event(), threading.Event()
+    comm._take_inline(True)
+    first = comm._enqueue(lambda: gate.wait(30), True, [])  # (held until the callback is in place)
+    first._future.add_done_callback(
+        lambda f: (made.append(comm._run_cuda("cuda:0", [Tensor()], [], True, enqueue)), called.set()))
+    gate.set()
+    assert called.wait(30)
+    made[0].wait()
+    on_worker = list(log)
     comm._cuda = None
-    return inline, queued, main
+    return inline, queued, main, on_worker
 
 
 def test_cuda_call_paths_inline_and_queued():
-    for inline, queued, main in values(run_ranks(_cuda_call_paths, 2)):
+    for inline, queued, main, on_worker in values(run_ranks(_cuda_call_paths, 2)):
         assert inline == [("enqueue", "current-handle", main)], inline
         worker = next(e[-1] for e in queued if e[0] == "enqueue")
         assert worker != main
@@ -1163,6 +1191,8 @@ def test_cuda_call_paths_inline_and_queued():
                           ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
                           ("enqueue", "ringdp-handle", worker), ("record", "event2", "ringdp", worker),
                           ("wait", "current", "event2", main)], queued
+        assert on_worker == [("enqueue", "current-handle", worker), ("record", "event3", "current", worker),
+                             ("wait", "current", "event3", main)], on_worker
 
 
 def _cuda_setup_fails_once(rank, world):
