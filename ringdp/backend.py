@@ -519,7 +519,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         outs, inp = output_tensors[0], input_tensors[0]
         if (native is None or len(input_tensors) != 1 or len(outs) != self._size_
                 or not self._native([inp, *outs]) or any(o.shape != inp.shape for o in outs)):
-            return self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)
+            # (its future's value as the native one's, the output lists, not gloo's first list)
+            return _Chain([self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)], output_tensors)
         flat = torch.empty((self._size_ * inp.numel(),), dtype=inp.dtype, device=inp.device)
 
         def copy_out():

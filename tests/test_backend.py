@@ -683,6 +683,15 @@ def case_delegated(rank, world):
     lst = [{"from": 0, "x": [1, 2]}] if rank == 0 else [None]
     dist.broadcast_object_list(lst, src=gr(0), group=g)
     out["broadcast_object_list"] = lst[0]
+    # all_gather of a dtype ringdp leaves to gloo (int8) and of one it runs (float32): their
+    # futures hold the same thing, the output lists (gloo's own holds the first list only)
+    shapes = {}
+    for dtype in (torch.int8, torch.float32):
+        gathered = [torch.empty(2, dtype=dtype) for _ in range(world)]
+        v = dist.all_gather(gathered, torch.full((2,), rank, dtype=dtype), group=g, async_op=True).get_future().wait()
+        shapes[str(dtype)] = (len(v), [len(x) for x in v], all(a is b for a, b in zip(v[0], gathered)),
+                              [x.tolist() for x in gathered])
+    out["all_gather futures"] = shapes
     pg = dist.distributed_c10d._get_default_group() if g is dist.group.WORLD else g
     pg.monitored_barrier(timedelta(seconds=30), wait_all_ranks=True)
     out["monitored_barrier"] = True
@@ -707,6 +716,9 @@ def test_delegated_collectives(pool):
         assert out["broadcast_object_list"] == {"from": 0, "x": [1, 2]}
         assert out["monitored_barrier"] is True
         assert "only implemented for GLOO" in out["dist.monitored_barrier"]
+        want = (1, [world], True, [[float(j)] * 2 for j in range(world)])
+        for dtype, got in out["all_gather futures"].items():
+            assert got == want, (r, dtype, got)
     assert torch.equal(res[0]["gather"], torch.stack([torch.full((3,), float(j)) for j in range(world)]))
 
 
