@@ -265,6 +265,7 @@ class Communicator:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._pending = 0
+        self._settling = False  # the worker runs a finished call's callbacks (no other call inline meanwhile)
         self._pending_lock = threading.Lock()
         self._closed = False
         self.host = socket.gethostname()
@@ -432,8 +433,13 @@ class Communicator:
             error = self._call_catching(fn) if ran else None
             with self._pending_lock:  # done before its waiter hears: the waiter's next call may run inline
                 self._pending -= 1
+                self._settling = ran
             if ran:
-                _settle(fut, error)
+                try:
+                    _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
+                finally:
+                    with self._pending_lock:
+                        self._settling = False
             del item, fn, fut, error  # hold no tensor of a finished collective while idle
 
     def _call_catching(self, fn) -> BaseException | None:
@@ -508,17 +514,19 @@ class Communicator:
 
     def _take_inline(self, async_op: bool) -> bool:
         """Whether this call runs inline, on the calling thread: synchronous with nothing
-        queued, or made on the worker thread itself, by a callback of a call it just finished
-        (a future's then(): torch's PowerSGD comm hook all-reduces and waits there). The
-        worker runs that one now, between its queued calls, at the same place on every rank;
-        queued, it would wait for itself. If not inline, the call is counted as pending until
-        the worker has run it (_enqueue)."""
+        queued and no callbacks running on the worker, or made on the worker thread itself,
+        by a callback of a call it just finished (a future's then(): torch's PowerSGD comm
+        hook all-reduces and waits there). The worker runs that one now, right after the
+        call whose callback made it, as every rank does (the callback registered before the
+        next collective, as DDP's hooks do); queued, it would wait for itself. Another
+        thread's call meanwhile waits in the queue, so it comes after it on every rank. If
+        not inline, the call is counted as pending until the worker has run it (_enqueue)."""
         if self._closed or not self.group_alive:
             raise RingError(self._unusable())
         if self._worker is not None and threading.current_thread() is self._worker:
             return True
         with self._pending_lock:
-            inline = self._pending == 0 and not async_op
+            inline = self._pending == 0 and not self._settling and not async_op
             if not inline:
                 self._pending += 1
         return inline
@@ -687,7 +695,11 @@ class Communicator:
             self._call(lambda: enqueue(ep, caller.cuda_stream))
             if not async_op:
                 return None
-            done = torch.cuda.Event()  # (async inline: made on the worker, by a callback)
+            # async inline (made on the worker, by a callback): the caller may free the
+            # tensors before waiting; the allocator keeps them until the ring is done
+            for x in tensors:
+                x.record_stream(caller)
+            done = torch.cuda.Event()
             done.record(caller)
             fut = Future()
             fut.set_result(None)

@@ -762,10 +762,20 @@ def case_work(rank, world):
     out["after"] = t
     # a collective made and waited for in a future's callback (torch's PowerSGD hook does):
     # run by ringdp's worker when the first call finishes there (it hung, waiting for itself)
-    first, second = torch.ones(1 << 18), torch.full((3,), float(rank))
-    chained = dist.all_reduce(first, group=g, async_op=True).get_future().then(
-        lambda f: dist.all_reduce(second, group=g, async_op=True).get_future().wait()[0])
-    out["chained"] = (chained.wait(), first[:2])
+    # (rank 1 arrives late: rank 0's callback is in place before its call ends, so it runs on
+    # rank 0's worker; it hung there, the nested call queued behind the one running it)
+    import threading
+
+    first, second, where = torch.ones(1 << 18), torch.full((3,), float(rank)), []
+    if rank == 1:
+        time.sleep(0.3)
+
+    def nested(f):
+        where.append(threading.current_thread().name)
+        return dist.all_reduce(second, group=g, async_op=True).get_future().wait()[0]
+
+    chained = dist.all_reduce(first, group=g, async_op=True).get_future().then(nested)
+    out["chained"] = (chained.wait(), first[:2], where)
     # async calls waited for in any order
     ts = [torch.full((1000 + 7 * i,), float((rank + 1) * (i + 1))) for i in range(5)]
     works = [dist.all_reduce(x, group=g, async_op=True) for x in ts]
@@ -805,6 +815,8 @@ def test_work_semantics(pool):
         assert torch.equal(out["after"], torch.full((3,), float(world)))
         assert torch.equal(out["chained"][0], torch.full((3,), float(sum(range(world))))), out["chained"]
         assert torch.equal(out["chained"][1], torch.full((2,), float(world))), out["chained"]
+        if r == 0:
+            assert out["chained"][2][0].startswith("ringdp-worker"), out["chained"][2]
         for i, x in enumerate(out["orders"]):
             assert torch.equal(x, torch.full((1000 + 7 * i,), s * (i + 1))), i
         assert out["garbage"] == [], out["garbage"]
@@ -1203,8 +1215,8 @@ def test_cuda_call_paths_inline_and_queued():
                           ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
                           ("enqueue", "ringdp-handle", worker), ("record", "event2", "ringdp", worker),
                           ("wait", "current", "event2", main)], queued
-        assert on_worker == [("enqueue", "current-handle", worker), ("record", "event3", "current", worker),
-                             ("wait", "current", "event3", main)], on_worker
+        assert on_worker == [("enqueue", "current-handle", worker), ("record_stream", "current"),
+                             ("record", "event3", "current", worker), ("wait", "current", "event3", main)], on_worker
 
 
 def _cuda_setup_fails_once(rank, world):

@@ -274,6 +274,42 @@ def _async_then_send(rank, world):
     return torch.equal(t, torch.full((5,), 1.0)), x.tolist(), worker
 
 
+def _collective_in_a_callback(rank, world):
+    """A collective made in a future's callback that ringdp's worker runs (torch's PowerSGD
+    hook does this) runs there at once; a synchronous call that another thread makes
+    meanwhile waits for it. Rank 0's main thread calls while its callback runs, rank 1's
+    after: without the wait the two ranks would run the two calls in opposite orders."""
+    import threading
+
+    import ringdp
+
+    in_callback, where = threading.Event(), []
+    nested, plain = torch.full((5,), float(rank)), torch.full((7,), float(rank))
+    if rank == 1:
+        time.sleep(0.3)  # (rank 0's callback is in place before its call ends: on its worker)
+
+    def callback(f):
+        where.append(threading.current_thread().name)
+        in_callback.set()
+        time.sleep(0.3)
+        return ringdp.all_reduce(nested, async_op=True).get_future().wait()[0]
+
+    chained = ringdp.all_reduce(torch.ones(1 << 18), async_op=True).get_future().then(callback)
+    if rank == 0:
+        assert in_callback.wait(30)
+    else:
+        chained.wait()
+    ringdp.all_reduce(plain)
+    total = float(sum(range(world)))
+    return where, torch.equal(chained.wait(), torch.full((5,), total)), torch.equal(plain, torch.full((7,), total))
+
+
+def test_collective_in_a_callback():
+    res = values(run_ranks(_collective_in_a_callback, 2, timeout=120))
+    assert res[0][0][0].startswith("ringdp-worker"), res[0]
+    assert all(ok_nested and ok_plain for _, ok_nested, ok_plain in res), res
+
+
 def test_async_returns_before_peers_arrive():
     res = values(run_ranks(_async_then_send, 2, env={"RINGDP_TIMEOUT_S": "30"}, timeout=90))
     assert res[0][0] and res[1][0], res

@@ -100,6 +100,12 @@ def case_spin_by_thread(rank, world):
     from ringdp.config import Config
 
     c = ringdp.init()
+    cfg = Config.from_env()
+    spins = [policy.spin_ns(c.machine_ranks, cfg), policy.spin_ns(c.machine_ranks, cfg, torch.get_num_threads())]
+    assert list(c._spins) == spins
+    if spins[0] == spins[1]:  # (a box with a core for every thread: made to differ, or nothing shows)
+        spins[0] += 1000
+        c._spins = tuple(spins)
     seen = []
     big = policy.INLINE_ASYNC_MAX_BYTES // 4 + 1  # float32 elements: one more than runs inline
     steps = [("sync", 10, None), ("poll", big, None)]
@@ -115,8 +121,7 @@ def case_spin_by_thread(rank, world):
         elif w is not None:
             w.wait()
         seen.append(("late" if late == rank else how, c.shm.spin_ns))
-    cfg = Config.from_env()
-    return seen, [policy.spin_ns(c.machine_ranks, cfg), policy.spin_ns(c.machine_ranks, cfg, torch.get_num_threads())]
+    return seen, spins
 
 
 def test_spin_follows_the_thread(pool):
