@@ -385,8 +385,11 @@ def case_checkpoint(rank, world, path):
     return out
 
 
-def test_distributed_checkpoint(pool, tmp_path):
-    for r, out in enumerate(pool.run(case_checkpoint, path=str(tmp_path / "ckpt"))):
+def test_distributed_checkpoint(tmp_path):
+    # (fresh processes, not the module's pool: in torch 2.13 fully_shard over a new group's
+    # mesh can leave DTensors naming an earlier, destroyed group of the same ranks, gloo too)
+    res = values(run_ranks(case_checkpoint, 2, str(tmp_path / "ckpt"), backend="cpu:ringdp", timeout=180))
+    for r, out in enumerate(res):
         assert out == {"differ before": True, "restored": True, "same next step": True}, (r, out)
 
 
