@@ -285,6 +285,7 @@ def _collective_in_a_callback(rank, world):
 
     in_callback, where = threading.Event(), []
     nested, plain = torch.full((5,), float(rank)), torch.full((7,), float(rank))
+    ringdp.all_reduce(torch.ones(1))  # (set up first: the set-up waits for every rank)
     if rank == 1:
         time.sleep(0.3)  # (rank 0's callback is in place before its call ends: on its worker)
 
