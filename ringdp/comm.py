@@ -265,7 +265,6 @@ class Communicator:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._pending = 0
-        self._settling = False  # the worker runs a finished call's callbacks (no other call inline meanwhile)
         self._pending_lock = threading.Lock()
         self._closed = False
         self.host = socket.gethostname()
@@ -431,15 +430,12 @@ class Communicator:
             fn, fut = item
             ran = fut.set_running_or_notify_cancel()
             error = self._call_catching(fn) if ran else None
-            with self._pending_lock:  # done before its waiter hears: the waiter's next call may run inline
-                self._pending -= 1
-                self._settling = ran
-            if ran:
-                try:
+            try:
+                if ran:
                     _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
-                finally:
-                    with self._pending_lock:
-                        self._settling = False
+            finally:
+                with self._pending_lock:  # after the callbacks: no other call runs inline beside them
+                    self._pending -= 1
             del item, fn, fut, error  # hold no tensor of a finished collective while idle
 
     def _call_catching(self, fn) -> BaseException | None:
@@ -514,7 +510,7 @@ class Communicator:
 
     def _take_inline(self, async_op: bool) -> bool:
         """Whether this call runs inline, on the calling thread: synchronous with nothing
-        queued and no callbacks running on the worker, or made on the worker thread itself,
+        pending (a worker call counts until its callbacks ran), or made on the worker thread itself,
         by a callback of a call it just finished (a future's then(): torch's PowerSGD comm
         hook all-reduces and waits there). The worker runs that one now, right after the
         call whose callback made it, as every rank does (the callback registered before the
@@ -526,7 +522,7 @@ class Communicator:
         if self._worker is not None and threading.current_thread() is self._worker:
             return True
         with self._pending_lock:
-            inline = self._pending == 0 and not self._settling and not async_op
+            inline = self._pending == 0 and not async_op
             if not inline:
                 self._pending += 1
         return inline
@@ -702,7 +698,7 @@ class Communicator:
             done = torch.cuda.Event()
             done.record(caller)
             fut = Future()
-            fut.set_result(None)
+            _settle(fut, None)
             return Work(fut, list(outputs), (ep, done))
         try:
             ready = torch.cuda.Event()
