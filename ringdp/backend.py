@@ -67,7 +67,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types
 from ._eager import eager_methods
 from ._native import _C
-from .comm import Communicator, RingError
+from .comm import Communicator, HelpingFuture, RingError, _completed
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -113,7 +113,6 @@ class RingWork(dist.Work):
     def __init__(self, parts, outputs, finalize=None, cuda_devices=None):
         super().__init__()
         self._outputs = outputs
-        self._tf = torch.futures.Future(devices=cuda_devices)
         self._done = threading.Event()
         self._exc = None
         self._lock = threading.Lock()
@@ -122,6 +121,7 @@ class RingWork(dist.Work):
         self._finished = None  # CUDA: an event after the copy-out, on self._stream
         pending = [w for w in parts if w is not None]
         self._parts = pending
+        self._tf = HelpingFuture(pending[-1].waiting if pending else None, devices=cuda_devices)
         if not pending:
             self._complete()
         else:
@@ -149,6 +149,7 @@ class RingWork(dist.Work):
                 exc = e
         self._finalize = None
         self._exc = exc
+        _completed(self._tf)
         self._done.set()
         if exc is not None:
             self._tf.set_exception(exc)
@@ -165,9 +166,13 @@ class RingWork(dist.Work):
         """The stream current where the call was made, made current (CUDA; else nothing)."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
+    def _waiting(self):
+        """A context for a caller that blocks until this Work completes (its last part's)."""
+        return self._parts[-1].waiting() if self._parts else contextlib.nullcontext()
+
     def wait(self, timeout=timedelta(0)):
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        with self._parts[-1].waiting() if self._parts else contextlib.nullcontext():
+        with self._waiting():
             done = self._done.wait(secs if secs > 0 else None)
         if not done:
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")

@@ -121,13 +121,15 @@ class Work:
         self._future = future
         self._outputs = outputs  # the tensors the collective writes
         self._cuda = cuda  # CUDA: (endpoint, event recorded on ringdp's stream after the collective)
-        self._waiting = waiting  # CPU, on the worker: a context while a caller blocks on it (_caller_waits)
+        self._waiting = waiting  # queued on the worker: Communicator._caller_waits(future) (None: ran inline)
         self._torch_future: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
     def waiting(self):
-        """A context for a caller that blocks until this collective ends (Communicator._caller_waits)."""
-        return self._waiting() if self._waiting is not None and not self._future.done() else contextlib.nullcontext()
+        """A context for a caller that blocks until this collective ends
+        (Communicator._caller_waits: on the worker thread itself, it runs the queued calls
+        up to this one first)."""
+        return _wait_context(self._waiting, self._future)
 
     def wait(self, timeout=None) -> bool:
         """Wait for the collective (module doc); re-raises its error (a RingError)."""
@@ -156,12 +158,45 @@ class Work:
         with self._lock:
             if self._torch_future is None:
                 outputs, cuda = self._outputs, self._cuda
-                tf: torch.futures.Future = torch.futures.Future(devices=[cuda[0].device] if cuda else None)
+                tf = HelpingFuture(functools.partial(_wait_context, self._waiting, self._future),
+                                   devices=[cuda[0].device] if cuda else None)
                 self._torch_future = tf
                 # the callback holds the outputs, not this Work: no reference cycle keeps the
                 # tensors (a whole step's gradients) alive after the future is dropped
                 self._future.add_done_callback(lambda f: _complete(tf, f, outputs, cuda))
             return self._torch_future
+
+
+def _wait_context(waiting, fut: Future):
+    """Work.waiting(): `waiting(fut)` while `fut` is not done (None: the call ran inline)."""
+    return waiting(fut) if waiting is not None and not fut.done() else contextlib.nullcontext()
+
+
+class HelpingFuture(torch.futures.Future):
+    """The torch future of a ringdp Work (Work.get_future, and the backend's): its wait()
+    blocks inside the Work's waiting() context (Communicator._caller_waits), so that a
+    callback on ringdp's worker thread that waits for a later queued call runs it instead
+    of waiting for itself, as Work.wait() does. (Futures that torch derives from it, such
+    as then()'s, wait as torch's do.)"""
+
+    def __init__(self, waiting, devices=None):
+        super().__init__(devices=devices)
+        self._ringdp_waiting = waiting  # () -> a context manager; dropped on completion (_completed)
+
+    def wait(self):
+        waiting = self._ringdp_waiting
+        if waiting is None or self.done():
+            return super().wait()
+        with waiting():
+            return super().wait()
+
+
+def _completed(tf: torch.futures.Future) -> torch.futures.Future:
+    """`tf`, about to complete: it lets its waiting context go (through the Work's future, whose
+    callbacks hold `tf`, it would keep a reference cycle for the GC)."""
+    if isinstance(tf, HelpingFuture):
+        tf._ringdp_waiting = None
+    return tf
 
 
 def _settle(fut: Future, error: BaseException | None) -> None:
@@ -175,6 +210,7 @@ def _settle(fut: Future, error: BaseException | None) -> None:
 def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     """Complete Work.get_future()'s future from the collective's concurrent future."""
     exc = f.exception()
+    _completed(tf)
     if exc is None and cuda is not None:
         try:
             cuda[0].check()
@@ -427,16 +463,36 @@ class Communicator:
             item = q.get()
             if item is None:
                 return
-            fn, fut = item
-            ran = fut.set_running_or_notify_cancel()
-            error = self._call_catching(fn) if ran else None
+            self._run_item(item)
+            del item  # hold no tensor of a finished collective while idle
+
+    def _run_item(self, item) -> None:
+        """Run one queued call (fn, future) on the worker thread and settle its future."""
+        fn, fut = item
+        ran = fut.set_running_or_notify_cancel()
+        error = self._call_catching(fn) if ran else None
+        try:
+            if ran:
+                _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
+        finally:
+            with self._pending_lock:  # after the callbacks: no other call runs inline beside them
+                self._pending -= 1
+
+    def _run_queued_until(self, fut: Future) -> None:
+        """On the worker thread, in a callback of a call it finished (a future's then()): a
+        Work waited for there whose call is still queued would wait for this thread, which
+        waits for it. Run the queued calls instead, in queue order (the order the worker
+        would have run them in, on every rank), until `fut`'s call is done."""
+        while not fut.done():
             try:
-                if ran:
-                    _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
-            finally:
-                with self._pending_lock:  # after the callbacks: no other call runs inline beside them
-                    self._pending -= 1
-            del item, fn, fut, error  # hold no tensor of a finished collective while idle
+                item = self._queue.get_nowait()
+            except queue.Empty:  # (a call is queued before its Work exists: not expected)
+                raise RingError(f"rank {self.rank}: a callback on ringdp's worker thread waits for a "
+                                f"collective that is neither queued nor done") from None
+            if item is None:  # close(): the worker loop stops when this callback returns
+                self._queue.put(None)
+                raise RingError(self._unusable() or f"rank {self.rank}: ringdp's communicator was closed")
+            self._run_item(item)
 
     def _call_catching(self, fn) -> BaseException | None:
         """_call(fn); its failure returned, for the Work's waiter, instead of raised."""
@@ -475,10 +531,20 @@ class Communicator:
             self._spin_set = spin
 
     @contextlib.contextmanager
-    def _caller_waits(self):
-        """A thread blocked in Work.wait() on a CPU call computes nothing meanwhile, so the
-        worker may spin as an inline call does (policy.spin_ns): raised at once, during the
-        call too (the endpoint's spin is atomic); the worker's next call picks its own."""
+    def _caller_waits(self, fut: Future, cpu: bool = True):
+        """Around a wait for the queued call of `fut` (Work.waiting). On the worker thread
+        itself (a callback): its queued calls run first, up to that one (_run_queued_until).
+        Elsewhere, for a CPU call: a thread blocked in Work.wait() computes nothing
+        meanwhile, so the worker may spin as an inline call does (policy.spin_ns): raised at
+        once, during the call too (the endpoint's spin is atomic); the worker's next call
+        picks its own."""
+        if threading.current_thread() is self._worker:
+            self._run_queued_until(fut)
+            yield
+            return
+        if not cpu:
+            yield
+            return
         with self._spin_lock:
             self._waiters += 1
             self._apply_spin(self._spins[False])
@@ -533,7 +599,7 @@ class Communicator:
             self._start_worker()
         fut = Future()
         self._queue.put((fn, fut))
-        work = Work(fut, list(outputs), cuda, None if cuda else self._caller_waits)
+        work = Work(fut, list(outputs), cuda, functools.partial(self._caller_waits, cpu=cuda is None))
         if async_op:
             return work
         work.wait()

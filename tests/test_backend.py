@@ -779,6 +779,21 @@ def case_work(rank, world):
 
     chained = dist.all_reduce(first, group=g, async_op=True).get_future().then(nested)
     out["chained"] = (chained.wait(), first[:2], where)
+    # a callback on ringdp's worker that waits for calls queued after the one it follows
+    # (RingWork.wait(), and a Work's future): the worker runs them there, in queue order (it
+    # waited for itself, a hang)
+    later, where2 = [torch.full((5 + i,), float(rank + i)) for i in range(3)], []
+    if rank == 1:
+        time.sleep(0.3)
+    head = dist.all_reduce(torch.ones(1 << 18), group=g, async_op=True)
+    tail = [dist.all_reduce(x, group=g, async_op=True) for x in later]
+
+    def waits(f):
+        where2.append(threading.current_thread().name)
+        tail[1].wait()
+        return tail[2].get_future().wait()[0]
+
+    out["waits"] = (head.get_future().then(waits).wait(), later, where2)
     # async calls waited for in any order
     ts = [torch.full((1000 + 7 * i,), float((rank + 1) * (i + 1))) for i in range(5)]
     works = [dist.all_reduce(x, group=g, async_op=True) for x in ts]
@@ -820,6 +835,13 @@ def test_work_semantics(pool):
         assert torch.equal(out["chained"][1], torch.full((2,), float(world))), out["chained"]
         if r == 0:
             assert out["chained"][2][0].startswith("ringdp-worker"), out["chained"][2]
+        last, later, where2 = out["waits"]
+        n = float(sum(range(world)))
+        assert torch.equal(last, torch.full((7,), n + 2 * world)), out["waits"]
+        for i, x in enumerate(later):
+            assert torch.equal(x, torch.full((5 + i,), n + i * world)), (i, x)
+        if r == 0:
+            assert where2[0].startswith("ringdp-worker"), where2
         for i, x in enumerate(out["orders"]):
             assert torch.equal(x, torch.full((1000 + 7 * i,), s * (i + 1))), i
         assert out["garbage"] == [], out["garbage"]
@@ -1087,8 +1109,8 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     me = threading.current_thread().name
     on = on_stream(current)
 
-    class TorchFuture:  # torch.futures.Future(devices=...) needs real CUDA devices
-        def __init__(self, devices=None):
+    class TorchFuture:  # HelpingFuture (a torch.futures.Future) with devices= needs real CUDA devices
+        def __init__(self, waiting, devices=None):
             self.value = None
 
         def set_result(self, v):
@@ -1111,7 +1133,7 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.futures, "Future", TorchFuture)
+    monkeypatch.setattr(backend, "HelpingFuture", TorchFuture)
     part = Part()
     work = backend.RingWork([part], ["out"], finalize=lambda: log.append(("copy-out", current[0])),
                             cuda_devices=["cuda:0"])

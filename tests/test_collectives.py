@@ -163,7 +163,10 @@ def _async(rank, world):
     ok.append(torch.equal(ar, torch.full((k,), float(world))))
     ok.append(fut.wait()[0] is outs[0])
 
+    big = torch.ones(1 << 18)  # (queued on the worker: its future is made before it completes)
+
     def calls():  # each kind of call again: none leaves a reference cycle behind
+        ringdp.all_reduce(big, async_op=True).get_future().wait()
         ringdp.reduce_scatter_tensor(outs[0], ins[0])
         ringdp.all_gather_into_tensor(outs[2], ins[2], async_op=True).wait()
         ringdp.broadcast(bc, 0, async_op=True).get_future().wait()
@@ -309,6 +312,45 @@ def test_collective_in_a_callback():
     res = values(run_ranks(_collective_in_a_callback, 2, timeout=120))
     assert res[0][0][0].startswith("ringdp-worker"), res[0]
     assert all(ok_nested and ok_plain for _, ok_nested, ok_plain in res), res
+
+
+def _wait_in_a_callback(rank, world):
+    """A callback on ringdp's worker that waits for calls queued after the one it follows
+    (Work.wait() and a Work's torch future): the worker runs them there, in queue order,
+    instead of waiting for itself (it hung). Rank 1 arrives late, so that rank 0's callback
+    is in place before its call ends and runs on its worker."""
+    import threading
+
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))  # (set up first: the set-up waits for every rank)
+    later, where = [torch.full((11 + i,), float(rank * (i + 1))) for i in range(3)], []
+    if rank == 1:
+        time.sleep(0.3)
+    head = ringdp.all_reduce(torch.ones(1 << 18), async_op=True)
+    tail = [ringdp.all_reduce(x, async_op=True) for x in later]
+
+    def callback(f):
+        where.append(threading.current_thread().name)
+        tail[1].wait()  # (two queued calls run here)
+        return tail[2].get_future().wait()[0][:11] + later[0]
+
+    chained = head.get_future().then(callback)
+    value = chained.wait()
+    after = torch.full((3,), float(rank))
+    ringdp.all_reduce(after)  # (the communicator goes on)
+    return where, value, later, after
+
+
+def test_wait_in_a_callback():
+    res = values(run_ranks(_wait_in_a_callback, 2, timeout=120))
+    n = 1.0  # sum of the ranks
+    assert res[0][0][0].startswith("ringdp-worker"), res[0][0]
+    for where, value, later, after in res:
+        assert torch.equal(value, torch.full((11,), 3 * n + n)), value
+        for i, x in enumerate(later):
+            assert torch.equal(x, torch.full((11 + i,), n * (i + 1))), (i, x)
+        assert torch.equal(after, torch.full((3,), n))
 
 
 def test_async_returns_before_peers_arrive():
