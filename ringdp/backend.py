@@ -67,7 +67,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types
 from ._eager import eager_methods
 from ._native import _C
-from .comm import Communicator, HelpingFuture, RingError, _completed
+from .comm import Communicator, HelpingFuture, RingError, _completed, _failure
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -131,7 +131,9 @@ class RingWork(dist.Work):
             pending[-1]._future.add_done_callback(lambda _f: box.pop()._complete())
 
     def _complete(self):
-        exc = next((w._future.exception() for w in self._parts if w._future.exception() is not None), None)
+        # (every part is done, in order, unless the last was dropped before it ran: comm._failure)
+        exc = next((e for e in map(_failure, (w._future for w in self._parts if w._future.done())) if e is not None),
+                   None)
         cuda = [w._cuda for w in self._parts if w._cuda is not None]
         finalized = False
         if exc is None and self._finalize is not None:
@@ -166,13 +168,13 @@ class RingWork(dist.Work):
         """The stream current where the call was made, made current (CUDA; else nothing)."""
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
-    def _waiting(self):
-        """A context for a caller that blocks until this Work completes (its last part's)."""
-        return self._parts[-1].waiting() if self._parts else contextlib.nullcontext()
+    def _waiting(self, timeout: float | None = None):
+        """A context that returns once the last part ended (comm.Work.waiting)."""
+        return self._parts[-1].waiting(timeout) if self._parts else contextlib.nullcontext()
 
     def wait(self, timeout=timedelta(0)):
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
-        with self._waiting():
+        with self._waiting(secs if secs > 0 else None):
             done = self._done.wait(secs if secs > 0 else None)
         if not done:
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")

@@ -32,7 +32,10 @@ carry the tag yet: it is validated, not compared across ranks.)
 
 Execution: validation and the algorithm (ringdp/policy.py) on the calling thread, then the
 collective runs in submission order: inline when nothing is queued and the call is
-synchronous, else on one background worker thread. CPU collectives complete on the host.
+synchronous, else on one background worker thread. Futures' callbacks run on the worker; a
+callback that waits for a later queued call runs the queue itself (_run_queued_until), and
+a call that waits behind a callback stuck for longer than the timeout is dropped with a
+RingError (_await_queued), so no wait on the worker's calls is without end. CPU collectives complete on the host.
 CUDA collectives are stream-ordered like torch's NCCL ones: ringdp's stream waits for the
 caller's stream (an event), the ring runs on ringdp's stream, and the caller's stream waits
 for the result at once (inline, the transport orders the current stream itself) or in
@@ -52,7 +55,8 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import CancelledError, Future
+from concurrent.futures import TimeoutError as _FutureTimeout
 
 import torch
 import torch.distributed as dist
@@ -125,16 +129,20 @@ class Work:
         self._torch_future: torch.futures.Future | None = None
         self._lock = threading.Lock()
 
-    def waiting(self):
-        """A context for a caller that blocks until this collective ends
-        (Communicator._caller_waits: on the worker thread itself, it runs the queued calls
-        up to this one first)."""
-        return _wait_context(self._waiting, self._future)
+    def waiting(self, timeout: float | None = None):
+        """A context that returns once this collective ended (Communicator._caller_waits: on
+        the worker thread itself, it runs the queued calls up to this one first), or raises
+        a RingError: `timeout` s passed, or the call never started (the worker is stuck in
+        a callback)."""
+        return _wait_context(self._waiting, self._future, timeout)
 
     def wait(self, timeout=None) -> bool:
-        """Wait for the collective (module doc); re-raises its error (a RingError)."""
-        with self.waiting():
-            self._future.result(timeout=timeout)
+        """Wait for the collective (module doc); re-raises its error (a RingError), and
+        raises one after `timeout` s."""
+        with self.waiting(timeout):
+            error = _failure(self._future)
+        if error is not None:
+            raise error
         if self._cuda is not None:
             _join_stream(self._cuda)
         return True
@@ -142,13 +150,13 @@ class Work:
     def is_completed(self) -> bool:
         if not self._future.done():
             return False
-        return self._cuda is None or self._future.exception() is not None or self._cuda[1].query()
+        return self._cuda is None or _failure(self._future) is not None or self._cuda[1].query()
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._future.exception() is None
+        return self.is_completed() and _failure(self._future) is None
 
     def exception(self):
-        return self._future.exception() if self._future.done() else None
+        return _failure(self._future) if self._future.done() else None
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that completes (on ringdp's worker thread) with the list of
@@ -167,9 +175,9 @@ class Work:
             return self._torch_future
 
 
-def _wait_context(waiting, fut: Future):
-    """Work.waiting(): `waiting(fut)` while `fut` is not done (None: the call ran inline)."""
-    return waiting(fut) if waiting is not None and not fut.done() else contextlib.nullcontext()
+def _wait_context(waiting, fut: Future, timeout: float | None = None):
+    """Work.waiting(): `waiting(fut, timeout)` while `fut` is not done (None: the call ran inline)."""
+    return waiting(fut, timeout=timeout) if waiting is not None and not fut.done() else contextlib.nullcontext()
 
 
 class HelpingFuture(torch.futures.Future):
@@ -199,6 +207,16 @@ def _completed(tf: torch.futures.Future) -> torch.futures.Future:
     return tf
 
 
+def _failure(fut: Future) -> BaseException | None:
+    """A collective's error, once its future is done (None: it succeeded); a call dropped
+    before it ran (its waiter gave up on a stuck worker: Communicator._await_queued) has a
+    RingError saying so."""
+    if fut.cancelled():
+        return RingError("ringdp: this collective was dropped before it ran: it waited behind a callback "
+                         "stuck on ringdp's worker thread")
+    return fut.exception()
+
+
 def _settle(fut: Future, error: BaseException | None) -> None:
     """A collective's future: its failure, or done."""
     if error is not None:
@@ -209,7 +227,7 @@ def _settle(fut: Future, error: BaseException | None) -> None:
 
 def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     """Complete Work.get_future()'s future from the collective's concurrent future."""
-    exc = f.exception()
+    exc = _failure(f)
     _completed(tf)
     if exc is None and cuda is not None:
         try:
@@ -303,6 +321,7 @@ class Communicator:
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._callbacks_since: float | None = None  # the worker runs callbacks since (_run_item)
         self.host = socket.gethostname()
         self.host_key = self.config.host_id or _host_key(self.host)
         # every rank's host key, by rank; how many of the group's ranks share this machine
@@ -453,12 +472,13 @@ class Communicator:
 
     # ---- execution ----------------------------------------------------------------------
     def _start_worker(self):
+        """(under _pending_lock: one worker, whichever threads queue the first calls)"""
         self._queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run_worker, name=f"ringdp-worker-r{self.rank}", daemon=True)
+        self._worker = threading.Thread(target=self._run_worker, args=(self._queue,),
+                                        name=f"ringdp-worker-r{self.rank}", daemon=True)
         self._worker.start()
 
-    def _run_worker(self):
-        q = self._queue
+    def _run_worker(self, q: queue.Queue):
         while True:
             item = q.get()
             if item is None:
@@ -467,14 +487,20 @@ class Communicator:
             del item  # hold no tensor of a finished collective while idle
 
     def _run_item(self, item) -> None:
-        """Run one queued call (fn, future) on the worker thread and settle its future."""
+        """Run one queued call (fn, future) on the worker thread and settle its future.
+        _callbacks_since: when the worker started running callbacks (None: it is not), for
+        the waiters of later calls (_await_queued); a call run from inside a callback
+        (_run_queued_until) restarts the callback's clock: it made progress."""
         fn, fut = item
-        ran = fut.set_running_or_notify_cancel()
-        error = self._call_catching(fn) if ran else None
+        outer = self._callbacks_since
         try:
+            ran = fut.set_running_or_notify_cancel()  # (False: its waiter gave up on it, _await_queued)
+            error = self._call_catching(fn) if ran else None
             if ran:
+                self._callbacks_since = time.monotonic()
                 _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
         finally:
+            self._callbacks_since = None if outer is None else time.monotonic()
             with self._pending_lock:  # after the callbacks: no other call runs inline beside them
                 self._pending -= 1
 
@@ -505,14 +531,23 @@ class Communicator:
     def _call(self, fn):
         """Run one collective (on whichever thread runs it); a failure leaves the flight record.
         The shared-memory waits spin as policy.spin_ns says for the thread: on the worker the
-        caller computes meanwhile (async_op), inline it waits."""
+        caller computes meanwhile (async_op), inline it waits. On the worker inside a callback
+        (a collective made there), the callback's clock stops meanwhile and restarts after
+        (_run_item): it made progress."""
+        on_worker = threading.current_thread() is self._worker
+        in_callback = on_worker and self._callbacks_since is not None
+        if in_callback:
+            self._callbacks_since = None
         try:
             with self._lock:
-                self._set_spin(threading.current_thread() is self._worker)
+                self._set_spin(on_worker)
                 fn()
         except RingError as e:
             self.dump_flight_record("failed collective", str(e))
             raise
+        finally:
+            if in_callback:
+                self._callbacks_since = time.monotonic()
 
     def _set_spin(self, on_worker: bool) -> None:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between
@@ -531,28 +566,61 @@ class Communicator:
             self._spin_set = spin
 
     @contextlib.contextmanager
-    def _caller_waits(self, fut: Future, cpu: bool = True):
-        """Around a wait for the queued call of `fut` (Work.waiting). On the worker thread
-        itself (a callback): its queued calls run first, up to that one (_run_queued_until).
-        Elsewhere, for a CPU call: a thread blocked in Work.wait() computes nothing
-        meanwhile, so the worker may spin as an inline call does (policy.spin_ns): raised at
-        once, during the call too (the endpoint's spin is atomic); the worker's next call
-        picks its own."""
+    def _caller_waits(self, fut: Future, cpu: bool = True, timeout: float | None = None):
+        """Wait for the queued call of `fut` (Work.waiting), then enter the block. On the
+        worker thread itself (a callback): its queued calls run first, up to that one
+        (_run_queued_until). Elsewhere: _await_queued; for a CPU call the worker meanwhile
+        spins as an inline call does (policy.spin_ns), since a thread blocked in a wait
+        computes nothing: raised at once, during the call too (the endpoint's spin is
+        atomic); the worker's next call picks its own."""
         if threading.current_thread() is self._worker:
             self._run_queued_until(fut)
             yield
             return
         if not cpu:
+            self._await_queued(fut, timeout)
             yield
             return
         with self._spin_lock:
             self._waiters += 1
             self._apply_spin(self._spins[False])
         try:
+            self._await_queued(fut, timeout)
             yield
         finally:
             with self._spin_lock:
                 self._waiters -= 1
+
+    _POLL_S = 1.0  # how often a waiter looks whether the worker is stuck in a callback
+
+    def _await_queued(self, fut: Future, timeout: float | None) -> None:
+        """Block until the queued call of `fut` is done; a RingError after `timeout` s
+        (None: no limit), or when the call has not started while the worker has been
+        running one callback (a future's then()) for longer than this communicator's
+        timeout: a callback that waits for something this thread does after the call (a
+        lock it holds, an event it sets) never returns, since the call waits for the
+        worker. The call is then dropped (never run: the peers' fail in their timeout)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = self._POLL_S if deadline is None else min(self._POLL_S, deadline - time.monotonic())
+            try:
+                fut.exception(timeout=max(left, 0))
+                return
+            except _FutureTimeout:
+                pass
+            except CancelledError:
+                return  # (the caller's own wait raises)
+            since = self._callbacks_since
+            if since is not None and time.monotonic() - since > self.timeout and fut.cancel():
+                raise RingError(
+                    f"rank {self.rank}: a collective waited to start behind ringdp's worker thread, which "
+                    f"has been running a callback of an earlier one (a future's then()) for over "
+                    f"{self.timeout:g} s: a callback that waits for what this thread does after the call (a "
+                    f"lock it holds, an event it sets, a torch future derived from a later call) never "
+                    f"returns. The call was dropped; ranks that ran it fail in their timeout")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of "
+                                f"Work.wait()")
 
     def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
@@ -594,11 +662,16 @@ class Communicator:
         return inline
 
     def _enqueue(self, fn, async_op: bool, outputs, cuda=None) -> Work | None:
-        """Queue `fn` (counted pending by _take_inline) behind the worker's queued calls."""
-        if self._worker is None:
-            self._start_worker()
+        """Queue `fn` (counted pending by _take_inline) behind the worker's queued calls.
+        Under _pending_lock, as close() stops the worker: never behind its stop."""
         fut = Future()
-        self._queue.put((fn, fut))
+        with self._pending_lock:
+            if self._closed:
+                self._pending -= 1
+                raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+            if self._worker is None:
+                self._start_worker()
+            self._queue.put((fn, fut))
         work = Work(fut, list(outputs), cuda, functools.partial(self._caller_waits, cpu=cuda is None))
         if async_op:
             return work
@@ -1028,12 +1101,14 @@ class Communicator:
     def close(self):
         """Stop the worker and release the endpoints. Collective while the group is alive
         (the CUDA endpoint's teardown barrier); local once the group was destroyed."""
-        if self._closed:
-            return
-        self._closed = True
-        if self._worker is not None:
-            self._queue.put(None)
-            self._worker.join(timeout=self.timeout)
+        with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
+            if self._closed:
+                return
+            self._closed = True
+            if self._worker is not None:
+                self._queue.put(None)
+        if self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
         if self._cuda is not None:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)

@@ -1127,7 +1127,7 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
         def wait(self):
             log.append(("part wait", current[0]))
 
-        def waiting(self):  # (a CUDA Work: no worker spin to raise for its waiter)
+        def waiting(self, timeout=None):  # (a CUDA Work: no worker spin to raise for its waiter)
             return contextlib.nullcontext()
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))

@@ -235,3 +235,234 @@ def _fake_host(rank, world):
     except ValueError as e:
         msg = str(e)
     return ok, msg
+
+
+# ---- the worker thread: a stuck callback, close() and start-up racing other threads ----------
+def _stuck_callback(rank, world, api):
+    """A callback on ringdp's worker waits for a lock that the main thread holds across its
+    next synchronous call, which waits behind that callback: a RingError on the main thread
+    after the timeout (it waited forever), the call dropped on every rank alike, and the
+    communicator goes on once the callback returns. `api`: ringdp's calls, or torch.distributed's
+    on a group of ringdp's backend (its timeout: the group's)."""
+    import functools
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    import ringdp
+
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=3)) if api == "backend" else None
+    all_reduce = functools.partial(dist.all_reduce if api == "backend" else ringdp.all_reduce, group=g)
+    all_reduce(torch.ones(1))  # (set up first)
+    lock, in_callback, where = threading.Lock(), threading.Event(), []
+    # the worker waits at a gate until the callback is in place, so that it runs there on
+    # every rank (on a call already finished, then() runs it at once, on this thread)
+    gate = threading.Event()
+    ringdp.get_communicator(g)._submit(lambda: gate.wait(30), async_op=True)
+
+    def callback(f):
+        where.append(threading.current_thread().name)
+        in_callback.set()
+        with lock:
+            return True
+
+    with lock:
+        w = all_reduce(torch.ones(1 << 18), async_op=True)
+        chained = w.get_future().then(callback)
+        gate.set()
+        assert in_callback.wait(30)
+        t0 = time.monotonic()
+        try:
+            all_reduce(torch.ones(4))
+            err = None
+        except ringdp.RingError as e:
+            err = str(e)
+        took = time.monotonic() - t0
+        w2 = all_reduce(torch.ones(1 << 18), async_op=True)  # (queued: an async call alike)
+        f2 = w2.get_future()
+        try:
+            w2.wait()
+            err2 = None
+        except ringdp.RingError as e:
+            err2 = str(e)
+    try:
+        f2.wait()
+        future = None
+    except RuntimeError as e:
+        future = str(e)
+    dropped = (err2, w2.is_success(), repr(w2.exception()), future)
+    chained.wait()
+    after = torch.full((3,), float(rank))
+    all_reduce(after)
+    return err, took, where, after.tolist(), dropped
+
+
+@pytest.mark.parametrize("api", ["ringdp", "backend"])
+def test_stuck_callback_is_an_error_not_a_hang(api):
+    res = values(run_ranks(_stuck_callback, 2, api, env={"RINGDP_TIMEOUT_S": "3"}, timeout=120))
+    for rank, (err, took, where, after, dropped) in enumerate(res):
+        assert err is not None and f"rank {rank}:" in err and "callback" in err and "dropped" in err, err
+        assert 3 <= took < 3 + 1 + SLACK_S, took
+        assert where[0].startswith("ringdp-worker"), where
+        assert after == [1.0, 1.0, 1.0]
+        err2, success, exception, future = dropped
+        assert err2 is not None and f"rank {rank}:" in err2 and "dropped" in err2, dropped
+        assert success is False and "RingError" in exception and "dropped" in exception, dropped
+        assert future is not None and "dropped" in future, dropped
+
+
+def _busy_callback(rank, world):
+    """A callback on the worker that makes collectives for longer than the timeout, each
+    within it (rank 1 arrives 0.8 s late at each): not stuck; the call queued behind it
+    waits, then runs."""
+    import threading
+
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))
+    gate, xs = threading.Event(), [torch.full((7,), float(rank + i)) for i in range(5)]
+    ringdp.get_communicator()._submit(lambda: gate.wait(30), async_op=True)  # (the callback runs on the worker)
+
+    def callback(f):
+        for x in xs:
+            if rank == 1:
+                time.sleep(0.8)
+            ringdp.all_reduce(x)
+        return threading.current_thread().name
+
+    chained = ringdp.all_reduce(torch.ones(1 << 18), async_op=True).get_future().then(callback)
+    gate.set()
+    t0 = time.monotonic()
+    y = torch.full((3,), float(rank))
+    ringdp.all_reduce(y)  # (queued behind the callback's 4 s)
+    return chained.wait(), time.monotonic() - t0, y.tolist(), [x[0].item() for x in xs]
+
+
+def test_busy_callback_is_not_stuck():
+    res = values(run_ranks(_busy_callback, 2, env={"RINGDP_TIMEOUT_S": "3"}, timeout=120))
+    for where, took, y, xs in res:
+        assert where.startswith("ringdp-worker"), where
+        assert took > 3.0, took  # (longer than the timeout: it waited behind the callback, and was not dropped)
+        assert y == [1.0, 1.0, 1.0] and xs == [1.0 + 2 * i for i in range(5)], (y, xs)
+
+
+def _work_wait_timeout(rank, world):
+    """Work.wait(timeout) on a call whose peer is late: a RingError after `timeout`; the
+    call goes on, and a second wait returns it."""
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))
+    if rank == 1:
+        time.sleep(2.0)
+    t = torch.full((1 << 18,), float(rank + 1))
+    w = ringdp.all_reduce(t, async_op=True)
+    t0 = time.monotonic()
+    try:
+        w.wait(timeout=0.5)
+        err = None
+    except ringdp.RingError as e:
+        err = str(e)
+    took = time.monotonic() - t0
+    w.wait()
+    return err, took, float(t[0]), float(t[-1])
+
+
+def test_work_wait_timeout_is_a_ring_error():
+    res = values(run_ranks(_work_wait_timeout, 2, timeout=120))
+    err, took, first, last = res[0]
+    assert err is not None and "rank 0:" in err and "within 0.5 s" in err, err
+    assert 0.5 <= took < 0.5 + SLACK_S, took
+    for _, _, first, last in res:
+        assert first == last == 3.0
+
+
+def _queued_while_closing(rank, world):
+    """Another thread queues a call while the main thread destroys ringdp (the window made
+    wide by a sleep before _enqueue): the call is refused with a RingError, not queued behind
+    the worker's stop, where it waited forever."""
+    import threading
+
+    import ringdp
+    import ringdp.comm as C
+
+    orig = C.Communicator._enqueue
+
+    def slow(self, *a, **k):
+        if threading.current_thread().name == "late":
+            time.sleep(1.0)
+        return orig(self, *a, **k)
+
+    C.Communicator._enqueue = slow
+    ringdp.all_reduce(torch.ones(1 << 18), async_op=True).wait()  # (the worker runs)
+    out = {}
+
+    def late():
+        try:
+            ringdp.all_reduce(torch.ones(4), async_op=True).wait()
+            out["late"] = None
+        except ringdp.RingError as e:
+            out["late"] = str(e)
+
+    th = threading.Thread(target=late, name="late", daemon=True)
+    th.start()
+    time.sleep(0.3)
+    ringdp.destroy()
+    th.join(30)
+    out["alive"] = th.is_alive()
+    return out
+
+
+def test_call_racing_destroy_is_refused():
+    for out in values(run_ranks(_queued_while_closing, 2, timeout=120)):
+        assert out["alive"] is False, out
+        assert out["late"] is not None and "destroyed" in out["late"], out
+
+
+def _first_calls_from_two_threads(rank, world):
+    """Two threads make the communicator's first queued calls at once (a slow Queue() and a
+    late worker widen the window): one worker, both calls run."""
+    import queue as Q
+    import threading
+    import types
+
+    import ringdp
+    import ringdp.comm as C
+
+    class SlowQueue(Q.Queue):
+        def __init__(self):
+            time.sleep(0.2)
+            super().__init__()
+
+    C.queue = types.SimpleNamespace(Queue=SlowQueue, Empty=Q.Empty)
+    orig = C.Communicator._run_worker
+
+    def late_start(self, *a):
+        time.sleep(0.5)
+        return orig(self, *a)
+
+    C.Communicator._run_worker = late_start
+    ringdp.all_reduce(torch.ones(1))  # (set up, inline: no worker yet)
+    # the same call from both threads: whichever order each rank takes, the sums agree
+    ts = [torch.full((1 << 16,), float(rank + 1)) for i in range(2)]
+    done = []
+
+    def user(i):
+        time.sleep(0.05 * i)
+        ringdp.all_reduce(ts[i], async_op=True).wait()
+        done.append(i)
+
+    threads = [threading.Thread(target=user, args=(i,), daemon=True) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(60)
+    workers = sum(th.name.startswith("ringdp-worker") for th in threading.enumerate())
+    return sorted(done), workers, [x.tolist() for x in ts]
+
+
+def test_first_calls_from_two_threads_start_one_worker():
+    for done, workers, ts in values(run_ranks(_first_calls_from_two_threads, 2, env={"RINGDP_TIMEOUT_S": "20"},
+                                              timeout=120)):
+        assert done == [0, 1] and workers == 1, (done, workers)
+        assert all(x == [3.0] * (1 << 16) for x in ts)
