@@ -321,6 +321,7 @@ class Communicator:
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._torn_down = False  # the endpoints released (close(); queued calls left then fail: _refusal)
         self._callbacks_since: float | None = None  # the worker runs callbacks since (_run_item)
         self.host = socket.gethostname()
         self.host_key = self.config.host_id or _host_key(self.host)
@@ -472,11 +473,12 @@ class Communicator:
 
     # ---- execution ----------------------------------------------------------------------
     def _start_worker(self):
-        """(under _pending_lock: one worker, whichever threads queue the first calls)"""
-        self._queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run_worker, args=(self._queue,),
-                                        name=f"ringdp-worker-r{self.rank}", daemon=True)
-        self._worker.start()
+        """(under _pending_lock: one worker, whichever threads queue the first calls; kept
+        only once it runs)"""
+        q = queue.Queue()
+        worker = threading.Thread(target=self._run_worker, args=(q,), name=f"ringdp-worker-r{self.rank}", daemon=True)
+        worker.start()
+        self._queue, self._worker = q, worker
 
     def _run_worker(self, q: queue.Queue):
         while True:
@@ -494,8 +496,13 @@ class Communicator:
         fn, fut = item
         outer = self._callbacks_since
         try:
-            ran = fut.set_running_or_notify_cancel()  # (False: its waiter gave up on it, _await_queued)
-            error = self._call_catching(fn) if ran else None
+            with self._pending_lock:  # (against _await_queued dropping it meanwhile)
+                refused = self._refusal(fut)
+                ran = fut.set_running_or_notify_cancel()
+            if refused is not None:
+                error = refused  # (its callbacks run here, on the worker, never on its waiter)
+            else:
+                error = self._call_catching(fn) if ran else None
             if ran:
                 self._callbacks_since = time.monotonic()
                 _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
@@ -503,6 +510,17 @@ class Communicator:
             self._callbacks_since = None if outer is None else time.monotonic()
             with self._pending_lock:  # after the callbacks: no other call runs inline beside them
                 self._pending -= 1
+
+    def _refusal(self, fut: Future) -> RingError | None:
+        """(under _pending_lock, as the worker takes a queued call) Why it does not run: its
+        waiter dropped it (_await_queued), or the communicator was torn down meanwhile (close()
+        from a callback on the worker, with calls still queued); None: it runs."""
+        if getattr(fut, "_ringdp_dropped", False):
+            return RingError(f"rank {self.rank}: this collective was dropped before it ran: it waited behind a "
+                             f"callback stuck on ringdp's worker thread")
+        if self._torn_down:
+            return RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+        return None
 
     def _run_queued_until(self, fut: Future) -> None:
         """On the worker thread, in a callback of a call it finished (a future's then()): a
@@ -611,7 +629,7 @@ class Communicator:
             except CancelledError:
                 return  # (the caller's own wait raises)
             since = self._callbacks_since
-            if since is not None and time.monotonic() - since > self.timeout and fut.cancel():
+            if since is not None and time.monotonic() - since > self.timeout and self._drop(fut):
                 raise RingError(
                     f"rank {self.rank}: a collective waited to start behind ringdp's worker thread, which "
                     f"has been running a callback of an earlier one (a future's then()) for over "
@@ -621,6 +639,15 @@ class Communicator:
             if deadline is not None and time.monotonic() >= deadline:
                 raise RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of "
                                 f"Work.wait()")
+
+    def _drop(self, fut: Future) -> bool:
+        """Mark the queued call of `fut` dropped, if the worker has not taken it: the worker
+        then fails it instead of running it (_refusal), and its callbacks run there."""
+        with self._pending_lock:
+            if fut.running() or fut.done():
+                return False
+            fut._ringdp_dropped = True
+            return True
 
     def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
@@ -666,12 +693,15 @@ class Communicator:
         Under _pending_lock, as close() stops the worker: never behind its stop."""
         fut = Future()
         with self._pending_lock:
-            if self._closed:
-                self._pending -= 1
-                raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
-            if self._worker is None:
-                self._start_worker()
-            self._queue.put((fn, fut))
+            try:
+                if self._closed:
+                    raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+                if self._worker is None:
+                    self._start_worker()
+                self._queue.put((fn, fut))
+            except BaseException:
+                self._pending -= 1  # (counted by _take_inline, never queued)
+                raise
         work = Work(fut, list(outputs), cuda, functools.partial(self._caller_waits, cpu=cuda is None))
         if async_op:
             return work
@@ -1022,7 +1052,10 @@ class Communicator:
         if inline:
             with self._lock:
                 return self._move(tensor)
-        self._enqueue(lambda: self._move(tensor), True, [tensor])
+        try:
+            self._enqueue(lambda: self._move(tensor), True, [tensor])
+        except RingError:  # closed meanwhile
+            return False
         return None
 
     # reduced through a float32 accumulator, so staged even when registered (csrc/common/types.h acc_size)
@@ -1109,6 +1142,8 @@ class Communicator:
                 self._queue.put(None)
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
+        with self._pending_lock:
+            self._torn_down = True
         if self._cuda is not None:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)

@@ -281,18 +281,21 @@ def _stuck_callback(rank, world, api):
         took = time.monotonic() - t0
         w2 = all_reduce(torch.ones(1 << 18), async_op=True)  # (queued: an async call alike)
         f2 = w2.get_future()
+        # its callbacks run on the worker once it gets there, never on this thread, which
+        # holds the lock (it would wait for itself)
+        f2_then = f2.then(lambda f: (lock.acquire(), lock.release(), threading.current_thread().name)[-1])
         try:
             w2.wait()
             err2 = None
         except ringdp.RingError as e:
             err2 = str(e)
+    chained.wait()  # (the callback returns: the worker then fails the dropped calls, on its thread)
     try:
         f2.wait()
         future = None
     except RuntimeError as e:
         future = str(e)
-    dropped = (err2, w2.is_success(), repr(w2.exception()), future)
-    chained.wait()
+    dropped = (err2, w2.is_success(), repr(w2.exception()), future, f2_then.wait())
     after = torch.full((3,), float(rank))
     all_reduce(after)
     return err, took, where, after.tolist(), dropped
@@ -306,7 +309,8 @@ def test_stuck_callback_is_an_error_not_a_hang(api):
         assert 3 <= took < 3 + 1 + SLACK_S, took
         assert where[0].startswith("ringdp-worker"), where
         assert after == [1.0, 1.0, 1.0]
-        err2, success, exception, future = dropped
+        err2, success, exception, future, then_on = dropped
+        assert then_on.startswith("ringdp-worker"), then_on
         assert err2 is not None and f"rank {rank}:" in err2 and "dropped" in err2, dropped
         assert success is False and "RingError" in exception and "dropped" in exception, dropped
         assert future is not None and "dropped" in future, dropped
@@ -345,6 +349,32 @@ def test_busy_callback_is_not_stuck():
         assert where.startswith("ringdp-worker"), where
         assert took > 3.0, took  # (longer than the timeout: it waited behind the callback, and was not dropped)
         assert y == [1.0, 1.0, 1.0] and xs == [1.0 + 2 * i for i in range(5)], (y, xs)
+
+
+def _destroy_in_a_callback(rank, world):
+    """ringdp.destroy() in a callback on the worker while a call is queued behind it: the
+    call fails with a RingError saying so (it ran on released endpoints)."""
+    import threading
+
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))
+    gate = threading.Event()
+    ringdp.get_communicator()._submit(lambda: gate.wait(30), async_op=True)  # (the callback runs on the worker)
+    chained = ringdp.all_reduce(torch.ones(1 << 18), async_op=True).get_future().then(lambda f: ringdp.destroy())
+    w2 = ringdp.all_reduce(torch.ones(4), async_op=True)
+    gate.set()
+    chained.wait()
+    try:
+        w2.wait()
+        return None
+    except ringdp.RingError as e:
+        return str(e)
+
+
+def test_destroy_in_a_callback_fails_the_queued_calls():
+    for rank, err in enumerate(values(run_ranks(_destroy_in_a_callback, 2, timeout=120))):
+        assert err is not None and f"rank {rank}:" in err and "destroyed" in err, err
 
 
 def _work_wait_timeout(rank, world):
