@@ -67,7 +67,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types
 from ._eager import eager_methods
 from ._native import _C
-from .comm import Communicator, HelpingFuture, RingError, _completed, _failure
+from .comm import Communicator, HelpingFuture, RingError, _completed
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -131,9 +131,7 @@ class RingWork(dist.Work):
             pending[-1]._future.add_done_callback(lambda _f: box.pop()._complete())
 
     def _complete(self):
-        # (every part is done, in order, unless the last was dropped before it ran: comm._failure)
-        exc = next((e for e in map(_failure, (w._future for w in self._parts if w._future.done())) if e is not None),
-                   None)
+        exc = next((w._future.exception() for w in self._parts if w._future.exception() is not None), None)
         cuda = [w._cuda for w in self._parts if w._cuda is not None]
         finalized = False
         if exc is None and self._finalize is not None:

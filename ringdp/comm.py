@@ -35,7 +35,8 @@ collective runs in submission order: inline when nothing is queued and the call 
 synchronous, else on one background worker thread. Futures' callbacks run on the worker; a
 callback that waits for a later queued call runs the queue itself (_run_queued_until), and
 a call that waits behind a callback stuck for longer than the timeout is dropped with a
-RingError (_await_queued), so no wait on the worker's calls is without end. CPU collectives complete on the host.
+RingError (_await_queued), so no wait on the worker's calls is without end. CPU
+collectives complete on the host.
 CUDA collectives are stream-ordered like torch's NCCL ones: ringdp's stream waits for the
 caller's stream (an event), the ring runs on ringdp's stream, and the caller's stream waits
 for the result at once (inline, the transport orders the current stream itself) or in
@@ -55,7 +56,7 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as _FutureTimeout
 
 import torch
@@ -140,9 +141,7 @@ class Work:
         """Wait for the collective (module doc); re-raises its error (a RingError), and
         raises one after `timeout` s."""
         with self.waiting(timeout):
-            error = _failure(self._future)
-        if error is not None:
-            raise error
+            self._future.result()
         if self._cuda is not None:
             _join_stream(self._cuda)
         return True
@@ -150,13 +149,13 @@ class Work:
     def is_completed(self) -> bool:
         if not self._future.done():
             return False
-        return self._cuda is None or _failure(self._future) is not None or self._cuda[1].query()
+        return self._cuda is None or self._future.exception() is not None or self._cuda[1].query()
 
     def is_success(self) -> bool:
-        return self.is_completed() and _failure(self._future) is None
+        return self.is_completed() and self._future.exception() is None
 
     def exception(self):
-        return _failure(self._future) if self._future.done() else None
+        return self._future.exception() if self._future.done() else None
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that completes (on ringdp's worker thread) with the list of
@@ -207,16 +206,6 @@ def _completed(tf: torch.futures.Future) -> torch.futures.Future:
     return tf
 
 
-def _failure(fut: Future) -> BaseException | None:
-    """A collective's error, once its future is done (None: it succeeded); a call dropped
-    before it ran (its waiter gave up on a stuck worker: Communicator._await_queued) has a
-    RingError saying so."""
-    if fut.cancelled():
-        return RingError("ringdp: this collective was dropped before it ran: it waited behind a callback "
-                         "stuck on ringdp's worker thread")
-    return fut.exception()
-
-
 def _settle(fut: Future, error: BaseException | None) -> None:
     """A collective's future: its failure, or done."""
     if error is not None:
@@ -227,7 +216,7 @@ def _settle(fut: Future, error: BaseException | None) -> None:
 
 def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     """Complete Work.get_future()'s future from the collective's concurrent future."""
-    exc = _failure(f)
+    exc = f.exception()
     _completed(tf)
     if exc is None and cuda is not None:
         try:
@@ -497,15 +486,11 @@ class Communicator:
         outer = self._callbacks_since
         try:
             with self._pending_lock:  # (against _await_queued dropping it meanwhile)
-                refused = self._refusal(fut)
-                ran = fut.set_running_or_notify_cancel()
-            if refused is not None:
-                error = refused  # (its callbacks run here, on the worker, never on its waiter)
-            else:
-                error = self._call_catching(fn) if ran else None
-            if ran:
-                self._callbacks_since = time.monotonic()
-                _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
+                refused = self._refusal(fut)  # (then its callbacks run here, on the worker, never on its waiter)
+                fut.set_running_or_notify_cancel()  # (never cancelled: a dropped call is refused instead)
+            error = refused if refused is not None else self._call_catching(fn)
+            self._callbacks_since = time.monotonic()
+            _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
         finally:
             self._callbacks_since = None if outer is None else time.monotonic()
             with self._pending_lock:  # after the callbacks: no other call runs inline beside them
@@ -626,8 +611,6 @@ class Communicator:
                 return
             except _FutureTimeout:
                 pass
-            except CancelledError:
-                return  # (the caller's own wait raises)
             since = self._callbacks_since
             if since is not None and time.monotonic() - since > self.timeout and self._drop(fut):
                 raise RingError(
