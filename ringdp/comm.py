@@ -543,6 +543,8 @@ class Communicator:
             self._callbacks_since = None
         try:
             with self._lock:
+                if self._torn_down:  # (an inline call past _take_inline's check as close() came)
+                    raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
                 self._set_spin(on_worker)
                 fn()
         except RingError as e:
@@ -1125,8 +1127,22 @@ class Communicator:
                 self._queue.put(None)
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
-        with self._pending_lock:
-            self._torn_down = True
+        # An inline call in flight on another thread (past _take_inline's check before the
+        # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
+        # stuck beyond the timeout does not hold the teardown up: it fails on its own.
+        locked = self._lock.acquire(timeout=self.timeout)
+        try:
+            with self._pending_lock:
+                self._torn_down = True
+            self._release_endpoints()
+        finally:
+            if locked:
+                self._lock.release()
+        self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
+
+    def _release_endpoints(self) -> None:
+        """(close(), under _lock) Let the CUDA endpoint, the shared-memory one and the
+        cross-host groups go."""
         if self._cuda is not None:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)
@@ -1135,7 +1151,6 @@ class Communicator:
         if self.across is not None:
             self.across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
             self.across = None
-        self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
 
 def _host_key(hostname: str) -> str:

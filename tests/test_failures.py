@@ -449,6 +449,79 @@ def test_call_racing_destroy_is_refused():
         assert out["late"] is not None and "destroyed" in out["late"], out
 
 
+def _inline_while_closing(rank, world, hosts):
+    """destroy() on the main thread while another thread's synchronous call runs inline. A
+    call in flight (its peer comes 1.5 s late) finishes, with the right values, before the
+    endpoints go; a call that passed the liveness check just before the destroy (a sleep
+    widens the window) then fails with the communicator's RingError. Before, the teardown
+    ran beside both: the first lost its endpoint mid-call, the second an AttributeError
+    on None. hosts: one (shared memory) or two (rank r on host r: the cross-host path)."""
+    import socket
+    import threading
+
+    import ringdp
+    import ringdp.comm as C
+
+    if hosts == 2:
+        socket.gethostname = lambda: f"host{rank}"
+    orig = C.Communicator._take_inline
+
+    def slow(self, *a, **k):
+        inline = orig(self, *a, **k)
+        if threading.current_thread().name == "late":
+            time.sleep(1.0)
+        return inline
+
+    C.Communicator._take_inline = slow
+    out = {}
+
+    def call(key, t):
+        try:
+            ringdp.all_reduce(t)
+            out[key] = t.tolist()
+        except Exception as e:  # noqa: BLE001 -- the kind and message are the result
+            out[key] = f"{type(e).__name__}: {e}"
+
+    n = 1 << 16
+    ringdp.init(timeout=20)
+    ringdp.all_reduce(torch.ones(4))  # (set up on both ranks)
+    t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    if rank == 0:
+        th = threading.Thread(target=call, args=("in_flight", t), name="in_flight", daemon=True)
+        th.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ringdp.destroy()
+        out["destroy_s"] = time.monotonic() - t0
+        th.join(30)
+    else:
+        time.sleep(1.5)
+        call("in_flight", t)
+        ringdp.destroy()
+    out["in_flight_ok"] = out.get("in_flight") == (torch.arange(n, dtype=torch.float32) * 3).tolist()
+    out.pop("in_flight", None)
+    ringdp.init(timeout=20)  # (a new communicator, on both ranks)
+    if rank == 0:
+        th = threading.Thread(target=call, args=("late", torch.ones(4)), name="late", daemon=True)
+        th.start()
+        time.sleep(0.3)
+        ringdp.destroy()
+        th.join(30)
+    else:
+        ringdp.destroy()
+    return out
+
+
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_inline_call_racing_destroy(hosts):
+    res = values(run_ranks(_inline_while_closing, 2, hosts, timeout=120))
+    for out in res:
+        assert out["in_flight_ok"] is True, out
+    first = res[0]
+    assert 1.0 <= first["destroy_s"] < 1.2 + SLACK_S, first  # it waited for the call in flight
+    assert first["late"].startswith("RingError") and "destroyed" in first["late"], first
+
+
 def _first_calls_from_two_threads(rank, world):
     """Two threads make the communicator's first queued calls at once (a slow Queue() and a
     late worker widen the window): one worker, both calls run."""
