@@ -47,7 +47,11 @@ Routing (``ProcessGroupRingdp``):
 
 Work objects (``RingWork``) behave as torch's: wait() (re-raises the failure),
 is_completed(), is_success(), exception(), get_future() (a torch.futures.Future of the
-output tensors; DDP's comm hooks use it), every call asynchronous.
+output tensors; DDP's comm hooks use it). Every call returns a Work. One that c10d marks
+synchronous (asyncOp=False: dist.all_reduce(..., async_op=False) and the other Python calls
+without async_op, which wait on the Work at once) runs as ringdp's own synchronous calls do,
+inline on the calling thread when nothing is queued (_async); the others, and every call
+from C++ (DDP's reducer, FSDP2), run on ringdp's worker thread in the order they came.
 
 One communicator per group: the backend creates it from the store/rank/size torch gives it,
 and ``ringdp.get_communicator(group)`` (so ``ringdp.all_reduce`` and ``RingDDP``) returns
@@ -102,6 +106,10 @@ def _options(opts, cls, field: str):
 
 
 # ============================================================================ Work
+_DONE = threading.Event()  # the done flag of every RingWork complete when made (parts run inline)
+_DONE.set()
+
+
 class RingWork(dist.Work):
     """A torch.distributed Work over ringdp collectives (module doc). `parts`: ringdp Works
     (or None for parts done inline) that complete in order (one worker thread runs them);
@@ -113,13 +121,13 @@ class RingWork(dist.Work):
     def __init__(self, parts, outputs, finalize=None, cuda_devices=None):
         super().__init__()
         self._outputs = outputs
-        self._done = threading.Event()
+        pending = [w for w in parts if w is not None]
+        self._done = threading.Event() if pending else _DONE  # (a set Event, shared: cheaper than a new one)
         self._exc = None
         self._lock = threading.Lock()
         self._finalize = finalize
         self._stream = torch.cuda.current_stream(cuda_devices[0]) if cuda_devices else None
         self._finished = None  # CUDA: an event after the copy-out, on self._stream
-        pending = [w for w in parts if w is not None]
         self._parts = pending
         self._tf = HelpingFuture(pending[-1].waiting if pending else None, devices=cuda_devices)
         if not pending:
@@ -150,7 +158,8 @@ class RingWork(dist.Work):
         self._finalize = None
         self._exc = exc
         _completed(self._tf)
-        self._done.set()
+        if self._done is not _DONE:
+            self._done.set()
         if exc is not None:
             self._tf.set_exception(exc)
         elif cuda and not finalized:
@@ -171,6 +180,8 @@ class RingWork(dist.Work):
         return self._parts[-1].waiting(timeout) if self._parts else contextlib.nullcontext()
 
     def wait(self, timeout=timedelta(0)):
+        if self._done is _DONE and self._exc is None and self._finished is None and not self._parts:
+            return True  # (done when made, nothing to join: a synchronous call, _async)
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         with self._waiting(secs if secs > 0 else None):
             done = self._done.wait(secs if secs > 0 else None)
@@ -404,20 +415,21 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         for t in tensors:
             if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES or not t.is_contiguous():
                 return False
-            if t.device.type == "cpu" and self._comm.shm is None and self._comm.across is None:
-                return False  # a closed communicator: gloo (which says so)
-            if t.is_cuda:
+            if t.is_cpu:
+                if self._comm.shm is None and self._comm.across is None:
+                    return False  # a closed communicator: gloo (which says so)
+            elif t.is_cuda:
                 if not self._use_ringdp_cuda():
                     return False
                 ep = self._comm._cuda  # one device per endpoint: tensors elsewhere go to nccl
                 if ep is not None and t.device != ep.device:
                     return False
-            elif t.device.type != "cpu":
+            else:
                 return False
         return True
 
     # -- all-reduce -----------------------------------------------------------------------
-    def _all_reduce(self, t, reduce_op, timeout=None):
+    def _all_reduce(self, t, reduce_op, timeout=None, async_op=True):
         self._adopt.see(t)
         kind, factor = _op_of(reduce_op)
         if factor is not None:
@@ -425,7 +437,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             code = _types.SUM
         else:
             code = _NATIVE_OPS[kind]
-        return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=True, timeout=timeout)
+        return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=async_op, timeout=timeout)
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
@@ -433,8 +445,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         opts = _options(opts, dist.AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,
-                        cuda_devices=_devices(tensors))
+        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts), _async(opts)) for t in tensors],
+                        tensors, cuda_devices=_devices(tensors))
 
     def allreduce_coalesced(self, tensors, opts=None):
         if opts is None:
@@ -442,11 +454,11 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce_coalesced(tensors,
                                                             _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts)) for t in tensors], tensors,
-                        cuda_devices=_devices(tensors))
+        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts), _async(opts)) for t in tensors],
+                        tensors, cuda_devices=_devices(tensors))
 
     # -- reduce-scatter -------------------------------------------------------------------
-    def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None):
+    def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None, async_op=True):
         """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`."""
         kind, factor = _op_of(reduce_op)
         native = getattr(self._comm, "reduce_scatter_tensor", None)
@@ -458,16 +470,16 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 flat.mul_(factor)
             op = _OP_NAMES[_types.SUM if factor is not None else _NATIVE_OPS[kind]]
             if output.is_contiguous():
-                return RingWork([native(output, flat, op=op, async_op=True, timeout=timeout)], [output],
+                return RingWork([native(output, flat, op=op, async_op=async_op, timeout=timeout)], [output],
                                 cuda_devices=devices)
             out = torch.empty_like(output, memory_format=torch.contiguous_format)
-            return RingWork([native(out, flat, op=op, async_op=True, timeout=timeout)], [output],
+            return RingWork([native(out, flat, op=op, async_op=async_op, timeout=timeout)], [output],
                             lambda: output.copy_(out), cuda_devices=devices)
         # composition: all-reduce the whole input, keep this rank's chunk
         buf = flat.clone() if keep else flat
         n = output.numel()
         r = self._rank_
-        return RingWork([self._all_reduce(buf, reduce_op, timeout)], [output],
+        return RingWork([self._all_reduce(buf, reduce_op, timeout, async_op)], [output],
                         lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)), cuda_devices=devices)
 
     def _reduce_scatter_base(self, output, input, opts=None):
@@ -478,7 +490,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 input = input.clone()
             return self._inner([input])._reduce_scatter_base(output, input,
                                                               _premultiplied([input], opts, dist.ReduceScatterOptions))
-        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True, timeout=_timeout_s(opts))
+        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True, timeout=_timeout_s(opts),
+                                         async_op=_async(opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
@@ -496,7 +509,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
             return self._inner([out]).reduce_scatter(output_tensors, input_tensor_lists, opts)
         flat = torch.cat([t.reshape(-1) for t in ins])
-        return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts))
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts),
+                                         async_op=_async(opts))
 
     # -- all-gather -----------------------------------------------------------------------
     def _allgather_base(self, output, input, opts=None):
@@ -507,7 +521,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 or output.numel() != input.numel() * self._size_):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
             return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
-        return RingWork([native(output, input, async_op=True, timeout=_timeout_s(opts))], [output],
+        return RingWork([native(output, input, async_op=_async(opts), timeout=_timeout_s(opts))], [output],
                         cuda_devices=_devices([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
@@ -532,8 +546,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
 
-        return RingWork([native(flat, inp.reshape(-1), async_op=True, timeout=_timeout_s(opts))], output_tensors,
-                        copy_out, cuda_devices=_devices([inp]))
+        return RingWork([native(flat, inp.reshape(-1), async_op=_async(opts), timeout=_timeout_s(opts))],
+                        output_tensors, copy_out, cuda_devices=_devices([inp]))
 
     # -- broadcast, barrier ---------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
@@ -543,8 +557,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         native = getattr(self._comm, "broadcast", None)
         if native is None or not self._native(tensors):
             return self._inner(tensors).broadcast(tensors, opts)
-        return RingWork([native(t, opts.rootRank, async_op=True, timeout=_timeout_s(opts)) for t in tensors], tensors,
-                        cuda_devices=_devices(tensors))
+        return RingWork([native(t, opts.rootRank, async_op=_async(opts), timeout=_timeout_s(opts)) for t in tensors],
+                        tensors, cuda_devices=_devices(tensors))
 
     # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
     # waits for completes after every ringdp collective issued so far (one ordered worker)
@@ -557,14 +571,25 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def barrier(self, opts=None):
         """Every rank's ringdp collectives issued before it have run (an all-reduce of one
         element behind them), and so have its gloo ones (gloo's barrier)."""
+        opts = opts if opts is not None else dist.BarrierOptions()
         t = torch.zeros(1)
-        w = self._comm.all_reduce(t, async_op=True)
-        g = self._gloo.barrier(opts if opts is not None else dist.BarrierOptions())
+        w = self._comm.all_reduce(t, async_op=_async(opts))
+        g = self._gloo.barrier(opts)
         return _chain([RingWork([w], [t]), g], [t])
 
 
 _OP_NAMES = {_types.SUM: dist.ReduceOp.SUM, _types.AVG: dist.ReduceOp.AVG, _types.MIN: dist.ReduceOp.MIN,
              _types.MAX: dist.ReduceOp.MAX}
+
+
+def _async(opts) -> bool:
+    """Whether the caller may go on before the collective ends. c10d's Python API sets
+    asyncOp=False for a synchronous call (dist.all_reduce(..., async_op=False) waits on the
+    Work at once): such a call runs as ringdp's own synchronous calls do, inline on the
+    calling thread when nothing is queued (Communicator._submit), without the handoff to
+    ringdp's worker thread and back. Unset (c10d's default, True: DDP's reducer, FSDP2):
+    asynchronous, on the worker."""
+    return getattr(opts, "asyncOp", True) is not False
 
 
 def _timeout_s(opts):

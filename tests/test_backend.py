@@ -847,6 +847,77 @@ def test_work_semantics(pool):
         assert out["garbage"] == [], out["garbage"]
 
 
+def case_sync_inline(rank, world):
+    """Synchronous dist.* calls on a ringdp group (c10d's asyncOp=False) run inline on the
+    calling thread: none of them starts ringdp's worker thread; the values are right; a
+    synchronous call made behind a queued asynchronous one runs after it; a mismatch
+    raises from the call itself; asynchronous calls still go to the worker."""
+    import threading
+
+    from ringdp import RingError
+
+    import ringdp
+
+    g = dist.new_group(backend="cpu:ringdp")  # (a communicator of its own: no worker yet)
+    comm = ringdp.get_communicator(g)
+    out = {}
+    threads = set()
+    orig = comm._call
+
+    def spy(fn):
+        threads.add(threading.current_thread().name)
+        return orig(fn)
+
+    comm._call = spy
+    s = float(sum(r + 1 for r in range(world)))
+    t = torch.arange(5, dtype=torch.float32) * (rank + 1)
+    dist.all_reduce(t, group=g)
+    t.mul_(rank + 1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)  # (twice: the second reduces the first's result)
+    out["all_reduce"] = (t, torch.arange(5, dtype=torch.float32) * s * world)
+    o = torch.empty(3)
+    dist.reduce_scatter_tensor(o, torch.arange(3.0 * world) + rank, group=g)
+    out["reduce_scatter_tensor"] = (o, (torch.arange(3.0 * rank, 3.0 * rank + 3) * world + sum(range(world))))
+    o = torch.empty(2 * world)
+    dist.all_gather_into_tensor(o, torch.full((2,), float(rank)), group=g)
+    out["all_gather_into_tensor"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
+    lst = [torch.empty(3) for _ in range(world)]
+    dist.all_gather(lst, torch.full((3,), float(rank) + 1), group=g)
+    out["all_gather"] = (torch.stack(lst), (torch.arange(world, dtype=torch.float32) + 1)[:, None].expand(world, 3))
+    b = torch.full((7,), float(rank))
+    dist.broadcast(b, src=dist.get_global_rank(g, 1), group=g)
+    out["broadcast"] = (b, torch.ones(7))
+    dist.barrier(group=g)
+    out["inline_worker"] = comm._worker is not None
+    out["inline_threads"] = sorted(threads)
+    # behind a queued asynchronous call: in order, both right
+    big = torch.full((1 << 18,), float(rank + 1))
+    w = dist.all_reduce(big, group=g, async_op=True)
+    small = torch.full((3,), float(rank))
+    dist.all_reduce(small, group=g)
+    w.wait()
+    out["queued"] = (torch.cat([big[:2], small]), torch.tensor([s, s] + [float(sum(range(world)))] * 3))
+    out["async_worker"] = comm._worker is not None
+    try:
+        dist.all_reduce(torch.ones(5 if rank == 0 else 7), group=g)
+        out["mismatch"] = None
+    except RingError as e:
+        out["mismatch"] = str(e)
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_synchronous_calls_run_inline(pool):
+    for r, out in enumerate(pool.run(case_sync_inline)):
+        assert out.pop("inline_worker") is False, f"rank {r}: a synchronous call started ringdp's worker"
+        assert out.pop("inline_threads") == ["MainThread"], r
+        assert out.pop("async_worker") is True, r
+        mismatch = out.pop("mismatch")
+        assert mismatch is not None and f"rank {1 - r}" in mismatch, mismatch
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
 def case_dead_peer(rank, world):
     """The last rank dies (SIGKILL) after one all-reduce; the others' next dist.all_reduce
     on the ringdp default group raises, naming it."""
