@@ -12,6 +12,11 @@ Latency (8 KiB float32 by default, --bytes), each figure per call, median of 5 b
     ringdp_pipelined_us   ringdp.all_reduce back to back (wall time / calls, then one sync)
     ringdp_host_us        host time of one ringdp.all_reduce (enqueue only)
     ringdp_roundtrip_us   ringdp.all_reduce + ringdp.synchronize() each call
+Host time of ringdp's layers, per call (enqueue only; their difference is the layer's own):
+    host_binding_tensor_us  the endpoint's tensor binding with ringdp's timeout (the call
+                          ringdp makes in the end)
+    host_method_us        Communicator.all_reduce (ringdp.all_reduce less the group lookup)
+    host_current_stream_us  torch.cuda.current_stream(device) alone (one per ringdp call)
 RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SGD):
     none_ms               the plain module on this rank (no communication)
     ring_ms               RingDDP
@@ -120,6 +125,31 @@ def rank_main(rank, world, port, a):
     res["ringdp_pipelined_us"] = statistics.median(p[0] for p in pipe)
     res["ringdp_host_us"] = statistics.median(p[1] for p in pipe)
     res["ringdp_roundtrip_us"] = _median_block(lambda: ringdp_block(True)[0])
+
+    # ---- where ringdp's host time goes: the same call, one layer at a time
+    comm = ringdp.get_communicator()
+    ep = comm._cuda
+    algo_code = comm._cuda_algo(y.device, a.bytes, "")
+    handle = torch.cuda.current_stream(0).cuda_stream
+    layers = {
+        "host_binding_tensor_us": lambda: ep.native.all_reduce_tensor(y, 0, handle, algo_code, comm.timeout),
+        "host_method_us": lambda: comm.all_reduce(y),
+        "host_current_stream_us": lambda: torch.cuda.current_stream(y.device),
+    }
+    for key, fn in layers.items():
+        def layer_block(fn=fn):
+            dist.barrier()
+            ringdp.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(a.calls):
+                fn()
+            host = time.perf_counter() - t0
+            ringdp.synchronize()
+            torch.cuda.synchronize()
+            return host * 1e6 / a.calls
+
+        layer_block()
+        res[key] = _median_block(layer_block)
 
     # ---- RingDDP step on CUDA
     H = a.hidden

@@ -9,8 +9,26 @@ SUM, AVG, MIN, MAX = 0, 1, 2, 3
 _OP_NAMES = {"SUM": SUM, "AVG": AVG, "MIN": MIN, "MAX": MAX}
 
 
+def _members() -> dict:
+    """ReduceOp members (and their RedOpType values) -> code: op_code's lookup of the common
+    case, before the general one."""
+    out = {}
+    for name, code in _OP_NAMES.items():
+        member = getattr(dist.ReduceOp, name, None)
+        if member is not None:
+            out[member] = code
+    return out
+
+
+_BY_MEMBER = _members()
+
+
 def op_code(op) -> int:
     """Accept torch.distributed.ReduceOp members (or their names) and return our code."""
+    try:
+        return _BY_MEMBER[op]
+    except (KeyError, TypeError):  # (a name, a ReduceOp instance, something unhashable)
+        pass
     if isinstance(op, str):
         name = op.upper()
     else:

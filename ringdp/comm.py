@@ -322,6 +322,7 @@ class Communicator:
         self._spin_set = self._spins[False]
         self._spin_lock = threading.Lock()  # _spin_set and the endpoint's spin, from either thread
         self._waiters = 0  # threads blocked in Work.wait() on a CPU call (_caller_waits)
+        self._thresholds: dict[tuple[str, int], int] = {}  # _decide: (transport, capacity) -> one-shot threshold
         self.host_order = list(dict.fromkeys(self.hosts))  # the hosts, by their first rank
         self.host_ranks = [r for r, h in enumerate(self.hosts) if h == self.host_key]  # this host's ranks
         self.local_rank = self.host_ranks.index(self.rank)
@@ -558,6 +559,8 @@ class Communicator:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between
         calls): the worker's short one while the caller computes beside it, the inline one
         while a caller waits for it (_caller_waits)."""
+        if self._spin_set == self._spins[on_worker and self._waiters == 0]:
+            return  # (unchanged; a waiter that comes meanwhile sets its own spin after this read)
         with self._spin_lock:
             self._apply_spin(self._spins[on_worker and self._waiters == 0])
 
@@ -873,7 +876,10 @@ class Communicator:
         return self._enqueue(run, async_op, outputs, cuda=(ep, done))
 
     def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
-        threshold = policy.oneshot_threshold(transport, self.world, self.config, capacity)
+        key = (transport, capacity)
+        threshold = self._thresholds.get(key)
+        if threshold is None:  # (a pure function of the configuration, read once, and of the key)
+            threshold = self._thresholds[key] = policy.oneshot_threshold(transport, self.world, self.config, capacity)
         return policy.choose_algo(nbytes, forced, threshold, capacity)
 
     def _forced(self, algo) -> str:
@@ -913,7 +919,7 @@ class Communicator:
             raise TypeError(f"ringdp.{what} does not support dtype {tensor.dtype}; supported: {names}")
         if tensor.layout != torch.strided:
             raise ValueError(f"ringdp.{what} needs a dense (strided) {name}, got layout {tensor.layout}")
-        if tensor.device.type not in ("cpu", "cuda") or (tensor.is_cuda and not _C.WITH_CUDA):
+        if not (tensor.is_cpu or (tensor.is_cuda and _C.WITH_CUDA)):
             raise ValueError(
                 f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, which this ringdp "
                 f"build does not reduce (build_info(): {build_info()})"
@@ -1204,16 +1210,30 @@ def get_communicator(group=None) -> Communicator:
     """The communicator of `group` (None: the default group), created on first use
     (collective). RingError when the group was destroyed. A group whose backend is ringdp's
     (ringdp/backend.py) has its communicator already: the backend's."""
+    global _default_comm
+    if group is None:  # the common call: the default group's communicator, as last found
+        c = _default_comm()
+        if c is not None and not c._closed and c._pg() is dist.distributed_c10d._world.default_pg:
+            return c
     c = _backend_communicator(group)
-    if c is not None:
-        return c
+    if c is None:
+        if _is_world(group):
+            c = _comms.get("world")
+        elif group in dist.distributed_c10d._world.pg_map:
+            c = _comms.get(_group_key(group))
+        if c is None or not c.group_alive:
+            c = init(group)  # set up, or say why not
     if _is_world(group):
-        c = _comms.get("world")
-    elif group in dist.distributed_c10d._world.pg_map:
-        c = _comms.get(_group_key(group))
-    else:
-        c = None
-    return c if c is not None and c.group_alive else init(group)  # init: set up, or say why not
+        _default_comm = weakref.ref(c)  # (weakly: it goes with its group, as ever)
+    return c
+
+
+def _no_comm():
+    return None
+
+
+# get_communicator(None)'s last answer, checked at each use: still open, still the default group's
+_default_comm = _no_comm
 
 
 def _backend_communicator(group):
