@@ -48,8 +48,8 @@ CUDA_ARENA_MB = 256
 # 4 x Linear(2560, 2560): ~90 ms per step with it vs ~100-110 ms through the buckets.
 IN_GRAD_MIN_BYTES = 1 << 20
 # RINGDP_INLINE_ASYNC_MAX_BYTES (off by default): an asynchronous collective on shared
-# memory (async_op=True; every call of the torch.distributed backend, since c10d always asks
-# for a Work) of at most this many bytes runs on the calling thread when nothing is queued,
+# memory (async_op=True; the torch.distributed backend's calls from C++ and its dist.* calls
+# with async_op=True) of at most this many bytes runs on the calling thread when nothing is queued,
 # and a completed Work comes back. It saves the handoff to ringdp's worker thread and back:
 # measured on the 2-core CI machine, world 2, float32 all-reduce waited for at once, inline
 # vs through the worker (which spins as inline calls do while its caller waits: spin_ns):
