@@ -311,6 +311,8 @@ class Communicator:
         self._pending_lock = threading.Lock()
         self._closed = False
         self._torn_down = False  # the endpoints released (close(); queued calls left then fail: _refusal)
+        self._lock_owner: int | None = None  # the thread holding _lock (_locked)
+        self._release_deferred = False  # close() left the teardown to the call holding _lock (_locked)
         self._callbacks_since: float | None = None  # the worker runs callbacks since (_run_item)
         self.host = socket.gethostname()
         self.host_key = self.config.host_id or _host_key(self.host)
@@ -543,10 +545,10 @@ class Communicator:
         if in_callback:
             self._callbacks_since = None
         try:
-            with self._lock:
+            with self._locked():
+                self._set_spin(on_worker)
                 if self._torn_down:  # (an inline call past _take_inline's check as close() came)
                     raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
-                self._set_spin(on_worker)
                 fn()
         except RingError as e:
             self.dump_flight_record("failed collective", str(e))
@@ -554,6 +556,23 @@ class Communicator:
         finally:
             if in_callback:
                 self._callbacks_since = time.monotonic()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        """_lock, held by a call or a move (register_in_place). close() on another thread
+        tears the endpoints down after it; close() on this thread inside it (a signal
+        handler's destroy()) does not wait for it. A teardown that close() left to it
+        (_release_deferred) runs as it lets go."""
+        with self._lock:
+            self._lock_owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._lock_owner = None
+                with self._pending_lock:
+                    deferred, self._release_deferred = self._release_deferred, False
+                if deferred:
+                    self._release_endpoints()
 
     def _set_spin(self, on_worker: bool) -> None:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between
@@ -1041,7 +1060,7 @@ class Communicator:
         except RingError:  # closed, or its group destroyed
             return False
         if inline:
-            with self._lock:
+            with self._locked():
                 return self._move(tensor)
         try:
             self._enqueue(lambda: self._move(tensor), True, [tensor])
@@ -1135,20 +1154,37 @@ class Communicator:
             self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
         # An inline call in flight on another thread (past _take_inline's check before the
         # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
-        # stuck beyond the timeout does not hold the teardown up: it fails on its own.
-        locked = self._lock.acquire(timeout=self.timeout)
-        try:
+        # still running after the timeout (its own timeout may be longer) keeps its endpoints:
+        # it releases them as it ends (_locked). On the thread that holds the lock (close()
+        # from a signal handler inside a call): at once, without waiting for itself.
+        with self._pending_lock:
+            self._torn_down = True
+        mine = self._lock_owner == threading.get_ident()
+        if mine or self._lock.acquire(timeout=self.timeout):
+            try:
+                self._release_endpoints()
+            finally:
+                if not mine:
+                    self._lock.release()
+        else:
             with self._pending_lock:
-                self._torn_down = True
-            self._release_endpoints()
-        finally:
-            if locked:
-                self._lock.release()
+                self._release_deferred = True
+            if self._lock.acquire(blocking=False):  # (the call ended meanwhile: it did not see the flag)
+                try:
+                    with self._pending_lock:
+                        deferred, self._release_deferred = self._release_deferred, False
+                    if deferred:
+                        self._release_endpoints()
+                finally:
+                    self._lock.release()
+            else:
+                log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
+                            "endpoints are released when it ends", self.rank, self.timeout)
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
     def _release_endpoints(self) -> None:
-        """(close(), under _lock) Let the CUDA endpoint, the shared-memory one and the
-        cross-host groups go."""
+        """(close(), or the call close() left it to: under _lock) Let the CUDA endpoint, the
+        shared-memory one and the cross-host groups go."""
         if self._cuda is not None:
             ep, self._cuda = self._cuda, None
             ep.close(self.rendezvous if self.group_alive else None)
@@ -1213,8 +1249,10 @@ def get_communicator(group=None) -> Communicator:
     global _default_comm
     if group is None:  # the common call: the default group's communicator, as last found
         c = _default_comm()
-        if c is not None and not c._closed and c._pg() is dist.distributed_c10d._world.default_pg:
-            return c
+        if c is not None and not c._closed:
+            pg = c._pg()  # (None once the group is gone, as default_pg is after destroy_process_group)
+            if pg is not None and pg is dist.distributed_c10d._world.default_pg:
+                return c
     c = _backend_communicator(group)
     if c is None:
         if _is_world(group):

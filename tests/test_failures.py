@@ -522,6 +522,94 @@ def test_inline_call_racing_destroy(hosts):
     assert first["late"].startswith("RingError") and "destroyed" in first["late"], first
 
 
+def _close_inside_a_call(rank, world):
+    """destroy() made on the thread that runs a call, inside it (as a signal handler would,
+    between taking the call lock and the collective): it does not wait for the call, which
+    then fails with the communicator's RingError. (It waited the whole timeout for itself.)"""
+    import ringdp
+    import ringdp.comm as C
+
+    ringdp.init(timeout=20)
+    ringdp.all_reduce(torch.ones(4))
+    orig = C.Communicator._set_spin
+    took = []
+
+    def handler_inside(self, on_worker):
+        if rank == 0 and not took:
+            t0 = time.monotonic()
+            ringdp.destroy()
+            took.append(time.monotonic() - t0)
+        return orig(self, on_worker)
+
+    C.Communicator._set_spin = handler_inside
+    try:
+        ringdp.all_reduce(torch.ones(4)) if rank == 0 else None
+        err = None
+    except ringdp.RingError as e:
+        err = str(e)
+    C.Communicator._set_spin = orig
+    ringdp.destroy()
+    return took, err
+
+
+def test_destroy_inside_a_call_does_not_wait_for_it():
+    res = values(run_ranks(_close_inside_a_call, 2, timeout=120))
+    took, err = res[0]
+    assert took and took[0] < SLACK_S, took
+    assert err is not None and "destroyed" in err, err
+
+
+def _call_outlives_close(rank, world, hosts):
+    """A call whose own timeout (30 s) is longer than the communicator's (2 s), in flight
+    (its peer 4 s late) while destroy() runs on another thread: destroy() returns after the
+    communicator's timeout, the call keeps its endpoints and ends with the right values, and
+    the endpoints are released as it ends."""
+    import socket
+    import threading
+
+    import ringdp
+
+    if hosts == 2:
+        socket.gethostname = lambda: f"host{rank}"
+    comm = ringdp.init(timeout=2)
+    ringdp.all_reduce(torch.ones(4))
+    n = 1 << 16
+    t = torch.arange(n, dtype=torch.float32) * (rank + 1)
+    out = {}
+
+    def call():
+        try:
+            ringdp.all_reduce(t, timeout=30)
+            out["ok"] = torch.equal(t, torch.arange(n, dtype=torch.float32) * 3)
+        except Exception as e:  # noqa: BLE001 -- the result
+            out["ok"] = f"{type(e).__name__}: {e}"
+
+    if rank == 0:
+        th = threading.Thread(target=call, daemon=True)
+        th.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ringdp.destroy()
+        out["destroy_s"] = time.monotonic() - t0
+        out["kept_while_running"] = comm._shm is not None and th.is_alive()
+        th.join(30)
+    else:
+        time.sleep(4.0)
+        call()
+        ringdp.destroy()
+    out["released"] = comm._shm is None and comm.across is None
+    return out
+
+
+def test_call_outliving_destroy_keeps_its_endpoints():
+    # (one host: across hosts a call's gloo step keeps the group's timeout, whatever the call's)
+    res = values(run_ranks(_call_outlives_close, 2, 1, timeout=120))
+    for out in res:
+        assert out["ok"] is True and out["released"] is True, out
+    assert 1.9 <= res[0]["destroy_s"] < 2 + SLACK_S, res[0]
+    assert res[0]["kept_while_running"] is True, res[0]
+
+
 def _first_calls_from_two_threads(rank, world):
     """Two threads make the communicator's first queued calls at once (a slow Queue() and a
     late worker widen the window): one worker, both calls run."""

@@ -78,6 +78,13 @@ def _reinit(rank, world, barrier):
         except Exception as e:  # noqa: BLE001 -- checked here
             if not isinstance(e, ringdp.RingError) or "destroyed" not in str(e) or f"rank {rank}" not in str(e):
                 problems.append(f"round {round_}: unclear error after destroy: {type(e).__name__}: {e}")
+        for what, fn in [("get_communicator", ringdp.get_communicator), ("empty", lambda: ringdp.empty(4))]:
+            try:  # (not the communicator get_communicator() found last: its group is gone)
+                fn()
+                problems.append(f"round {round_}: ringdp.{what}() answered after destroy_process_group")
+            except ringdp.RingError as e:
+                if "destroyed" not in str(e):
+                    problems.append(f"round {round_}: unclear error from ringdp.{what}(): {e}")
         # torch's own race, not ringdp's: a rank that re-connects before rank 0 closed its
         # store server reaches the old server. Everyone destroyed before anyone re-connects.
         barrier.wait(timeout=60)
