@@ -157,6 +157,10 @@ class RingWork(dist.Work):
                 exc = e
         self._finalize = None
         self._exc = exc
+        if exc is None and not self._parts and self._stream is not None and self._finished is None:
+            # (done inline, on the call's stream: a waiter on another stream joins it, as on NCCL's)
+            self._finished = torch.cuda.Event()
+            self._finished.record(self._stream)
         _completed(self._tf)
         if self._done is not _DONE:
             self._done.set()

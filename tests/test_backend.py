@@ -1216,6 +1216,15 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     assert work.wait() is True
     assert log[-1] == ("wait", "waiter", "event1", me), log
     assert work.is_completed() and work.is_success()
+    # a synchronous call run inline (no parts): done when made, on the call's stream, which
+    # a waiter on another stream joins through an event recorded there
+    del log[:]
+    current[0] = "caller"
+    work = backend.RingWork([None], ["out"], cuda_devices=["cuda:0"])
+    assert log == [("record", "event2", "caller", me), ("future", "caller")], log
+    current[0] = "waiter"
+    assert work.wait() is True
+    assert log[-1] == ("wait", "waiter", "event2", me), log
 
 
 def _pending_after_failed_enqueue(rank, world):
