@@ -561,18 +561,28 @@ class Communicator:
     def _locked(self):
         """_lock, held by a call or a move (register_in_place). close() on another thread
         tears the endpoints down after it; close() on this thread inside it (a signal
-        handler's destroy()) does not wait for it. A teardown that close() left to it
-        (_release_deferred) runs as it lets go."""
-        with self._lock:
-            self._lock_owner = threading.get_ident()
-            try:
-                yield
-            finally:
-                self._lock_owner = None
-                with self._pending_lock:
-                    deferred, self._release_deferred = self._release_deferred, False
-                if deferred:
+        handler's destroy()) and close() that gave up waiting leave the teardown to it
+        (_release_deferred): it runs as the lock is let go. The flag is read and the lock
+        let go under _pending_lock, where close() sets it (after a failed try for the lock),
+        so that a teardown is never left to a holder that already looked."""
+        self._lock.acquire()
+        self._lock_owner = threading.get_ident()
+        try:
+            yield
+        finally:
+            with self._pending_lock:
+                deferred, self._release_deferred = self._release_deferred, False
+                if not deferred:
+                    self._lock_owner = None
+                    self._lock.release()
+            if deferred:
+                try:
                     self._release_endpoints()
+                except Exception as e:  # noqa: BLE001 -- not the call's failure: it ran
+                    log.warning("ringdp rank %d: releasing the endpoints after destroy() failed: %s", self.rank, e)
+                finally:
+                    self._lock_owner = None
+                    self._lock.release()
 
     def _set_spin(self, on_worker: bool) -> None:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between
@@ -1150,36 +1160,31 @@ class Communicator:
             self._closed = True
             if self._worker is not None:
                 self._queue.put(None)
+        deadline = time.monotonic() + self.timeout  # (one wait in all: the worker's call, then the lock)
         if self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
         # An inline call in flight on another thread (past _take_inline's check before the
         # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
-        # still running after the timeout (its own timeout may be longer) keeps its endpoints:
-        # it releases them as it ends (_locked). On the thread that holds the lock (close()
-        # from a signal handler inside a call): at once, without waiting for itself.
+        # still running at the deadline (its own timeout may be longer) keeps its endpoints,
+        # and so does a call on this thread (close() from a signal handler inside it, which
+        # must not wait for itself): the call releases them as it ends (_locked).
         with self._pending_lock:
             self._torn_down = True
-        mine = self._lock_owner == threading.get_ident()
-        if mine or self._lock.acquire(timeout=self.timeout):
+        got = False
+        if self._lock_owner != threading.get_ident():
+            got = self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        if not got:
+            with self._pending_lock:  # (the holder reads the flag and lets go under it: _locked)
+                got = self._lock.acquire(blocking=False)
+                self._release_deferred = not got
+        if got:
             try:
                 self._release_endpoints()
             finally:
-                if not mine:
-                    self._lock.release()
-        else:
-            with self._pending_lock:
-                self._release_deferred = True
-            if self._lock.acquire(blocking=False):  # (the call ended meanwhile: it did not see the flag)
-                try:
-                    with self._pending_lock:
-                        deferred, self._release_deferred = self._release_deferred, False
-                    if deferred:
-                        self._release_endpoints()
-                finally:
-                    self._lock.release()
-            else:
-                log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
-                            "endpoints are released when it ends", self.rank, self.timeout)
+                self._lock.release()
+        elif self._lock_owner != threading.get_ident():
+            log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
+                        "endpoints are released when it ends", self.rank, self.timeout)
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
     def _release_endpoints(self) -> None:
