@@ -129,7 +129,9 @@ class RingWork(dist.Work):
         self._stream = torch.cuda.current_stream(cuda_devices[0]) if cuda_devices else None
         self._finished = None  # CUDA: an event after the copy-out, on self._stream
         self._parts = pending
-        self._tf = HelpingFuture(pending[-1].waiting if pending else None, devices=cuda_devices)
+        self._devices = cuda_devices
+        # complete when made: the future is made on demand (get_future), complete at once
+        self._tf = HelpingFuture(pending[-1].waiting, devices=cuda_devices) if pending else None
         if not pending:
             self._complete()
         else:
@@ -161,19 +163,21 @@ class RingWork(dist.Work):
             # (done inline, on the call's stream: a waiter on another stream joins it, as on NCCL's)
             self._finished = torch.cuda.Event()
             self._finished.record(self._stream)
-        _completed(self._tf)
+        tf = _completed(self._tf)
         if self._done is not _DONE:
             self._done.set()
+        if tf is None:  # (no parts: get_future makes it, complete)
+            return
         if exc is not None:
-            self._tf.set_exception(exc)
+            tf.set_exception(exc)
         elif cuda and not finalized:
             # a CUDA-aware future records its event on the current stream: ringdp's, where the
             # collective ran (after a copy-out, the call's stream, where the copy ran)
             with torch.cuda.stream(cuda[-1][0].stream):
-                self._tf.set_result(self._outputs)
+                tf.set_result(self._outputs)
         else:
             with self._on_call_stream():
-                self._tf.set_result(self._outputs)
+                tf.set_result(self._outputs)
 
     def _on_call_stream(self):
         """The stream current where the call was made, made current (CUDA; else nothing)."""
@@ -211,6 +215,16 @@ class RingWork(dist.Work):
         return self._exc
 
     def get_future(self):
+        if self._tf is None:  # complete when made (_complete): made now, complete, once
+            with self._lock:
+                if self._tf is None:
+                    tf = HelpingFuture(None, devices=self._devices)
+                    if self._exc is not None:
+                        tf.set_exception(self._exc)
+                    else:
+                        with self._on_call_stream():
+                            tf.set_result(self._outputs)
+                    self._tf = tf
         return self._tf
 
     def result(self):

@@ -1221,10 +1221,13 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     del log[:]
     current[0] = "caller"
     work = backend.RingWork([None], ["out"], cuda_devices=["cuda:0"])
-    assert log == [("record", "event2", "caller", me), ("future", "caller")], log
+    assert log == [("record", "event2", "caller", me)], log
     current[0] = "waiter"
     assert work.wait() is True
     assert log[-1] == ("wait", "waiter", "event2", me), log
+    # its future, made on demand, completes on the call's stream too
+    assert work.get_future().value == ["out"] and work.get_future() is work.get_future()
+    assert log[-1] == ("future", "caller"), log
 
 
 def _pending_after_failed_enqueue(rank, world):
