@@ -510,12 +510,18 @@ class Communicator:
             return RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
         return None
 
-    def _run_queued_until(self, fut: Future) -> None:
+    def _run_queued_until(self, fut: Future, timeout: float | None = None) -> None:
         """On the worker thread, in a callback of a call it finished (a future's then()): a
         Work waited for there whose call is still queued would wait for this thread, which
         waits for it. Run the queued calls instead, in queue order (the order the worker
-        would have run them in, on every rank), until `fut`'s call is done."""
+        would have run them in, on every rank), until `fut`'s call is done. `timeout` (s,
+        Work.wait(timeout)): a RingError once it passed, looked at before each queued call
+        (one that started runs to its end; the rest stay queued for the worker)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of "
+                                f"Work.wait() (waited in a callback on ringdp's worker thread)")
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:  # (a call is queued before its Work exists: not expected)
@@ -611,7 +617,7 @@ class Communicator:
         computes nothing: raised at once, during the call too (the endpoint's spin is
         atomic); the worker's next call picks its own."""
         if threading.current_thread() is self._worker:
-            self._run_queued_until(fut)
+            self._run_queued_until(fut, timeout)
             yield
             return
         if not cpu:

@@ -407,6 +407,54 @@ def test_work_wait_timeout_is_a_ring_error():
         assert first == last == 3.0
 
 
+def _work_wait_timeout_in_a_callback(rank, world):
+    """Work.wait(timeout) in a callback on ringdp's worker, on a call queued behind a slow
+    one (2 s, on this rank only): the callback runs the queue itself (_run_queued_until) and
+    gives up with a RingError once the timeout passed, before the next queued call; the
+    calls still run, on the worker, with the right values."""
+    import threading
+
+    import ringdp
+
+    comm = ringdp.init(timeout=20)
+    ringdp.all_reduce(torch.ones(1))
+    gate = threading.Event()
+    comm._submit(lambda: gate.wait(30), async_op=True)  # (the worker waits until all is queued)
+    a = torch.full((4,), float(rank + 1))
+    w1 = ringdp.all_reduce(a, async_op=True)
+    comm._submit(lambda: time.sleep(2.0 if rank == 0 else 0.0), async_op=True)
+    b = torch.full((1 << 16,), float(rank + 1))
+    w3 = ringdp.all_reduce(b, async_op=True)
+    out = {}
+
+    def callback(_f):
+        out["thread"] = threading.current_thread().name
+        t0 = time.monotonic()
+        try:
+            w3.wait(timeout=0.5)
+            out["err"] = None
+        except ringdp.RingError as e:
+            out["err"] = str(e)
+        out["took"] = time.monotonic() - t0
+
+    done = w1.get_future().then(callback)
+    gate.set()
+    done.wait()
+    w3.wait()
+    out["values"] = (float(a[0]), float(b[0]), float(b[-1]))
+    return out
+
+
+def test_work_wait_timeout_in_a_callback():
+    res = values(run_ranks(_work_wait_timeout_in_a_callback, 2, timeout=120))
+    for out in res:
+        assert out["thread"].startswith("ringdp-worker"), out
+        assert out["values"] == (3.0, 3.0, 3.0), out
+    first = res[0]
+    assert first["err"] is not None and "within 0.5 s" in first["err"], first
+    assert 1.9 <= first["took"] < 2 + SLACK_S, first  # (the slow call ran to its end first)
+
+
 def _queued_while_closing(rank, world):
     """Another thread queues a call while the main thread destroys ringdp (the window made
     wide by a sleep before _enqueue): the call is refused with a RingError, not queued behind
