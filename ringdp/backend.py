@@ -166,18 +166,19 @@ class RingWork(dist.Work):
         tf = _completed(self._tf)
         if self._done is not _DONE:
             self._done.set()
-        if tf is None:  # (no parts: get_future makes it, complete)
-            return
-        if exc is not None:
-            tf.set_exception(exc)
-        elif cuda and not finalized:
+        if tf is not None:  # (no parts: get_future makes it, complete)
             # a CUDA-aware future records its event on the current stream: ringdp's, where the
             # collective ran (after a copy-out, the call's stream, where the copy ran)
-            with torch.cuda.stream(cuda[-1][0].stream):
-                tf.set_result(self._outputs)
-        else:
-            with self._on_call_stream():
-                tf.set_result(self._outputs)
+            self._settle(tf, cuda[-1][0].stream if cuda and not finalized else None)
+
+    def _settle(self, tf, ringdp_stream=None) -> None:
+        """Complete the torch future `tf` with this Work's outcome: its failure, or the
+        outputs, set on ringdp's stream (`ringdp_stream`) or else on the call's."""
+        if self._exc is not None:
+            tf.set_exception(self._exc)
+            return
+        with torch.cuda.stream(ringdp_stream) if ringdp_stream is not None else self._on_call_stream():
+            tf.set_result(self._outputs)
 
     def _on_call_stream(self):
         """The stream current where the call was made, made current (CUDA; else nothing)."""
@@ -188,7 +189,7 @@ class RingWork(dist.Work):
         return self._parts[-1].waiting(timeout) if self._parts else contextlib.nullcontext()
 
     def wait(self, timeout=timedelta(0)):
-        if self._done is _DONE and self._exc is None and self._finished is None and not self._parts:
+        if self._done is _DONE and self._exc is None and self._finished is None:
             return True  # (done when made, nothing to join: a synchronous call, _async)
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         with self._waiting(secs if secs > 0 else None):
@@ -219,11 +220,7 @@ class RingWork(dist.Work):
             with self._lock:
                 if self._tf is None:
                     tf = HelpingFuture(None, devices=self._devices)
-                    if self._exc is not None:
-                        tf.set_exception(self._exc)
-                    else:
-                        with self._on_call_stream():
-                            tf.set_result(self._outputs)
+                    self._settle(tf)
                     self._tf = tf
         return self._tf
 

@@ -379,6 +379,14 @@ class Communicator:
             return f"rank {self.rank}: this ringdp communicator was destroyed (ringdp.destroy())"
         return None
 
+    def _closed_error(self) -> RingError:
+        """What a call on this communicator raises once it was closed (or its group destroyed)."""
+        return RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+
+    def _wait_timed_out(self, timeout: float, where: str = "") -> RingError:
+        """What Work.wait(timeout) raises when the collective did not finish in time."""
+        return RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of Work.wait(){where}")
+
     def _store(self):
         """The store the rendezvous uses, looked up at each use (class doc)."""
         if not self.group_alive:
@@ -507,7 +515,7 @@ class Communicator:
             return RingError(f"rank {self.rank}: this collective was dropped before it ran: it waited behind a "
                              f"callback stuck on ringdp's worker thread")
         if self._torn_down:
-            return RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+            return self._closed_error()
         return None
 
     def _run_queued_until(self, fut: Future, timeout: float | None = None) -> None:
@@ -520,8 +528,7 @@ class Communicator:
         deadline = None if timeout is None else time.monotonic() + timeout
         while not fut.done():
             if deadline is not None and time.monotonic() >= deadline:
-                raise RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of "
-                                f"Work.wait() (waited in a callback on ringdp's worker thread)")
+                raise self._wait_timed_out(timeout, " (waited in a callback on ringdp's worker thread)")
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:  # (a call is queued before its Work exists: not expected)
@@ -529,7 +536,7 @@ class Communicator:
                                 f"collective that is neither queued nor done") from None
             if item is None:  # close(): the worker loop stops when this callback returns
                 self._queue.put(None)
-                raise RingError(self._unusable() or f"rank {self.rank}: ringdp's communicator was closed")
+                raise self._closed_error()
             self._run_item(item)
 
     def _call_catching(self, fn) -> BaseException | None:
@@ -554,7 +561,7 @@ class Communicator:
             with self._locked():
                 self._set_spin(on_worker)
                 if self._torn_down:  # (an inline call past _take_inline's check as close() came)
-                    raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+                    raise self._closed_error()
                 fn()
         except RingError as e:
             self.dump_flight_record("failed collective", str(e))
@@ -660,8 +667,7 @@ class Communicator:
                     f"lock it holds, an event it sets, a torch future derived from a later call) never "
                     f"returns. The call was dropped; ranks that ran it fail in their timeout")
             if deadline is not None and time.monotonic() >= deadline:
-                raise RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of "
-                                f"Work.wait()")
+                raise self._wait_timed_out(timeout)
 
     def _drop(self, fut: Future) -> bool:
         """Mark the queued call of `fut` dropped, if the worker has not taken it: the worker
@@ -718,7 +724,7 @@ class Communicator:
         with self._pending_lock:
             try:
                 if self._closed:
-                    raise RingError(self._unusable() or f"rank {self.rank}: this ringdp communicator was closed")
+                    raise self._closed_error()
                 if self._worker is None:
                     self._start_worker()
                 self._queue.put((fn, fut))
@@ -1176,9 +1182,8 @@ class Communicator:
         # must not wait for itself): the call releases them as it ends (_locked).
         with self._pending_lock:
             self._torn_down = True
-        got = False
-        if self._lock_owner != threading.get_ident():
-            got = self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
+        mine = self._lock_owner == threading.get_ident()
+        got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:
             with self._pending_lock:  # (the holder reads the flag and lets go under it: _locked)
                 got = self._lock.acquire(blocking=False)
@@ -1188,7 +1193,7 @@ class Communicator:
                 self._release_endpoints()
             finally:
                 self._lock.release()
-        elif self._lock_owner != threading.get_ident():
+        elif not mine:
             log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
                         "endpoints are released when it ends", self.rank, self.timeout)
         self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
