@@ -112,6 +112,12 @@ host, ringdp's NCCL between hosts; algo two_level or leaders), ringdp-flat ringd
 NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
 between them: RINGDP_NCCL_HOSTID_PER_RANK=1), so the "network" is sockets on one machine.
 
+Contention (--busy N): N processes that keep a core busy each (a pure-Python loop) run
+beside the ranks for the whole sweep, started by the machine's first rank: collectives
+while something else competes for the cores (a DataLoader worker, another job), where the
+ranks' waits for each other decide the time (csrc/transport/shm/wait.h). The result file
+name gets _busyN.
+
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
 on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json
 (<coll>_<device>_... for the other collectives, e.g. reduce_scatter_cpu_w2_float32.json; machine
@@ -128,6 +134,7 @@ import datetime
 import math
 import os
 import socket
+import subprocess
 import statistics
 import sys
 import time
@@ -195,6 +202,8 @@ def result_name(args, world: int, coll: str = "all_reduce") -> str:
         extra = "_".join(parts) if parts else None
     if getattr(args, "hosts", 1) > 1:
         extra = f"{extra}_hosts{args.hosts}" if extra else f"hosts{args.hosts}"
+    if getattr(args, "busy", 0) > 0:
+        extra = f"{extra}_busy{args.busy}" if extra else f"busy{args.busy}"
     return f"{name}_{extra}" if extra else name
 
 
@@ -693,15 +702,29 @@ def run_rank(rank: int, world: int, args):
         dist.destroy_process_group()
 
 
+BUSY_LOOP = "while True: pass"
+
+
+def busy_processes(count: int) -> list:
+    """`count` processes that keep a core busy each (--busy), until killed."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+
+
 def sweep(rank: int, args):
     n = dist.get_world_size()
     out = Console(rank)
     c = Caller(args, rank, n, int(os.environ.get("LOCAL_RANK", rank)))
-    memcpy = memcpy_bandwidth(c.device, rank)
+    # --busy: the machine's first rank starts them once every rank is set up, and stops them at the end
+    hogs = busy_processes(args.busy) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else []
     try:
+        dist.barrier()
+        memcpy = memcpy_bandwidth(c.device, rank)
         for coll in args.colls:
             sweep_one(rank, args, c, coll, memcpy, out)
     finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
         if c.flat_comm is not None:
             c.flat_comm.close()
 
@@ -841,6 +864,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="local ranks to start when not under torchrun (default 2, with --hosts H: 2H)")
     ap.add_argument("--hosts", type=int, default=1,
                     help="simulate H hosts on this machine (module doc 'Across hosts'): rank r on host r*H // world")
+    ap.add_argument("--busy", type=int, default=0,
+                    help="start N busy processes (a pure-Python loop each) beside the ranks for the whole "
+                         "sweep: collectives while other work competes for the cores (module doc 'Contention')")
     ap.add_argument("--baseline", choices=("auto", "gloo", "nccl"), default="auto",
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
     ap.add_argument("--no-baseline", action="store_true")

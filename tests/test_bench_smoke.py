@@ -49,6 +49,28 @@ def test_bench_smoke(tmp_path):
                                                           "allreduce_cpu_w2_float32.png"]
 
 
+def _busy_loops() -> int:
+    """Processes running bench/allreduce.py's --busy loop now."""
+    r = subprocess.run(["pgrep", "-f", "-x", f"{sys.executable} -c while True: pass"], capture_output=True, text=True)
+    return len(r.stdout.split())
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_busy(tmp_path):
+    """--busy 2: the sweep runs beside two busy processes, correct, named _busy2, and
+    leaves none of them behind."""
+    before = _busy_loops()
+    cmd = [sys.executable, str(BENCH), "--world", "2", "-b", "4K", "-e", "64K", "--busy", "2", "--iters", "2",
+           "--warmup", "1", "--series", "baseline,ringdp", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    payload = json.loads((tmp_path / "allreduce_cpu_w2_float32_busy2.json").read_text())
+    assert payload["args"]["busy"] == 2 and payload["complete"] is True
+    assert {r["series"] for r in payload["rows"]} == {"gloo", "ringdp"}
+    assert payload["total_wrong"] == 0 and len(payload["rows"]) == 2 * 3
+    assert _busy_loops() == before
+
+
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_forced_algorithms(tmp_path):
     """--algo ring,oneshot: one series per forced algorithm, labelled with what ran."""
