@@ -113,10 +113,11 @@ NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
 between them: RINGDP_NCCL_HOSTID_PER_RANK=1), so the "network" is sockets on one machine.
 
 Contention (--busy N): N processes that keep a core busy each (a pure-Python loop) run
-beside the ranks for the whole sweep, started by the machine's first rank: collectives
-while something else competes for the cores (a DataLoader worker, another job), where the
-ranks' waits for each other decide the time (csrc/transport/shm/wait.h). The result file
-name gets _busyN.
+beside the ranks for the whole sweep, started by the machine's first rank after the
+memcpy bandwidth (the roofline) is measured; each ends by itself if that rank dies.
+Collectives while something else competes for the cores (a DataLoader worker, another
+job), where the ranks' waits for each other decide the time (csrc/transport/shm/wait.h).
+The result file name gets _busyN; busy_pids in it lists them.
 
 Output. Rank 0 prints the table as it goes (one group of rows per size; a progress counter
 on stderr) and writes <out-dir>/allreduce_<device>_w<world>_<dtype>[_<name>].json
@@ -702,23 +703,33 @@ def run_rank(rank: int, world: int, args):
         dist.destroy_process_group()
 
 
-BUSY_LOOP = "while True: pass"
+# --busy: a core's worth of pure-Python work that ends by itself once its parent (the rank that
+# started it) is gone, however that rank ended (mp.spawn and torchrun stop ranks with SIGTERM,
+# which skips `finally`)
+# (argv[1]: the parent's pid, as the parent saw it: one that dies before the loop starts ends it at once)
+BUSY_LOOP = ("import os, sys\np = int(sys.argv[1])\nwhile os.getppid() == p:\n"
+             "    for _ in range(100000):\n        pass\n")
 
 
 def busy_processes(count: int) -> list:
-    """`count` processes that keep a core busy each (--busy), until killed."""
-    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(count)]
+    """`count` processes that keep a core busy each (--busy) until killed or orphaned."""
+    return [subprocess.Popen([sys.executable, "-c", BUSY_LOOP, str(os.getpid())], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(count)]
 
 
 def sweep(rank: int, args):
     n = dist.get_world_size()
     out = Console(rank)
     c = Caller(args, rank, n, int(os.environ.get("LOCAL_RANK", rank)))
-    # --busy: the machine's first rank starts them once every rank is set up, and stops them at the end
-    hogs = busy_processes(args.busy) if int(os.environ.get("LOCAL_RANK", rank)) == 0 else []
+    hogs = []
     try:
+        memcpy = memcpy_bandwidth(c.device, rank)  # (the roofline: the machine without --busy)
+        # --busy: started by the machine's first rank once every rank is set up, stopped at the end
         dist.barrier()
-        memcpy = memcpy_bandwidth(c.device, rank)
+        if args.busy > 0 and int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            hogs = busy_processes(args.busy)
+        c.busy_pids = [h.pid for h in hogs]
+        dist.barrier()
         for coll in args.colls:
             sweep_one(rank, args, c, coll, memcpy, out)
     finally:
@@ -793,6 +804,7 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             "hier_pieces": ({"min_piece_bytes": c.comm.config.hier_piece_bytes,
                              "max_pieces": ringdp.policy.HIER_MAX_PIECES} if c.cross_path == "two_level" else None),
             "memcpy": memcpy,
+            "busy_pids": getattr(c, "busy_pids", []),  # --busy: the busy processes rank 0 started
             "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
             "oneshot_max_bytes": threshold,
             "pattern_k": getattr(pattern, "k", None),

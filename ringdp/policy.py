@@ -142,13 +142,7 @@ def spin_ns(machine_ranks: int, cfg, compute_threads: int = 0) -> int:
     ones: so the short spin only where the caller computes meanwhile. A caller blocked in
     Work.wait() computes nothing: while one waits, the worker spins as inline calls do
     (Communicator._caller_waits; a 8 MiB dist.all_reduce on a ringdp group took 1.3-1.4 ms
-    with the short spin, 0.64-0.70 ms so).
-
-    This is the most a wait spins: the ring's waits inside a call (every rank has entered
-    it) spin less while spinning does not pay, halving after a wait the whole spin would
-    not have caught and doubling back after one it would have (csrc/transport/shm/wait.h
-    next_spin_ns): beside one busy process, a 16 MiB all-reduce at world 2 took 5.9-6.9 ms
-    with a fixed 50 us spin and 3.8-4.0 ms so."""
+    with the short spin, 0.64-0.70 ms so)."""
     if cfg.spin_us is not None:
         return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

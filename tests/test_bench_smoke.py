@@ -49,17 +49,18 @@ def test_bench_smoke(tmp_path):
                                                           "allreduce_cpu_w2_float32.png"]
 
 
-def _busy_loops() -> int:
-    """Processes running bench/allreduce.py's --busy loop now."""
-    r = subprocess.run(["pgrep", "-f", "-x", f"{sys.executable} -c while True: pass"], capture_output=True, text=True)
-    return len(r.stdout.split())
+def _alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie waiting to be reaped does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
 
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_busy(tmp_path):
-    """--busy 2: the sweep runs beside two busy processes, correct, named _busy2, and
-    leaves none of them behind."""
-    before = _busy_loops()
+    """--busy 2: the sweep runs beside two busy processes (their pids in the JSON), correct,
+    named _busy2, and none of them outlives it."""
     cmd = [sys.executable, str(BENCH), "--world", "2", "-b", "4K", "-e", "64K", "--busy", "2", "--iters", "2",
            "--warmup", "1", "--series", "baseline,ringdp", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -68,7 +69,26 @@ def test_bench_busy(tmp_path):
     assert payload["args"]["busy"] == 2 and payload["complete"] is True
     assert {r["series"] for r in payload["rows"]} == {"gloo", "ringdp"}
     assert payload["total_wrong"] == 0 and len(payload["rows"]) == 2 * 3
-    assert _busy_loops() == before
+    pids = payload["busy_pids"]
+    assert len(pids) == 2 and not any(_alive(p) for p in pids), pids
+
+
+def test_busy_process_ends_with_its_parent():
+    """A busy process whose rank died without cleaning up (SIGTERM, SIGKILL) ends by itself."""
+    import time
+
+    code = ("import os, subprocess, sys\n"
+            f"sys.path.insert(0, {str(REPO / 'bench')!r})\n"
+            "from allreduce import busy_processes\n"
+            "h, = busy_processes(1)\n"
+            "print(h.pid, flush=True)\n"
+            "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, timeout=120)
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(pid), f"busy process {pid} outlived its parent"
 
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")

@@ -21,9 +21,7 @@ Link::Link(const Neighbours& n, const Geometry& geo, const WaitPolicy& policy, W
       slots_(geo.fifo_slots),
       slot_bytes_(geo.slot_bytes),
       policy_(policy),
-      watch_(watch) {
-  policy_.adaptive = true;  // every wait of a Link is inside a call: every rank entered it
-}
+      watch_(watch) {}
 
 void Link::wait(const Flag& flag, Control& owner, int owner_rank, uint32_t target, const char* what) {
   wait_reached(flag, owner.sleepers, target, policy_, [&] { watch_.check(owner_rank, what); });

@@ -45,29 +45,14 @@ uint32_t wait_reached(const Flag& flag, Flag& sleepers, uint32_t target, const W
                       const HealthCheck& check) {
   uint32_t v = flag.v.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
-  // Phase 1: spin (adaptive: as long as spinning paid off lately, WaitPolicy).
-  const int64_t cap = p.spin_ns.load(std::memory_order_relaxed);
-  const bool adapt = p.adaptive && cap > 0;
-  int64_t spin_ns = cap;
-  if (adapt) {
-    const int64_t learned = p.learned_ns.load(std::memory_order_relaxed);
-    if (learned < spin_ns) spin_ns = learned;
-  }
-  const auto start = Clock::now();
-  auto learn = [&] {
-    if (adapt)
-      p.learned_ns.store(next_spin_ns(spin_ns, std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count(), cap),
-                         std::memory_order_relaxed);
-  };
+  // Phase 1: spin.
+  const int64_t spin_ns = p.spin_ns.load(std::memory_order_relaxed);
   if (spin_ns > 0) {
-    const auto spin_end = start + std::chrono::nanoseconds(spin_ns);
+    const auto spin_end = Clock::now() + std::chrono::nanoseconds(spin_ns);
     for (unsigned i = 1;; ++i) {
       RINGDP_PAUSE();
       v = flag.v.load(std::memory_order_acquire);
-      if (reached(v, target)) {
-        learn();
-        return v;
-      }
+      if (reached(v, target)) return v;
       if ((i & 63u) == 0 && Clock::now() >= spin_end) break;
     }
   }
@@ -81,10 +66,7 @@ uint32_t wait_reached(const Flag& flag, Flag& sleepers, uint32_t target, const W
     if (!reached(v, target)) futex_wait(flag, v, p.check_every_ns);
     sleepers.v.fetch_sub(1, std::memory_order_seq_cst);
     v = flag.v.load(std::memory_order_acquire);
-    if (reached(v, target)) {
-      learn();
-      return v;
-    }
+    if (reached(v, target)) return v;
     auto now = Clock::now();
     if (now >= next_check) {
       check();
