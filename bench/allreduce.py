@@ -427,6 +427,8 @@ class Caller:
         else:
             self.device = torch.device("cpu")
         self.notes: list[str] = []
+        self.local_rank = local_rank
+        self.busy_pids: list[int] = []  # --busy: the busy processes this rank started
         # placement: ranks on this host (CPU) or on this GPU (CUDA), from every rank's facts
         me = (socket.gethostname(), self.device.index if self.device.type == "cuda" else -1)
         everyone = [None] * world
@@ -724,12 +726,12 @@ def sweep(rank: int, args):
     hogs = []
     try:
         memcpy = memcpy_bandwidth(c.device, rank)  # (the roofline: the machine without --busy)
-        # --busy: started by the machine's first rank once every rank is set up, stopped at the end
-        dist.barrier()
-        if args.busy > 0 and int(os.environ.get("LOCAL_RANK", rank)) == 0:
-            hogs = busy_processes(args.busy)
-        c.busy_pids = [h.pid for h in hogs]
-        dist.barrier()
+        if args.busy > 0:  # started by the machine's first rank once every rank measured that, stopped at the end
+            dist.barrier()
+            if c.local_rank == 0:
+                hogs = busy_processes(args.busy)
+                c.busy_pids = [h.pid for h in hogs]
+            dist.barrier()
         for coll in args.colls:
             sweep_one(rank, args, c, coll, memcpy, out)
     finally:
@@ -804,7 +806,7 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             "hier_pieces": ({"min_piece_bytes": c.comm.config.hier_piece_bytes,
                              "max_pieces": ringdp.policy.HIER_MAX_PIECES} if c.cross_path == "two_level" else None),
             "memcpy": memcpy,
-            "busy_pids": getattr(c, "busy_pids", []),  # --busy: the busy processes rank 0 started
+            "busy_pids": c.busy_pids,  # --busy: the busy processes rank 0 started
             "roofline": {"contention": c.contention, "bytes_per_rank_over_S": factors},
             "oneshot_max_bytes": threshold,
             "pattern_k": getattr(pattern, "k", None),
