@@ -142,7 +142,13 @@ def spin_ns(machine_ranks: int, cfg, compute_threads: int = 0) -> int:
     ones: so the short spin only where the caller computes meanwhile. A caller blocked in
     Work.wait() computes nothing: while one waits, the worker spins as inline calls do
     (Communicator._caller_waits; a 8 MiB dist.all_reduce on a ringdp group took 1.3-1.4 ms
-    with the short spin, 0.64-0.70 ms so)."""
+    with the short spin, 0.64-0.70 ms so).
+
+    This is the most a wait spins: the ring's waits inside a call spin less while spinning
+    does not pay (csrc/transport/shm/wait.h SpinLearner: half after a wait that had to
+    sleep, twice after one the spin caught, the whole spin on a probe every 16th wait).
+    Beside one busy process (bench/allreduce.py --busy 1), world 2, a 16 MiB all-reduce took
+    5.0-6.6 ms with a fixed 50 us spin and 3.4-4.3 ms so."""
     if cfg.spin_us is not None:
         return int(cfg.spin_us * 1000)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

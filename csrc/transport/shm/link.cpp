@@ -24,7 +24,7 @@ Link::Link(const Neighbours& n, const Geometry& geo, const WaitPolicy& policy, W
       watch_(watch) {}
 
 void Link::wait(const Flag& flag, Control& owner, int owner_rank, uint32_t target, const char* what) {
-  wait_reached(flag, owner.sleepers, target, policy_, [&] { watch_.check(owner_rank, what); });
+  wait_reached(flag, owner.sleepers, target, policy_, [&] { watch_.check(owner_rank, what); }, &learner_);
 }
 
 char* Link::out_slot() {

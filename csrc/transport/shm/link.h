@@ -84,6 +84,7 @@ class Link {
   const char* prev_arena_;
   size_t slots_, slot_bytes_;
   WaitPolicy policy_;
+  SpinLearner learner_;  // every wait of a Link is inside a call (wait.h)
   Watch& watch_;
   uint32_t posted_ = 0;    // local copies of me_->posted / me_->consumed
   uint32_t consumed_ = 0;

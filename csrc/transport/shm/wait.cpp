@@ -42,20 +42,25 @@ void publish(Flag& flag, const Flag& my_sleepers, uint32_t value) {
 }
 
 uint32_t wait_reached(const Flag& flag, Flag& sleepers, uint32_t target, const WaitPolicy& p,
-                      const HealthCheck& check) {
+                      const HealthCheck& check, SpinLearner* learner) {
   uint32_t v = flag.v.load(std::memory_order_acquire);
   if (reached(v, target)) return v;
   // Phase 1: spin.
-  const int64_t spin_ns = p.spin_ns.load(std::memory_order_relaxed);
+  const int64_t cap = p.spin_ns.load(std::memory_order_relaxed);
+  const int64_t spin_ns = learner ? learner->begin(cap) : cap;
   if (spin_ns > 0) {
     const auto spin_end = Clock::now() + std::chrono::nanoseconds(spin_ns);
     for (unsigned i = 1;; ++i) {
       RINGDP_PAUSE();
       v = flag.v.load(std::memory_order_acquire);
-      if (reached(v, target)) return v;
+      if (reached(v, target)) {
+        if (learner) learner->end(true);
+        return v;
+      }
       if ((i & 63u) == 0 && Clock::now() >= spin_end) break;
     }
   }
+  if (learner) learner->end(false);
   // Phase 2: sleep on the futex; the publisher wakes us. Registering as a sleeper and
   // re-reading the flag are seq_cst, as are the publisher's store and its read of the
   // sleeper count, so one of the two always sees the other: no lost wake-up.
