@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import socket
+import subprocess
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results (README)
@@ -22,6 +23,27 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
+
+
+def ringdp_source(ringdp) -> dict:
+    """Which ringdp a run measured: its checkout, and where that is a git work tree, its
+    commit and whether tracked files had changes. Runs of two builds interleaved (a
+    worktree of the code before on PYTHONPATH) otherwise leave no trace of which was which."""
+    root = Path(ringdp.__file__).resolve().parent.parent
+    out: dict = {"path": str(root), "commit": None, "dirty": None}
+
+    def git(*argv):
+        r = subprocess.run(["git", "-C", str(root), *argv], capture_output=True, text=True, timeout=20)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    try:
+        out["commit"] = git("rev-parse", "HEAD")
+        if out["commit"]:
+            status = git("status", "--porcelain", "--untracked-files=no")
+            out["dirty"] = None if status is None else bool(status)
+    except (OSError, subprocess.SubprocessError):  # no git, or it hung: the path alone
+        pass
+    return out
 
 
 def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
@@ -41,6 +63,7 @@ def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
     import ringdp
 
     info["ringdp"] = ringdp.build_info()
+    info["ringdp_source"] = ringdp_source(ringdp)
     if world_size is not None:
         info["world_size"] = world_size
     if device.startswith("cuda") and torch.cuda.is_available():

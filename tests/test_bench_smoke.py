@@ -41,12 +41,31 @@ def test_bench_smoke(tmp_path):
         if r["series"].startswith("ringdp"):
             assert r["speedup"] is not None and r["roof_us"] > 0
     assert payload["machine"]["world_size"] == 2
+    import ringdp
+
+    src = payload["machine"]["ringdp_source"]  # which build ran: the one this test imports
+    assert src["path"] == str(Path(ringdp.__file__).resolve().parent.parent), src
+    head = subprocess.run(["git", "-C", src["path"], "rev-parse", "HEAD"], capture_output=True, text=True)
+    assert src["commit"] == (head.stdout.strip() if head.returncode == 0 else None), src
     assert payload["memcpy"]["one_rank_GBps"] > 0
     assert payload["transport"] == "shm" and payload["complete"] is True
     assert {r["algo"] for r in rows if r["kind"] != "baseline"} <= {"ring", "oneshot"}
     assert (tmp_path / "allreduce_cpu_w2_float32.png").stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["allreduce_cpu_w2_float32.json",
                                                           "allreduce_cpu_w2_float32.png"]
+
+
+def test_ringdp_source_outside_a_checkout(tmp_path):
+    """A ringdp outside any git work tree: its path, and no commit (nothing invented)."""
+    import types
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import _common
+
+    pkg = tmp_path / "site" / "ringdp"
+    pkg.mkdir(parents=True)
+    fake = types.SimpleNamespace(__file__=str(pkg / "__init__.py"))
+    assert _common.ringdp_source(fake) == {"path": str(tmp_path / "site"), "commit": None, "dirty": None}
 
 
 def _alive(pid: int) -> bool:
