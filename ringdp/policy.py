@@ -146,7 +146,8 @@ def spin_ns(machine_ranks: int, cfg, compute_threads: int = 0) -> int:
 
     This is the most a wait spins: the ring's waits inside a call spin less while spinning
     does not pay (csrc/transport/shm/wait.h SpinLearner: half after a wait that had to
-    sleep, twice after one the spin caught, the whole spin on a probe every 16th wait).
+    sleep, twice after one the spin caught, and while below it the whole spin on a probe
+    every 16th wait).
     Beside one busy process (bench/allreduce.py --busy 1), world 2, a 16 MiB all-reduce took
     5.0-6.6 ms with a fixed 50 us spin and 3.4-4.3 ms so."""
     if cfg.spin_us is not None:

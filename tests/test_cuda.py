@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import _cpp
 from _closed_form import expected
 from _dist import run_ranks, values
 
@@ -98,13 +99,7 @@ def _digest(t: torch.Tensor) -> str:
 # ============================================================== CPU: protocol simulation
 def test_protocol_simulation(tmp_path):
     """The IPC ring protocol (csrc/cuda/protocol.h + csrc/ring/ring.cpp) on threads."""
-    cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
-    if not cxx:
-        pytest.skip("no C++ compiler for the protocol simulation")
-    exe = tmp_path / "protocol_sim"
-    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "csrc/cuda/sim/protocol_sim.cpp"), str(ROOT / "csrc/ring/ring.cpp"), "-o", str(exe)],
-                   check=True, timeout=300)
+    exe = _cpp.build(tmp_path, "protocol_sim", "csrc/cuda/sim/protocol_sim.cpp", "csrc/ring/ring.cpp")
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"protocol simulation failed:\n{r.stdout}\n{r.stderr}"
     assert "configurations passed" in r.stdout

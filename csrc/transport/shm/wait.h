@@ -37,22 +37,30 @@ struct WaitPolicy {
   }
 };
 
-// The adaptive spin of the ring's waits inside a call (shm::Link: every rank has entered
-// the call, so a peer that keeps a waiter past its spin is not running: more runnable
-// threads than cores, another process beside the ranks). A waiter that spins then only
-// holds the core its peer needs, and spinning less hands it over sooner. The rule, per wait
-// that did not find the flag already reached, with cap = WaitPolicy::spin_ns:
+// The adaptive spin of the ring's waits (shm::Link; not the header exchange or the one-shot
+// path, which keep the fixed spin). Every rank has entered the call, so a peer that keeps a
+// waiter past its spin is usually not running (more runnable threads than cores: another
+// process beside the ranks), though a running successor busy with a long slice looks the
+// same. A waiter that spins then only holds the core its peer needs, and spinning less hands
+// it over sooner. The rule, per wait that did not find the flag already reached, with
+// cap = WaitPolicy::spin_ns (policy.spin_ns: 50 us by default, 2 us where ranks and their
+// compute threads outnumber the cores):
 //   - the spin caught the flag: the next spins twice as long (at most cap); caught by a
 //     probe, the cap at once;
-//   - the waiter went to sleep: the next spins half as long (at least kFloorNs);
+//   - the waiter went to sleep: the next spins half as long (at least kFloorNs, or the cap
+//     where that is smaller; the spin loop reads the clock every 64 pauses, so a 1 us spin
+//     lasts 1.5-3 us);
 //   - while the spin is below the cap, every kProbeEvery-th wait is a probe: it spins the
 //     whole cap, so that a peer that runs again (late by less than the cap) is found again.
 // Only whether the spin caught the flag counts, never how long a wait took: a wait that
 // slept includes the futex wake-up (tens to hundreds of us on a VM), which would make a
 // running peer that is a little late look like one that is not running (an earlier rule,
 // "halve when the wait took longer than the cap", stuck at its floor against such a peer:
-// a two-thread ping-pong 1.7-2x slower). A new cap (ShmComm::set_spin_ns) starts afresh.
-// Used by one thread at a time (the thread running the call).
+// a two-thread ping-pong 1.7-2x slower). What it learned carries over to the next call; a
+// new cap (ShmComm::set_spin_ns: Python switches between the worker's and the inline spin)
+// starts afresh. One learner per Link: at world >= 3 the waits on the predecessor and on
+// the successor share it. Used by one thread at a time (the one running the call, under
+// the communicator's lock).
 class SpinLearner {
  public:
   static constexpr int64_t kFloorNs = 1000;
@@ -71,7 +79,7 @@ class SpinLearner {
   // That wait's outcome: caught while spinning, or not (the waiter sleeps).
   void end(bool caught) {
     if (caught)
-      spin_ = probing_ ? cap_ : std::min(cap_, 2 * std::max<int64_t>(spin_, 1));
+      spin_ = probing_ || spin_ > cap_ / 2 ? cap_ : 2 * spin_;
     else
       spin_ = std::max(std::min(kFloorNs, cap_), spin_ / 2);
   }
