@@ -8,10 +8,22 @@ import os
 import platform
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results (README)
 OUT_DIR = Path(__file__).resolve().parent / "out"  # default output of every script (git-ignored)
+
+
+def checkout_fallback() -> None:
+    """Let this checkout's ringdp (uninstalled, built in place) be found, last: its root goes
+    at the end of sys.path, so a ringdp on PYTHONPATH (in an A/B, a worktree of the code
+    before) or an installed one wins. ddp_step.py, fsdp_step.py and train.py used to put it
+    first, so an A/B through PYTHONPATH measured this checkout on both sides (machine
+    info's ringdp_source now says which ran)."""
+    if str(REPO) not in sys.path:
+        sys.path.append(str(REPO))
 
 
 def cpu_model() -> str:

@@ -144,7 +144,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.append(str(HERE.parent))  # an uninstalled, in-place built checkout (installed wins)
+from _common import checkout_fallback  # noqa: E402
+
+checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -57,9 +57,10 @@ from pathlib import Path
 from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+
+checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
 ALL_MODES = ("none", "torch", "ring", "ring_view", "torch_view", "ring_serial", "torch_ringdp", "torch_nocomm",
              "torch_ringdp_view", "torch_nocomm_view", "torch_ringdp_adopt", "torch_ringdp_view_adopt")

@@ -34,9 +34,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from _common import OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+
+checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
 MODES = ("gloo", "ringdp", "alone")
 

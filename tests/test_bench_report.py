@@ -319,3 +319,18 @@ def test_compare_takes_each_sides_best_run(tmp_path):
     ddp = write("d.json", [{"hidden": 8, "mode": "ring", "step_ms": 3.0}])
     with pytest.raises(SystemExit, match="same benchmark"):
         compare.compare(before, [ddp])
+
+
+@pytest.mark.parametrize("script", ["allreduce", "ddp_step", "fsdp_step", "train"])
+def test_bench_scripts_take_the_ringdp_on_pythonpath(tmp_path, script):
+    """A/B runs put the code before on PYTHONPATH: every bench script must then import that
+    ringdp, not the checkout it lives in (ddp_step, fsdp_step and train put the checkout
+    first, so both sides of such an A/B ran the same code)."""
+    fake = tmp_path / "before" / "ringdp"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    code = (f"import runpy, sys; runpy.run_path({str(ROOT / 'bench' / (script + '.py'))!r}, run_name='bench'); "
+            "import ringdp; print('RINGDP', ringdp.__file__)")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "before"))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert f"RINGDP {fake / '__init__.py'}" in r.stdout, (r.stdout, r.stderr[-2000:])
