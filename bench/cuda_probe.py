@@ -17,6 +17,14 @@ Host time of ringdp's layers, per call (enqueue only; their difference is the la
                           ringdp makes in the end)
     host_method_us        Communicator.all_reduce (ringdp.all_reduce less the group lookup)
     host_current_stream_us  torch.cuda.current_stream(device) alone (one per ringdp call)
+    host_endpoint_us      Communicator._cuda_endpoint (the group-alive check and endpoint lookup,
+                          made three times per call)
+    host_check_us         Communicator._check (dtype, op, layout, device)
+    host_call_us          Communicator._call of a no-op (the lock and the inline bookkeeping)
+    host_noop_us          a Python no-op lambda: this host's interpreter, the unit of the rest
+    python_threads, worker_started, eager_by_exec_strategy: threads that could take the GIL
+                          while the binding releases it; whether torch.compile's fallback
+                          wrappers are in the way (False: three wrappers per call)
 RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SGD):
     none_ms               the plain module on this rank (no communication)
     ring_ms               RingDDP
@@ -135,7 +143,20 @@ def rank_main(rank, world, port, a):
         "host_binding_tensor_us": lambda: ep.native.all_reduce_tensor(y, 0, handle, algo_code, comm.timeout),
         "host_method_us": lambda: comm.all_reduce(y),
         "host_current_stream_us": lambda: torch.cuda.current_stream(y.device),
+        "host_endpoint_us": lambda: comm._cuda_endpoint(y.device),
+        "host_check_us": lambda: comm._check(y, dist.ReduceOp.SUM),
+        "host_call_us": lambda: comm._call(lambda: None),
+        "host_noop_us": lambda: None,
     }
+    # What else could take host time: a worker thread or other Python threads competing for
+    # the GIL while the binding releases it, torch.compile's fallback wrappers.
+    import threading
+
+    from ringdp import _eager
+
+    res["python_threads"] = len(threading.enumerate())
+    res["worker_started"] = comm._worker is not None
+    res["eager_by_exec_strategy"] = _eager.set_code_exec_strategy is not None
     for key, fn in layers.items():
         def layer_block(fn=fn):
             dist.barrier()
