@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-RESULTS_DIR = Path(__file__).resolve().parent / "results"  # the committed results (README)
-OUT_DIR = Path(__file__).resolve().parent / "out"  # default output of every script (git-ignored)
+RESULTS_DIR = REPO / "bench" / "results"  # the committed results (README)
+OUT_DIR = REPO / "bench" / "out"  # default output of every script (git-ignored)
 
 
 def checkout_fallback() -> None:

@@ -22,10 +22,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,9 +31,6 @@ import torch
 import _cpp
 from _closed_form import expected
 from _dist import run_ranks, values
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 REQUIRE_CUDA = os.environ.get("RINGDP_REQUIRE_CUDA", "") == "1"
 

@@ -143,7 +143,7 @@ void pin(std::thread::native_handle_type t, int cpu) {
 // `late`, posts pong. A must get the cap back (a probe catches) and keep it: the spin must
 // be at the cap after at least 44 of the last 48 rounds (a thread descheduled for a moment
 // costs a few). Returns whether it was.
-bool ping_pong_keeps_the_cap(microseconds late) {
+bool ping_pong_keeps_the_cap(microseconds late, std::pair<int, int> cpus) {
   Flag ping{}, pong{}, ping_sleepers{}, pong_sleepers{};
   WaitPolicy p;
   p.spin_ns.store(kCap);
@@ -153,7 +153,6 @@ bool ping_pong_keeps_the_cap(microseconds late) {
   spins_of_misses(a, 7, kCap);
   CHECK_EQ(a.spin_ns(), SpinLearner::kFloorNs);
   const uint32_t rounds = 80;
-  const auto cpus = two_cpus();
   cpu_set_t before;
   const bool restore = sched_getaffinity(0, sizeof(before), &before) == 0;
   pin(pthread_self(), cpus.first);
@@ -186,12 +185,13 @@ bool ping_pong_keeps_the_cap(microseconds late) {
 // The ping-pong, up to 5 times (another process may hold a core for a while: then a wait
 // legitimately sleeps); a rule that stays at its floor fails every time.
 void ping_pong_with_a_running_late_peer(microseconds late) {
-  if (two_cpus().second < 0) {
+  const auto cpus = two_cpus();
+  if (cpus.second < 0) {
     std::printf("ping-pong skipped: fewer than two CPUs to run on\n");  // test_shm_wait.py skips
     return;
   }
   bool kept = false;
-  for (int attempt = 0; attempt < 5 && !kept; ++attempt) kept = ping_pong_keeps_the_cap(late);
+  for (int attempt = 0; attempt < 5 && !kept; ++attempt) kept = ping_pong_keeps_the_cap(late, cpus);
   CHECK(kept);
 }
 }  // namespace
