@@ -78,10 +78,11 @@ Per chunk of S/n (T = element width, A = partial-sum width, in units of S/n):
                                              w=2: (8n-6)/n = 5.0 (n=2), 6.5 (n=4)
     total in place   w=1: 5(n-1)/n = 2.5 (n=2), 3.75 (n=4)
                      w=2: ((2w+3)n - 2w - 1)/n = (7n-5)/n = 4.5 (n=2), 5.75 (n=4)
-In place applies to registered tensors on CPU only when w = 1 (shm_comm.cpp: the registered
-ring needs acc width == element width, so a registered float16/bfloat16 tensor is staged),
-on CUDA IPC for every dtype (read in place, RINGDP_CUDA_REGISTERED=1, the default), and never on
-the NCCL transport (staged; NCCL's own copies are not counted: a lower bound).
+The in-place ring applies on CUDA IPC for every dtype (read in place,
+RINGDP_CUDA_REGISTERED=1, the default), and never on the NCCL transport (staged; NCCL's own
+copies are not counted: a lower bound). On CPU a registered all_reduce runs direct instead
+(shm_comm.cpp run_direct, any dtype): each rank reads its chunk of all n tensors (S) and
+writes the result into all n (S): 2, at any n (the float32 partials of half types stay in L1).
 One-shot (shm_comm.cpp, csrc/cuda oneshot_kernel): each rank copies its input into its
 one-shot buffer (2), reads all n buffers and writes the result (n+1): n + 3, registered or
 not. Baseline rows show the staged-ring figure, the least any staged ring must move.
@@ -353,7 +354,9 @@ def bytes_factor(n: int, algo: str = "ring", registered: bool = False, dtype: st
     if algo == "oneshot":
         return n + 3.0
     w = 2 if dtype in HALF_TYPES else 1
-    in_place = registered and ((device == "cpu" and w == 1) or (device == "cuda" and transport == "ipc"))
+    if registered and device == "cpu":
+        return 2.0  # the direct all-reduce
+    in_place = registered and device == "cuda" and transport == "ipc"
     if not in_place:
         return ((2 * w + 4) * n - 2 * w - 2) / n
     if w == 1:

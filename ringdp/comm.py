@@ -1131,7 +1131,8 @@ class Communicator:
     # ---- diagnosis ----------------------------------------------------------------------
     def flight_record(self) -> list[dict]:
         """This rank's last collectives on the shared-memory transport, oldest first: seq,
-        kind, count, dtype, op, algo, tag, status (running, ok, failed), start and end
+        kind, count, dtype, op, algo (asked for), path (what moved the data: none, oneshot,
+        ring_staged, ring_in_place, direct), tag, status (running, ok, failed), start and end
         (microseconds since the epoch; end 0 while running)."""
         shm = self._cpu_arena()
         if shm is None:

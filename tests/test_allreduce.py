@@ -6,6 +6,7 @@ included) represents the exact closed-form results (tests/_closed_form.py):
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
 """
 import hashlib
+import time
 
 import pytest
 import torch
@@ -88,6 +89,83 @@ def test_bitwise_identical_across_ranks(dtype, registered):
     # every rank show each chunk is reduced once, in one order, and copied.
     res = values(run_ranks(_random_sum, 3, 200_003, dtype, registered))
     assert all(r == res[0] for r in res), res
+
+
+def _paths(rank, world):
+    """What the engine ran (the flight record's path) for each kind of tensor, with the values."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    n = 300_007  # above every one-shot threshold: the ring's sizes
+    out = {}
+
+    def run(name, t, **kw):
+        t.copy_(value(rank, t.numel(), t.dtype))
+        ringdp.all_reduce(t, **kw)
+        rec = comm.flight_record()[-1]
+        op = kw.get("op", dist.ReduceOp.SUM)
+        want = expected({dist.ReduceOp.SUM: "SUM", dist.ReduceOp.MAX: "MAX"}[op], world, t.numel(), t.dtype)
+        out[name] = (rec["path"], rec["kind"], torch.equal(t, want))
+
+    run("ordinary", torch.empty(n))
+    run("registered", ringdp.empty(n))
+    run("registered_bf16", ringdp.empty(n, dtype=torch.bfloat16))  # the in-place ring could not
+    run("registered_max_int", ringdp.empty(n, dtype=torch.int64), op=dist.ReduceOp.MAX)
+    run("registered_here_only", ringdp.empty(n) if rank == 0 else torch.empty(n))
+    run("registered_small", ringdp.empty(5), algo="ring")
+    run("oneshot", ringdp.empty(100), algo="oneshot")
+    g_in, g_out = ringdp.empty(n), ringdp.empty(n * world)
+    g_in.copy_(value(rank, n, torch.float32))
+    comm.all_gather_into_tensor(g_out, g_in)
+    rec = comm.flight_record()[-1]
+    out["all_gather_registered"] = (rec["path"], rec["kind"],
+                                    all(torch.equal(b, value(q, n, torch.float32)) for q, b in enumerate(g_out.chunk(world))))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_paths(world):
+    # A registered all_reduce runs direct on every rank (any dtype), a mixed one staged on
+    # every rank, registered all_gather the in-place ring; the flight record says which.
+    want = {"ordinary": "ring_staged", "registered": "direct", "registered_bf16": "direct",
+            "registered_max_int": "direct", "registered_here_only": "ring_staged", "registered_small": "direct",
+            "oneshot": "oneshot", "all_gather_registered": "ring_in_place"}
+    for rank, out in enumerate(values(run_ranks(_paths, world))):
+        assert {k: v[0] for k, v in out.items()} == want, (rank, out)
+        assert all(v[2] for v in out.values()), (rank, out)
+
+
+def _direct_back_to_back(rank, world, count, calls):
+    """Many direct all-reduces on the same registered tensor, the ranks out of step (a rank
+    sleeps before some calls, another overwrites its tensor the moment a call returns):
+    a peer still reading or writing my tensor after I return would show in the values."""
+    import random
+
+    import ringdp
+
+    t = ringdp.empty(count)
+    i = torch.arange(count, dtype=torch.float64)
+    rng = random.Random(rank)
+    bad = []
+    for k in range(calls):
+        if rng.random() < 0.2:
+            time.sleep(rng.random() * 0.002)
+        t.copy_((i % 101) * (rank + 1) + k)  # exact in float32
+        ringdp.all_reduce(t)
+        want = (i % 101) * (world * (world + 1) // 2) + world * k
+        if not torch.equal(t.to(torch.float64), want):
+            bad.append(k)
+        t.fill_(-1e9)  # a peer still reading my input would fold this in
+    return bad, ringdp.get_communicator().flight_record()[-1]["path"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_direct_back_to_back(world):
+    for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60))):
+        assert path == "direct"
+        assert bad == [], f"rank {rank}: wrong results at calls {bad[:10]}"
 
 
 def _async(rank, world):

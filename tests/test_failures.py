@@ -96,14 +96,16 @@ def test_bad_arguments_are_clear_errors():
         assert t == [2.0] * 5
 
 
-def _peer_killed(rank, world, count, when):
+def _peer_killed(rank, world, count, when, tensors):
     import threading
 
     import ringdp
 
     comm = ringdp.init(timeout=60)
     names = [f"{comm.shm.name}"]
-    t = ringdp.empty(count) if rank == 0 else torch.ones(count)
+    # "mixed": rank 0 registered, the others not (the staged ring); "registered": every rank
+    # (the direct all-reduce)
+    t = ringdp.empty(count) if rank == 0 or tensors == "registered" else torch.ones(count)
     t.fill_(1.0)
     ringdp.all_reduce(t)  # one good call first
     if rank == world - 1:
@@ -122,11 +124,12 @@ def _peer_killed(rank, world, count, when):
         return str(e), time.monotonic() - t0, names
 
 
+@pytest.mark.parametrize("tensors", ["mixed", "registered"])
 @pytest.mark.parametrize("when", ["before", "during"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_sigkilled_peer(world, when):
+def test_sigkilled_peer(world, when, tensors):
     dead = world - 1
-    res = run_ranks(_peer_killed, world, 4_000_000, when, allow_missing=(dead,), timeout=120)
+    res = run_ranks(_peer_killed, world, 4_000_000, when, tensors, allow_missing=(dead,), timeout=120)
     for rank in range(world - 1):
         status, value = res[rank]
         assert status == "ok", value

@@ -16,12 +16,18 @@ namespace ringdp {
 
 struct CallRecord {
   enum Status : int32_t { kRunning = 0, kOk = 1, kFailed = 2 };
+  // What moved the data, once the headers agreed: nothing (world 1, no elements, a call that
+  // failed its checks), the one-shot buffers, the ring through the FIFOs (staged), the ring
+  // reading peers' registered tensors in place, or the direct all-reduce over registered
+  // tensors (shm_comm.cpp run_direct).
+  enum Path : int32_t { kNone = 0, kOneShot = 1, kRingStaged = 2, kRingInPlace = 3, kDirect = 4 };
   uint32_t seq = 0;       // the communicator's call number
   int32_t kind = 0;       // Kind
   int32_t dtype = 0;      // DType
   int32_t op = 0;         // RedOp
   int32_t algo = 0;       // the transport's algorithm code
   int32_t status = kRunning;
+  int32_t path = kNone;
   uint64_t count = 0;     // elements
   int64_t t_start_us = 0;  // system clock, microseconds since the epoch
   int64_t t_end_us = 0;    // 0 while running
@@ -53,6 +59,12 @@ class FlightRecorder {
     r.t_start_us = now_us();
     std::memcpy(r.tag, tag.data(), tag.size() < kTagBytes ? tag.size() : kTagBytes - 1);
     return slot;
+  }
+
+  void set_path(size_t slot, uint32_t seq, CallRecord::Path path) {
+    std::lock_guard<std::mutex> g(mu_);
+    CallRecord& r = ring_[slot];
+    if (r.seq == seq) r.path = path;
   }
 
   void end(size_t slot, uint32_t seq, CallRecord::Status status) {

@@ -132,15 +132,6 @@ struct K {
       for (size_t i = 0; i < n; ++i) d[i] = store<T>(Op::f(x[i], load(y[i])));
     }
   }
-  static void reduce_inplace(void* data, const void* prev, size_t n, int avg_div) {
-    T* __restrict d = static_cast<T*>(data);
-    const T* __restrict p = static_cast<const T*>(prev);
-    if (avg_div > 0) {
-      for (size_t i = 0; i < n; ++i) d[i] = store<T>(divide(Op::f(load(p[i]), load(d[i])), avg_div));
-    } else {
-      for (size_t i = 0; i < n; ++i) d[i] = store<T>(Op::f(load(p[i]), load(d[i])));
-    }
-  }
   static void reduce_many(void* out, const void* const* srcs, int k, size_t n, int avg_div) {
     // Blocked so the float32 partials of a block stay in L1 while the k sources stream by.
     constexpr size_t B = 1024;
@@ -158,7 +149,7 @@ struct K {
     }
   }
   static const Kernels& get() {
-    static const Kernels k{to_acc, reduce_acc, reduce_final, reduce_inplace, reduce_many};
+    static const Kernels k{to_acc, reduce_acc, reduce_final, reduce_many};
     return k;
   }
 };

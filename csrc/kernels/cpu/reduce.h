@@ -19,9 +19,8 @@ struct Kernels {
   void (*reduce_acc)(void* dst, const void* a, const void* b, size_t n);
   // x = a[Acc] op b[T] (then x /= avg_div when avg_div > 0); data[T] = x; out2[T] = x if out2
   void (*reduce_final)(void* data, void* out2, const void* a, const void* b, size_t n, int avg_div);
-  // data[T] = prev[T] op data[T] (then / avg_div when avg_div > 0), in place
-  void (*reduce_inplace)(void* data, const void* prev, size_t n, int avg_div);
-  // out[T] = srcs[0] op srcs[1] op ... in this order, accumulated in Acc, then / avg_div
+  // out[T] = srcs[0] op srcs[1] op ... in this order, accumulated in Acc, then / avg_div.
+  // out may be one of srcs: each block is read from every source before it is written.
   void (*reduce_many)(void* out, const void* const* srcs, int k, size_t n, int avg_div);
 };
 

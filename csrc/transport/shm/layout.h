@@ -19,8 +19,9 @@ namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 3;  // 2: call fingerprint (kind, tag), Control::done
+constexpr uint32_t kLayoutVersion = 4;  // 2: call fingerprint (kind, tag), Control::done
                                         // 3: kinds reduce_scatter/all_gather/broadcast, root
+                                        // 4: Control::wrote (the direct all-reduce)
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.
@@ -80,11 +81,13 @@ struct Control {
   Flag sleepers;   // peers sleeping on one of my flags: wake them after a store
   Flag aborted;    // nonzero once this rank gave up; reason in abort_msg
   Flag done;       // the last call number this rank finished (for the stall report)
+  Flag wrote;      // the last call whose direct all-reduce finished writing into peers' tensors
   CallHeader hdr[2];
   char abort_msg[kMsgBytes];
 };
 static_assert(offsetof(Control, posted) % kCacheLine == 0, "flags start on a cache line");
 static_assert(offsetof(Control, consumed) == offsetof(Control, posted) + kCacheLine, "one line per flag");
+static_assert(offsetof(Control, wrote) == offsetof(Control, done) + kCacheLine, "one line per flag");
 static_assert(offsetof(Control, hdr) % kCacheLine == 0, "headers start on a cache line");
 static_assert(sizeof(Control) <= 4096, "control block fits its page");
 

@@ -164,7 +164,12 @@ class ShmComm final : public Endpoint {
   void run_call(uint32_t s, const Call& c, const std::string& tag);
   // The data-moving part of run_call, once every header agrees.
   void run_oneshot(int parity, const Call& c);
+  void run_direct(uint32_t s, int parity, const Call& c);
   void run_ring(int parity, const Call& c);
+  // Whether every rank's header of `parity` names a tensor in its registered arena.
+  bool all_registered(int parity) const;
+  // Note in the current call's flight record what moved its data.
+  void took(CallRecord::Path path) { flight_.set_path(flight_slot_, call_, path); }
   void fail(const std::string& why);  // abort() and throw
   // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
@@ -179,6 +184,7 @@ class ShmComm final : public Endpoint {
   shm::Clock::time_point deadline_;
   double timeout_s_ = 0;
   uint32_t call_ = 0;  // call number being run, for messages
+  size_t flight_slot_ = 0;  // its flight record
   Kind kind_ = Kind::kAllReduce;  // its kind
   shm::Clock::time_point call_start_;
   bool stall_reported_ = false;

@@ -2,6 +2,8 @@
 
 #include <cstring>
 
+#include "../../common/error.h"
+
 namespace ringdp {
 namespace shm {
 
@@ -71,13 +73,8 @@ void StagedTransport::recv_reduce_copy(const Slice& s) {
 
 // ---- registered ------------------------------------------------------------------------
 
-RegisteredTransport::RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype, RedOp op)
-    : link_(link),
-      data_(data),
-      prev_data_(link.prev_arena() + prev_offset),
-      k_(cpu::kernels_for(dtype, op)),
-      esz_(dtype_size(dtype)),
-      avg_div_(op == RedOp::kAvg ? link.world() : 0) {}
+RegisteredTransport::RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype)
+    : link_(link), data_(data), prev_data_(link.prev_arena() + prev_offset), esz_(dtype_size(dtype)) {}
 
 const char* RegisteredTransport::in(const Slice& s) {
   link_.wait_in();
@@ -86,16 +83,12 @@ const char* RegisteredTransport::in(const Slice& s) {
 
 void RegisteredTransport::send(const Slice&) { link_.post(); }  // my values are readable in place
 
-void RegisteredTransport::recv_reduce_send(const Slice& s) {
-  k_.reduce_inplace(data_ + s.offset * esz_, in(s), s.count, 0);
-  link_.consume();
-  link_.post();
-}
+void RegisteredTransport::recv_reduce_send(const Slice&) { reduces(); }
+void RegisteredTransport::recv_reduce_copy_send(const Slice&) { reduces(); }
+void RegisteredTransport::recv_reduce_copy(const Slice&) { reduces(); }
 
-void RegisteredTransport::recv_reduce_copy_send(const Slice& s) {
-  k_.reduce_inplace(data_ + s.offset * esz_, in(s), s.count, avg_div_);
-  link_.consume();
-  link_.post();
+void RegisteredTransport::reduces() const {
+  throw RingError("shm: the in-place ring carries final values only (a registered all_reduce runs direct)");
 }
 
 void RegisteredTransport::recv_copy_send(const Slice& s) {
@@ -110,11 +103,6 @@ void RegisteredTransport::recv(const Slice& s) {
 }
 
 void RegisteredTransport::copy_send(const Slice&) { link_.post(); }  // read in place
-
-void RegisteredTransport::recv_reduce_copy(const Slice& s) {
-  k_.reduce_inplace(data_ + s.offset * esz_, in(s), s.count, avg_div_);
-  link_.consume();
-}
 
 void RegisteredTransport::finish() {
   // My tensor is read in place by my successor: the caller may touch it only after the

@@ -42,13 +42,14 @@ class StagedTransport final : public RingTransport {
 };
 
 // Registered tensors (ringdp.empty): the tensor itself lives in the arena every peer has
-// mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and
-// reduce into my own tensor in place. No slots, no staging copies. finish() waits until my
-// successor has read my last slice. all_reduce, all_gather and broadcast use it; not
-// reduce_scatter, whose partial sums would overwrite the caller's input in place.
+// mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and copy
+// it into my own tensor. No slots, no staging copies. finish() waits until my successor has
+// read my last slice. all_gather and broadcast use it: they move final values only, and the
+// reduction primitives throw. A registered all_reduce runs direct instead (shm_comm.cpp
+// run_direct: 2 x S bytes a rank, no chain); reduce_scatter is always staged.
 class RegisteredTransport final : public RingTransport {
  public:
-  RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype, RedOp op);
+  RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype);
   void send(const Slice& s) override;
   void recv_reduce_send(const Slice& s) override;
   void recv_reduce_copy_send(const Slice& s) override;
@@ -60,13 +61,12 @@ class RegisteredTransport final : public RingTransport {
 
  private:
   const char* in(const Slice& s);  // wait for predecessor's slice
+  [[noreturn]] void reduces() const;
 
   Link& link_;
   char* data_;
   const char* prev_data_;
-  const cpu::Kernels& k_;
   size_t esz_;
-  int avg_div_;
 };
 
 }  // namespace shm
