@@ -510,6 +510,15 @@ class Caller:
             return comm.cross_path
         return comm.algo_for(nbytes, self.device.type, s.algo)
 
+    def path(self, s: Series) -> str | None:
+        """What the engine ran for this series' last call on this host's shared memory (the
+        flight record's path: oneshot, ring_staged, ring_in_place, direct); None for
+        torch.distributed series, CUDA, across hosts, or a ringdp without the field."""
+        if self.torch_api(s) or self.device.type != "cpu" or self.cross_path is not None:
+            return None
+        recs = (self.flat_comm if s.kind == "ringdp-flat" else self.comm).flight_record()
+        return recs[-1].get("path") if recs else None
+
     def oneshot_max_bytes(self) -> int:
         """Largest size (whole elements, up to 1 GiB) that algo "auto" runs one-shot."""
         lo, hi = 0, (1 << 30) // self.elem
@@ -627,6 +636,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     fill()  # correctness: refill, one more call, compare with the closed form
     run()
     sync(c.device)
+    path = c.path(s)
     wrong = torch.tensor([check()], dtype=torch.int64)
     dist.all_reduce(wrong)
     t = None  # noqa: F841 -- frees the buffers before the next point
@@ -644,7 +654,7 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     return {
         "size": nbytes, "count": count, "type": DTYPE_NAMES[args.dtype], "redop": args.op,
         "collective": coll.name if coll else "all_reduce",
-        "series": s.name, "kind": s.kind, "algo": algo, "iters": iters, "warmup": warmup,
+        "series": s.name, "kind": s.kind, "algo": algo, "path": path, "iters": iters, "warmup": warmup,
         "time_us": mean * 1e6, "min_us": fastest * 1e6, "median_us": median * 1e6,
         "algbw_GBps": algbw, "busbw_GBps": algbw * BUSBW_FACTOR[coll.name if coll else "all_reduce"](n),
         "wrong": int(wrong[0]),

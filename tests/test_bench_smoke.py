@@ -50,6 +50,11 @@ def test_bench_smoke(tmp_path):
     assert payload["memcpy"]["one_rank_GBps"] > 0
     assert payload["transport"] == "shm" and payload["complete"] is True
     assert {r["algo"] for r in rows if r["kind"] != "baseline"} <= {"ring", "oneshot"}
+    # what the engine ran (flight record): registered tensors go direct past one-shot's sizes
+    paths = {(r["series"], r["path"]) for r in rows if r["algo"] == "ring"}
+    assert paths == {("ringdp", "ring_staged"), ("ringdp-reg", "direct")}, paths
+    assert {r["path"] for r in rows if r["algo"] == "oneshot"} <= {"oneshot"}
+    assert all(r["path"] is None for r in rows if r["kind"] == "baseline")
     assert (tmp_path / "allreduce_cpu_w2_float32.png").stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["allreduce_cpu_w2_float32.json",
                                                           "allreduce_cpu_w2_float32.png"]
