@@ -84,6 +84,7 @@ py::list records_to_python(const std::vector<CallRecord>& records) {
   py::list out;
   static const char* status[] = {"running", "ok", "failed"};
   static const char* path[] = {"none", "oneshot", "ring_staged", "ring_in_place", "direct"};
+  static_assert(sizeof(path) / sizeof(path[0]) == CallRecord::kDirect + 1, "a name for every path");
   for (const CallRecord& r : records) {
     py::dict d;
     d["seq"] = r.seq;
@@ -94,7 +95,7 @@ py::list records_to_python(const std::vector<CallRecord>& records) {
     d["algo"] = r.algo;
     d["tag"] = std::string(r.tag);
     d["status"] = (r.status >= 0 && r.status <= 2) ? status[r.status] : "unknown";
-    d["path"] = (r.path >= 0 && r.path <= 4) ? path[r.path] : "unknown";
+    d["path"] = (r.path >= 0 && r.path <= CallRecord::kDirect) ? path[r.path] : "unknown";
     d["t_start_us"] = r.t_start_us;
     d["t_end_us"] = r.t_end_us;
     out.append(d);

@@ -1072,8 +1072,8 @@ class Communicator:
         moves now and returns whether it did; else it is queued behind them (a collective
         still running on the tensor finishes first, a later one finds it moved) and returns
         None. Never raises: it does not move (False) a tensor that is not a whole contiguous
-        CPU storage of a dtype reduced in place (float16 and bfloat16 are always staged),
-        pinned, shared or already registered, nor when the arena or /dev/shm is full, the
+        CPU storage of a dtype ringdp reduces (a registered all_reduce of any of them runs
+        direct, float16 and bfloat16 included), pinned, shared or already registered, nor when the arena or /dev/shm is full, the
         communicator is closed, or torch lacks the swap."""
         if not self._movable(tensor):
             return False
@@ -1090,13 +1090,10 @@ class Communicator:
             return False
         return None
 
-    # reduced through a float32 accumulator, so staged even when registered (csrc/common/types.h acc_size)
-    _STAGED_DTYPES = (torch.float16, torch.bfloat16)
-
     def _movable(self, tensor: torch.Tensor) -> bool:
         return (hasattr(torch.UntypedStorage, "_swap_data_ptr_") and isinstance(tensor, torch.Tensor)
                 and tensor.device.type == "cpu" and tensor.dtype in _SUPPORTED_DTYPES
-                and tensor.dtype not in self._STAGED_DTYPES and tensor.layout == torch.strided
+                and tensor.layout == torch.strided
                 and tensor.is_contiguous() and tensor.storage_offset() == 0 and tensor.numel() > 0
                 and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
                 and not tensor.is_pinned() and not tensor.is_shared())

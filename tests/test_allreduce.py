@@ -153,7 +153,7 @@ def _direct_back_to_back(rank, world, count, calls):
         if rng.random() < 0.2:
             time.sleep(rng.random() * 0.002)
         t.copy_((i % 101) * (rank + 1) + k)  # exact in float32
-        ringdp.all_reduce(t)
+        ringdp.all_reduce(t, algo="ring")  # (one-shot's threshold aside, whatever it is)
         want = (i % 101) * (world * (world + 1) // 2) + world * k
         if not torch.equal(t.to(torch.float64), want):
             bad.append(k)
@@ -252,6 +252,12 @@ def _register_in_place(rank, world):
     s = sum(range(1, world + 1))
     in_flight = {"queued": queued, "registered": comm.is_registered(u),
                  "exact": torch.equal(u, torch.arange(1000003, dtype=torch.float64) * s * world)}
+    # a bfloat16 tensor moves too (a registered all_reduce of any dtype runs direct)
+    h = (torch.arange(3001) % 13 + rank).to(torch.bfloat16)
+    half = {"moved": comm.register_in_place(h)}
+    ringdp.all_reduce(h, algo="ring")
+    half["path"] = comm.flight_record()[-1]["path"]
+    half["exact"] = torch.equal(h, ((torch.arange(3001) % 13) * world + sum(range(world))).to(torch.bfloat16))
     refused = {
         "again": comm.register_in_place(u),  # already registered
         "slice": comm.register_in_place(torch.zeros(8)[2:6]),  # not at the storage's start
@@ -259,12 +265,12 @@ def _register_in_place(rank, world):
         "strided": comm.register_in_place(torch.zeros(4, 4).t()),
         "empty": comm.register_in_place(torch.zeros(0)),
         "shared": comm.register_in_place(torch.zeros(8).share_memory_()),
-        "half": comm.register_in_place(torch.zeros(8, dtype=torch.float16)),  # staged anyway
         "bool": comm.register_in_place(torch.zeros(8, dtype=torch.bool)),
         "arena_full": comm.register_in_place(torch.zeros(1 << 22)),  # 16 MiB
     }
     return {"moved": moved, "same": same, "registered": reg, "grew": grew, "summed": summed,
-            "view_writes": view_writes, "freed": freed, "in_flight": in_flight, "refused": refused}
+            "view_writes": view_writes, "freed": freed, "in_flight": in_flight, "refused": refused,
+            "half": half}
 
 
 def test_register_in_place():
@@ -277,6 +283,7 @@ def test_register_in_place():
         assert out["in_flight"]["queued"] in (None, True), (r, out)
         assert out["in_flight"]["registered"] and out["in_flight"]["exact"], (r, out)
         assert not any(out["refused"].values()), (r, out["refused"])
+        assert out["half"] == {"moved": True, "path": "direct", "exact": True}, (r, out["half"])
 
 
 def _forced_algo(rank, world):

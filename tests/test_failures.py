@@ -108,6 +108,7 @@ def _peer_killed(rank, world, count, when, tensors):
     t = ringdp.empty(count) if rank == 0 or tensors == "registered" else torch.ones(count)
     t.fill_(1.0)
     ringdp.all_reduce(t)  # one good call first
+    path = comm.flight_record()[-1]["path"]
     if rank == world - 1:
         if when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -121,7 +122,7 @@ def _peer_killed(rank, world, count, when, tensors):
             if time.monotonic() - t0 > 60:
                 return None
     except ringdp.RingError as e:
-        return str(e), time.monotonic() - t0, names
+        return str(e), time.monotonic() - t0, names, path
 
 
 @pytest.mark.parametrize("tensors", ["mixed", "registered"])
@@ -134,7 +135,8 @@ def test_sigkilled_peer(world, when, tensors):
         status, value = res[rank]
         assert status == "ok", value
         assert value is not None, "the survivor never noticed"
-        msg, took, names = value
+        msg, took, names, path = value
+        assert path == {"mixed": "ring_staged", "registered": "direct"}[tensors]
         assert f"rank {rank}:" in msg
         assert "died" in msg or "aborted" in msg
         assert took < SLACK_S

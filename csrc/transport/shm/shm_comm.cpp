@@ -444,6 +444,10 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
     }
     if (c.kind != Kind::kBroadcast || c.root == cfg_.rank) std::memcpy(oneshot_buf(cfg_.rank, par), stage, stage_bytes);
   }
+  // Control::wrote trails this call by one until run_direct publishes s, whatever ran
+  // before: a peer's direct wait for s sees s - 1 or s, never a value 2^31 calls old that
+  // would compare as reached (the header's release publishes it).
+  ctrl(cfg_.rank).wrote.v.store(s - 1, std::memory_order_relaxed);
   exchange_headers(s);
 
   // 2. Every rank checks every header, so a mismatch fails on all ranks alike, before any
@@ -559,6 +563,11 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   char* mine = tensors[static_cast<size_t>(cfg_.rank)];
   std::vector<const void*> srcs(static_cast<size_t>(n));
   for (size_t b = first; b < last; b += block) {
+    // A peer that gave up (its wait failed) may be back in its caller's hands: stop writing
+    // into its tensor within a block (check_health throws, naming it).
+    for (int r = 0; r < n; ++r)
+      if (r != cfg_.rank && ctrl(r).aborted.v.load(std::memory_order_relaxed) != 0)
+        check_health(r, "the peer's chunk (direct all_reduce)");
     const size_t m = last - b < block ? last - b : block;
     const size_t at = b * esz;
     // 1. Reduce block b of chunk r from every rank's tensor into mine ...

@@ -1,7 +1,8 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot path, and drives the ring engine over the shm transports: all_reduce,
-// reduce_scatter, all_gather and broadcast, each a Kind in the call's fingerprint.
+// one-shot path, the direct all-reduce of registered tensors (run_direct), and drives the
+// ring engine over the shm transports: all_reduce, reduce_scatter, all_gather and
+// broadcast, each a Kind in the call's fingerprint.
 #pragma once
 #include <cstdint>
 #include <functional>
