@@ -22,7 +22,10 @@
 
 namespace ringdp {
 
-enum class Algo : int32_t { kRing = 0, kOneShot = 1 };
+// What the caller asks for (ringdp/policy.py ALGO_CODES). kSmall: the size policy chose one-shot
+// for an all_reduce, not the caller: staged as one-shot, but run direct when every rank's
+// tensor turns out to be registered (which no rank knows before the header exchange).
+enum class Algo : int32_t { kRing = 0, kOneShot = 1, kSmall = 2 };
 
 struct ShmConfig {
   int rank = 0;
