@@ -762,7 +762,7 @@ class Communicator:
                                 outputs=[tensor])
         if self._shm_error:
             raise RingError(self._shm_error)
-        a = policy.shm_all_reduce_code(self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes), forced)
+        a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor],
                             nbytes=nbytes)
 

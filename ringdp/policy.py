@@ -19,8 +19,7 @@ import os
 
 RING = "ring"
 ONESHOT = "oneshot"
-SMALL = "small"  # shared memory, all_reduce only: see shm_all_reduce_code
-ALGO_CODES = {RING: 0, ONESHOT: 1, SMALL: 2}  # csrc/transport/shm/shm_comm.h Algo, csrc/cuda/cuda_api.h
+ALGO_CODES = {RING: 0, ONESHOT: 1}  # csrc/transport/shm/shm_comm.h Algo, csrc/cuda/cuda_api.h
 
 # Shared memory: messages up to this size use the one-shot path (every rank reduces all
 # peers' copies) for world sizes of 3 and more; ONESHOT_MAX_BYTES_BY_WORLD overrides per
@@ -78,16 +77,6 @@ def choose_algo(nbytes: int, forced: str, threshold: int, capacity: int) -> str:
     if forced == ONESHOT:
         return ONESHOT
     return ONESHOT if nbytes <= threshold else RING
-
-
-def shm_all_reduce_code(algo: str, forced: str) -> int:
-    """The shared-memory endpoint's code for an all_reduce that runs `algo` (choose_algo's
-    answer). A one-shot that the size threshold chose, not the caller, is SMALL: staged as
-    one-shot, it runs direct when every rank's tensor is registered (the endpoint learns that
-    in the header exchange; no rank knows its peers' tensors before). Direct beats one-shot
-    for registered tensors at every size measured (world 4, 16 KiB: 71 against 90 us; 64 KiB:
-    82 against 111), and a forced one-shot stays one-shot."""
-    return ALGO_CODES[SMALL if algo == ONESHOT and forced not in (RING, ONESHOT) else algo]
 
 
 def inline_async(nbytes: int, cfg) -> bool:

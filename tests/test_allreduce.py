@@ -99,7 +99,7 @@ def _paths(rank, world):
 
     comm = ringdp.get_communicator()
     n = 300_007  # above every one-shot threshold: the ring's sizes
-    out, algos = {}, {}
+    out = {}
 
     def run(name, t, **kw):
         t.copy_(value(rank, t.numel(), t.dtype))
@@ -108,7 +108,6 @@ def _paths(rank, world):
         op = kw.get("op", dist.ReduceOp.SUM)
         want = expected({dist.ReduceOp.SUM: "SUM", dist.ReduceOp.MAX: "MAX"}[op], world, t.numel(), t.dtype)
         out[name] = (rec["path"], rec["kind"], torch.equal(t, want))
-        algos[name] = rec["algo"]
 
     run("ordinary", torch.empty(n))
     run("registered", ringdp.empty(n))
@@ -116,35 +115,26 @@ def _paths(rank, world):
     run("registered_max_int", ringdp.empty(n, dtype=torch.int64), op=dist.ReduceOp.MAX)
     run("registered_here_only", ringdp.empty(n) if rank == 0 else torch.empty(n))
     run("registered_small", ringdp.empty(5), algo="ring")
-    run("oneshot", ringdp.empty(100), algo="oneshot")  # forced: one-shot, registered or not
-    run("small_auto", torch.empty(100))  # world >= 3: one-shot by size ...
-    run("registered_small_auto", ringdp.empty(100))  # ... but direct when every rank is registered
-    run("small_auto_registered_here_only", ringdp.empty(100) if rank == 0 else torch.empty(100))
+    run("oneshot", ringdp.empty(100), algo="oneshot")
     g_in, g_out = ringdp.empty(n), ringdp.empty(n * world)
     g_in.copy_(value(rank, n, torch.float32))
     comm.all_gather_into_tensor(g_out, g_in)
     rec = comm.flight_record()[-1]
     out["all_gather_registered"] = (rec["path"], rec["kind"],
                                     all(torch.equal(b, value(q, n, torch.float32)) for q, b in enumerate(g_out.chunk(world))))
-    return out, algos
+    return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_paths(world):
-    # A registered all_reduce runs direct on every rank (any dtype, any size unless one-shot is
-    # forced), a mixed one staged (or one-shot) on every rank, registered all_gather the
-    # in-place ring; the flight record says which, and what was asked ("small": one-shot by
-    # the size policy, policy.shm_all_reduce_code).
-    small = "oneshot" if world >= 3 else "ring_staged"  # the default thresholds: world 2 none
+    # A registered all_reduce runs direct on every rank (any dtype), a mixed one staged on
+    # every rank, registered all_gather the in-place ring; the flight record says which.
     want = {"ordinary": "ring_staged", "registered": "direct", "registered_bf16": "direct",
             "registered_max_int": "direct", "registered_here_only": "ring_staged", "registered_small": "direct",
-            "oneshot": "oneshot", "small_auto": small, "registered_small_auto": "direct",
-            "small_auto_registered_here_only": small, "all_gather_registered": "ring_in_place"}
-    for rank, (out, algos) in enumerate(values(run_ranks(_paths, world))):
+            "oneshot": "oneshot", "all_gather_registered": "ring_in_place"}
+    for rank, out in enumerate(values(run_ranks(_paths, world))):
         assert {k: v[0] for k, v in out.items()} == want, (rank, out)
         assert all(v[2] for v in out.values()), (rank, out)
-        assert algos["oneshot"] == "oneshot" and algos["registered"] == "ring", algos
-        assert algos["small_auto"] == algos["registered_small_auto"] == ("small" if world >= 3 else "ring"), algos
 
 
 def _direct_back_to_back(rank, world, count, calls):

@@ -49,13 +49,7 @@ bool pid_dead(int pid) {
   return close && close[1] == ' ' && (close[2] == 'Z' || close[2] == 'X');
 }
 
-const char* algo_name(int32_t a) {
-  switch (static_cast<Algo>(a)) {
-    case Algo::kOneShot: return "oneshot";
-    case Algo::kSmall: return "small";
-    default: return "ring";
-  }
-}
+const char* algo_name(int32_t a) { return a == static_cast<int32_t>(Algo::kOneShot) ? "oneshot" : "ring"; }
 
 // What a rank's header says of its call, copied while the rank may be rewriting it
 // (diagnostics only).
@@ -439,7 +433,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   h.root = c.root;
   // reduce_scatter never runs in place (it would overwrite the input): never "registered".
   h.reg_offset = c.kind == Kind::kReduceScatter ? -1 : arena_offset_of(c.data, ring_bytes);
-  if (c.algo != Algo::kRing) {  // one-shot, or maybe (kSmall)
+  if (c.algo == Algo::kOneShot) {
     if (stage_bytes > geo_.oneshot_bytes) {
       const std::string why = cat("one-shot ", kind_name(c.kind), " of ", stage_bytes, " bytes exceeds its buffer of ",
                                   geo_.oneshot_bytes, " bytes (RINGDP_ONESHOT_MAX_BYTES too large?)");
@@ -491,10 +485,8 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
     return;
   }
   try {
-    // A registered all_reduce runs direct unless the caller forced one-shot (a kSmall one
-    // staged its copy for nothing: a few us, against 20-30 us that direct saves at world 4).
-    if (c.kind == Kind::kAllReduce && c.algo != Algo::kOneShot && all_registered(par)) run_direct(s, par, c);
-    else if (c.algo != Algo::kRing) run_oneshot(par, c);
+    if (c.algo == Algo::kOneShot) run_oneshot(par, c);
+    else if (c.kind == Kind::kAllReduce && all_registered(par)) run_direct(s, par, c);
     else run_ring(par, c);
   } catch (const RingError&) {
     if (poison_.empty()) abort(cat("failed during ", kind_name(c.kind)));

@@ -22,10 +22,7 @@
 
 namespace ringdp {
 
-// What the caller asks for (ringdp/policy.py ALGO_CODES). kSmall: the size policy chose one-shot
-// for an all_reduce, not the caller: staged as one-shot, but run direct when every rank's
-// tensor turns out to be registered (which no rank knows before the header exchange).
-enum class Algo : int32_t { kRing = 0, kOneShot = 1, kSmall = 2 };
+enum class Algo : int32_t { kRing = 0, kOneShot = 1 };
 
 struct ShmConfig {
   int rank = 0;
