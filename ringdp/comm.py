@@ -771,8 +771,10 @@ class Communicator:
         """torch's reduce_scatter_tensor: `input` holds world x output.numel() elements (block q
         for rank q); rank r's `output` gets the reduction (SUM, AVG, MIN, MAX) of every rank's
         block r. The input is not modified. PREMUL_SUM is the caller's: scale the input, then
-        SUM. Ring (staged through the FIFOs even for registered tensors: in place, the partial
-        sums would overwrite the input) or one-shot for small inputs (policy.py); CUDA tensors:
+        SUM. Direct when every rank's input is registered (ringdp.empty: each rank reduces its
+        block from the peers' inputs where they lie, shm_comm.cpp run_direct), else the ring,
+        staged through the FIFOs (in place, its partial sums would overwrite the input), or
+        one-shot for small inputs (policy.py); CUDA tensors:
         the ring, staged, or one-shot (IPC), on ringdp's stream (as CUDA all_reduce)."""
         t, code, forced, tag = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,

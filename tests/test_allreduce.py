@@ -122,48 +122,74 @@ def _paths(rank, world):
     rec = comm.flight_record()[-1]
     out["all_gather_registered"] = (rec["path"], rec["kind"],
                                     all(torch.equal(b, value(q, n, torch.float32)) for q, b in enumerate(g_out.chunk(world))))
+
+    def scatter(name, inp, in_place=False):  # reduce_scatter's registered memory is its input
+        inp.copy_(value(rank, n * world, inp.dtype))
+        mine = inp[rank * n:(rank + 1) * n]
+        res = mine if in_place else torch.empty(n, dtype=inp.dtype)
+        comm.reduce_scatter_tensor(res, inp)
+        rec = comm.flight_record()[-1]
+        want = expected("SUM", world, n * world, inp.dtype)[rank * n:(rank + 1) * n]
+        out[name] = (rec["path"], rec["kind"], torch.equal(res, want))
+
+    scatter("reduce_scatter", torch.empty(n * world))
+    scatter("reduce_scatter_registered", ringdp.empty(n * world))
+    scatter("reduce_scatter_registered_in_place", ringdp.empty(n * world, dtype=torch.bfloat16), in_place=True)
+    scatter("reduce_scatter_registered_here_only", ringdp.empty(n * world) if rank == 0 else torch.empty(n * world))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_paths(world):
-    # A registered all_reduce runs direct on every rank (any dtype), a mixed one staged on
-    # every rank, registered all_gather the in-place ring; the flight record says which.
+    # A registered all_reduce or reduce_scatter (its input registered) runs direct on every
+    # rank (any dtype), a mixed one staged on every rank, registered all_gather the in-place
+    # ring; the flight record says which.
     want = {"ordinary": "ring_staged", "registered": "direct", "registered_bf16": "direct",
             "registered_max_int": "direct", "registered_here_only": "ring_staged", "registered_small": "direct",
-            "oneshot": "oneshot", "all_gather_registered": "ring_in_place"}
+            "oneshot": "oneshot", "all_gather_registered": "ring_in_place",
+            "reduce_scatter": "ring_staged", "reduce_scatter_registered": "direct",
+            "reduce_scatter_registered_in_place": "direct", "reduce_scatter_registered_here_only": "ring_staged"}
     for rank, out in enumerate(values(run_ranks(_paths, world))):
         assert {k: v[0] for k, v in out.items()} == want, (rank, out)
         assert all(v[2] for v in out.values()), (rank, out)
 
 
-def _direct_back_to_back(rank, world, count, calls):
-    """Many direct all-reduces on the same registered tensor, the ranks out of step (a rank
-    sleeps before some calls, another overwrites its tensor the moment a call returns):
-    a peer still reading or writing my tensor after I return would show in the values."""
+def _direct_back_to_back(rank, world, count, calls, kind):
+    """Many direct all-reduces (or reduce-scatters) on the same registered tensor, the ranks
+    out of step (a rank sleeps before some calls, another overwrites its tensor the moment a
+    call returns): a peer still reading or writing my tensor after I return would show in
+    the values."""
     import random
 
     import ringdp
 
-    t = ringdp.empty(count)
-    i = torch.arange(count, dtype=torch.float64)
+    scatter = kind == "reduce_scatter"
+    t = ringdp.empty(count * world if scatter else count)
+    res = torch.empty(count)
+    i = torch.arange(t.numel(), dtype=torch.float64)
+    mine = slice(rank * count, (rank + 1) * count) if scatter else slice(None)
     rng = random.Random(rank)
     bad = []
     for k in range(calls):
         if rng.random() < 0.2:
             time.sleep(rng.random() * 0.002)
         t.copy_((i % 101) * (rank + 1) + k)  # exact in float32
-        ringdp.all_reduce(t, algo="ring")  # (one-shot's threshold aside, whatever it is)
-        want = (i % 101) * (world * (world + 1) // 2) + world * k
-        if not torch.equal(t.to(torch.float64), want):
+        if scatter:
+            ringdp.reduce_scatter_tensor(res, t, algo="ring")
+        else:
+            ringdp.all_reduce(t, algo="ring")  # (one-shot's threshold aside, whatever it is)
+            res = t
+        want = ((i % 101) * (world * (world + 1) // 2) + world * k)[mine]
+        if not torch.equal(res.to(torch.float64), want):
             bad.append(k)
         t.fill_(-1e9)  # a peer still reading my input would fold this in
     return bad, ringdp.get_communicator().flight_record()[-1]["path"]
 
 
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_direct_back_to_back(world):
-    for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60))):
+def test_direct_back_to_back(world, kind):
+    for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60, kind))):
         assert path == "direct"
         assert bad == [], f"rank {rank}: wrong results at calls {bad[:10]}"
 

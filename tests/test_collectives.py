@@ -6,8 +6,9 @@ every dtype holds the exact results:
                     expected(op, n, n*k)[r*k:(r+1)*k] (the all-reduce's block r)
     all_gather:     rank q's input is (i % 13) + 3q; output block q is rank q's input
     broadcast:      rank src's tensor is v(src, i) + 1, the others start at -1
-Every collective runs twice in a row, on ordinary and (all_gather, broadcast) registered
-tensors, with the default, tiny-slot ring and one-shot configurations.
+Every collective runs twice in a row (reduce_scatter: the second time in place, into the
+input's block), on ordinary and registered tensors (reduce_scatter: the input), with the
+default, tiny-slot ring and one-shot configurations.
 """
 import hashlib
 import os
@@ -49,18 +50,27 @@ def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc"), registered_too
 
     for dtype in dtypes:
         for k in sizes:
-            if "rs" in kinds:
-                full = value(rank, world * k, dtype)
-                for op in ops_for(dtype):
-                    exp = expected(op, world, world * k, dtype)[rank * k:(rank + 1) * k]
-                    for rep in range(2):
-                        out = torch.full((k,), -7, dtype=dtype)
-                        inp = full.clone()
-                        ringdp.reduce_scatter_tensor(out, inp, op=getattr(dist.ReduceOp, op))
-                        checked += 1
-                        if not torch.equal(out, exp) or not torch.equal(inp, full):
-                            bad.append(("rs", str(dtype), op, k, rep, torch.equal(inp, full)))
             for registered in (False, True) if registered_too else (False,):
+                if "rs" in kinds:
+                    full = value(rank, world * k, dtype)
+                    mine = slice(rank * k, (rank + 1) * k)
+                    for op in ops_for(dtype):
+                        exp = expected(op, world, world * k, dtype)[mine]
+                        for rep in range(2):
+                            inp = alloc(world * k, dtype, registered)
+                            inp.copy_(full)
+                            # rep 1: in place, the output is the input's block `rank` (as the
+                            # two-level path across hosts calls it)
+                            out = torch.full((k,), -7, dtype=dtype) if rep == 0 else inp[mine]
+                            ringdp.reduce_scatter_tensor(out, inp, op=getattr(dist.ReduceOp, op))
+                            checked += 1
+                            # the input is not modified (in place: but for the output)
+                            want_in = full.clone()
+                            if rep == 1:
+                                want_in[mine] = exp
+                            intact = torch.equal(inp, want_in)
+                            if not torch.equal(out, exp) or not intact:
+                                bad.append(("rs", str(dtype), op, k, registered, rep, intact))
                 if "ag" in kinds:
                     exp = torch.cat([_gather_input(q, k, dtype) for q in range(world)])
                     for rep in range(2):
@@ -116,7 +126,7 @@ def _random(rank, world, count, dtype, registered):
     g = torch.Generator().manual_seed(99 + rank)
     inp = torch.randn(world * count, generator=g, dtype=torch.float64).to(dtype)
     out = torch.empty(count, dtype=dtype)
-    ringdp.reduce_scatter_tensor(out, inp)
+    ringdp.reduce_scatter_tensor(out, ringdp.empty(world * count, dtype=dtype).copy_(inp) if registered else inp)
     full = ringdp.empty(world * count, dtype=dtype) if registered else torch.empty(world * count, dtype=dtype)
     ringdp.all_gather_into_tensor(full, out)
     ref = inp.clone()

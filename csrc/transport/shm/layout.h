@@ -19,9 +19,10 @@ namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 4;  // 2: call fingerprint (kind, tag), Control::done
+constexpr uint32_t kLayoutVersion = 5;  // 2: call fingerprint (kind, tag), Control::done
                                         // 3: kinds reduce_scatter/all_gather/broadcast, root
                                         // 4: Control::wrote (the direct all-reduce)
+                                        // 5: reduce_scatter's reg_offset (its input; direct)
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.
@@ -46,7 +47,7 @@ struct alignas(kCacheLine) CallHeader {
   int32_t algo;           // Algo
   int32_t root;           // broadcast: the source rank (0 for other kinds)
   uint64_t count;         // elements (reduce_scatter, all_gather: per rank)
-  int64_t reg_offset;     // arena offset of the tensor, -1 when not registered
+  int64_t reg_offset;     // arena offset of the tensor (reduce_scatter: its input), -1 when not registered
   uint64_t slice_bytes;   // configuration that must agree across ranks
   char pad1[kCacheLine - 48];
   char tag[kTagBytes];    // the caller's tag, NUL-terminated
@@ -81,7 +82,7 @@ struct Control {
   Flag sleepers;   // peers sleeping on one of my flags: wake them after a store
   Flag aborted;    // nonzero once this rank gave up; reason in abort_msg
   Flag done;       // the last call number this rank finished (for the stall report)
-  Flag wrote;      // the last call whose direct all-reduce finished writing into peers' tensors
+  Flag wrote;      // the last call whose direct path finished with peers' tensors
   CallHeader hdr[2];
   char abort_msg[kMsgBytes];
 };

@@ -431,8 +431,9 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   // 1. Announce what this rank is about to do (and, for one-shot, stage the data itself).
   shm::CallHeader& h = write_header(s, c.kind, c.dtype, c.op, c.algo, c.count, tag);
   h.root = c.root;
-  // reduce_scatter never runs in place (it would overwrite the input): never "registered".
-  h.reg_offset = c.kind == Kind::kReduceScatter ? -1 : arena_offset_of(c.data, ring_bytes);
+  // Registered: the tensor the peers would read in place (reduce_scatter: the input, read by
+  // the direct path; the others: the data or output).
+  h.reg_offset = c.kind == Kind::kReduceScatter ? arena_offset_of(c.in, stage_bytes) : arena_offset_of(c.data, ring_bytes);
   if (c.algo == Algo::kOneShot) {
     if (stage_bytes > geo_.oneshot_bytes) {
       const std::string why = cat("one-shot ", kind_name(c.kind), " of ", stage_bytes, " bytes exceeds its buffer of ",
@@ -486,7 +487,8 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   }
   try {
     if (c.algo == Algo::kOneShot) run_oneshot(par, c);
-    else if (c.kind == Kind::kAllReduce && all_registered(par)) run_direct(s, par, c);
+    else if ((c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter) && all_registered(par))
+      run_direct(s, par, c);
     else run_ring(par, c);
   } catch (const RingError&) {
     if (poison_.empty()) abort(cat("failed during ", kind_name(c.kind)));
@@ -529,30 +531,39 @@ bool ShmComm::all_registered(int par) const {
   return true;
 }
 
-// The direct all-reduce, for tensors every rank has in its registered arena (ringdp.empty):
-// no FIFO, no staging copy, no chain of steps. With chunk q = the q-th of n chunks of the
-// tensor (ring::chunk_begin/chunk_end, 64-byte aligned), rank r
+// The direct all-reduce and reduce-scatter, for tensors every rank has in its registered
+// arena (ringdp.empty; reduce_scatter: the input): no FIFO, no staging copy, no chain of
+// steps. With chunk q = the q-th of n chunks of the tensor (all_reduce:
+// ring::chunk_begin/chunk_end, 64-byte aligned; reduce_scatter: block q of the input), rank r
 //   1. reduce-scatter: reduces chunk r of every rank's tensor, in rank order 0..n-1 (in the
-//      accumulation type), reading the peers' tensors where they are;
-//   2. all-gather: writes the result into chunk r of every rank's tensor, its own included;
+//      accumulation type), reading the peers' tensors where they are, into chunk r of its
+//      own tensor (reduce_scatter: into its output, which may be that chunk of its input);
+//   2. all-gather (all_reduce only): writes the result into chunk r of every peer's tensor;
 //   3. publishes Control::wrote = s and waits until every peer has published it too.
 // Steps 1 and 2 go block by block, so a block is read from every tensor before any tensor's
 // copy of it is overwritten. Only rank r reads or writes chunk r, and the header exchange
 // before step 1 means every rank has entered call s (its tensor holds its input and is
 // given to the collective); step 3 means no peer still reads or writes my tensor when I
-// return. Each rank moves 2 x S bytes (reads S, writes S) at any world size, against
-// 5(n-1)/n x S for the in-place ring, and the ranks work at once rather than in a chain:
-// on the 2-core box this is 1.5-2.2x faster than the in-place ring at 256 KiB-64 MiB
+// return. An all_reduce moves 2 x S bytes a rank (reads S, writes S) at any world size,
+// against 5(n-1)/n x S for the in-place ring, and the ranks work at once rather than in a
+// chain: on the 2-core box this is 1.5-2.2x faster than the in-place ring at 256 KiB-64 MiB
 // (bench/results/compare_direct_*). The in-place ring was slower than even the staged one
 // there, because each rank overwrote lines its neighbour had just read: a store to a line
-// another core holds costs ~4x a store to a private one (measured at 256 KiB).
+// another core holds costs ~4x a store to a private one (measured at 256 KiB). A
+// reduce_scatter reads S and writes S/n a rank, where the staged ring also copies every
+// partial through a FIFO.
 // Results are bitwise identical on every rank: one rank computes each chunk, in rank order.
 void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   took(CallRecord::kDirect);
   const int n = cfg_.world;
+  const bool scatter = c.kind == Kind::kReduceScatter;
+  const char* chunk_what = scatter ? "the peer's chunk (direct reduce_scatter)" : "the peer's chunk (direct all_reduce)";
+  const char* wait_what = scatter ? "the peer to finish its chunk of my tensor (direct reduce_scatter)"
+                                  : "the peer to finish its chunk of my tensor (direct all_reduce)";
   const size_t esz = dtype_size(c.dtype);
-  const size_t first = ring::chunk_begin(c.count, n, 64 / esz, cfg_.rank);
-  const size_t last = ring::chunk_end(c.count, n, 64 / esz, cfg_.rank);
+  // Chunk r: elements [first, last) of every rank's tensor; reduce_scatter's is its block r.
+  const size_t first = scatter ? static_cast<size_t>(cfg_.rank) * c.count : ring::chunk_begin(c.count, n, 64 / esz, cfg_.rank);
+  const size_t last = scatter ? first + c.count : ring::chunk_end(c.count, n, 64 / esz, cfg_.rank);
   std::vector<char*> tensors(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r)
     tensors[static_cast<size_t>(r)] = segs_[static_cast<size_t>(r)].base() + geo_.arena_offset() +
@@ -561,32 +572,35 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   const int avg_div = c.op == RedOp::kAvg ? n : 0;
   const size_t block = kDirectBlockBytes / esz;
   char* mine = tensors[static_cast<size_t>(cfg_.rank)];
+  // Where chunk r's result goes: in place (all_reduce), or the output (reduce_scatter).
+  char* result = scatter ? c.data - first * esz : mine;
   std::vector<const void*> srcs(static_cast<size_t>(n));
   for (size_t b = first; b < last; b += block) {
-    // A peer that gave up (its wait failed) may be back in its caller's hands: stop writing
-    // into its tensor within a block (check_health throws, naming it).
+    // A peer that gave up (its wait failed) may be back in its caller's hands: stop reading
+    // or writing its tensor within a block (check_health throws, naming it).
     for (int r = 0; r < n; ++r)
       if (r != cfg_.rank && ctrl(r).aborted.v.load(std::memory_order_relaxed) != 0)
-        check_health(r, "the peer's chunk (direct all_reduce)");
+        check_health(r, chunk_what);
     const size_t m = last - b < block ? last - b : block;
     const size_t at = b * esz;
-    // 1. Reduce block b of chunk r from every rank's tensor into mine ...
+    // 1. Reduce block b of chunk r from every rank's tensor ...
     for (int r = 0; r < n; ++r) srcs[static_cast<size_t>(r)] = tensors[static_cast<size_t>(r)] + at;
-    k.reduce_many(mine + at, srcs.data(), n, m, avg_div);
+    k.reduce_many(result + at, srcs.data(), n, m, avg_div);
     // 2. ... and copy it into every peer's.
-    for (int r = 0; r < n; ++r)
-      if (r != cfg_.rank) std::memcpy(tensors[static_cast<size_t>(r)] + at, mine + at, m * esz);
+    if (!scatter)
+      for (int r = 0; r < n; ++r)
+        if (r != cfg_.rank) std::memcpy(tensors[static_cast<size_t>(r)] + at, mine + at, m * esz);
   }
-  // 3. Done writing into the peers' tensors; wait until they are done with mine.
+  // 3. Done with the peers' tensors; wait until they are done with mine.
   publish(ctrl(cfg_.rank).wrote, s);
   for (int r = 0; r < n; ++r)
-    if (r != cfg_.rank) wait(ctrl(r).wrote, r, s, "the peer to finish its chunk of my tensor (direct all_reduce)");
+    if (r != cfg_.rank) wait(ctrl(r).wrote, r, s, wait_what);
 }
 
 void ShmComm::run_ring(int par, const Call& c) {
   // In place over registered memory (all_gather, broadcast) when every rank's buffer is
-  // registered; otherwise staged through the FIFOs. A registered all_reduce never gets here
-  // (run_direct); reduce_scatter is always staged (its header says unregistered).
+  // registered; otherwise staged through the FIFOs. A registered all_reduce or
+  // reduce_scatter never gets here (run_direct).
   const int n = cfg_.world;
   const size_t esz = dtype_size(c.dtype);
   const bool reduces = c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter;

@@ -1,6 +1,7 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot path, the direct all-reduce of registered tensors (run_direct), and drives the
+// one-shot path, the direct all-reduce and reduce-scatter of registered tensors
+// (run_direct), and drives the
 // ring engine over the shm transports: all_reduce, reduce_scatter, all_gather and
 // broadcast, each a Kind in the call's fingerprint.
 #pragma once
@@ -66,8 +67,10 @@ class ShmComm final : public Endpoint {
                   const std::string& tag = "");
   // torch's reduce_scatter_tensor: `input` holds world * count elements (block q = rank q's
   // share), `output` count elements; rank r gets the reduction of every rank's block r.
-  // The input is never written. Ring (always staged: in place, the partial sums would
-  // overwrite the input) or one-shot (world * count elements must fit its buffer).
+  // The input is never written (the output may be its block r). Direct when every rank's
+  // input is registered (run_direct: each rank reduces its block from the peers' inputs
+  // where they lie), else the ring (staged: in place, the partial sums would overwrite the
+  // input) or one-shot (world * count elements must fit its buffer).
   void reduce_scatter(const void* input, void* output, size_t count, DType dtype, RedOp op, Algo algo,
                       double timeout_s, const std::string& tag = "");
   // torch's all_gather_into_tensor: `input` count elements, `output` world * count; block q

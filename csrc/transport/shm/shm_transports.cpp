@@ -88,7 +88,7 @@ void RegisteredTransport::recv_reduce_copy_send(const Slice&) { reduces(); }
 void RegisteredTransport::recv_reduce_copy(const Slice&) { reduces(); }
 
 void RegisteredTransport::reduces() const {
-  throw RingError("shm: the in-place ring carries final values only (a registered all_reduce runs direct)");
+  throw RingError("shm: the in-place ring carries final values only (a registered all_reduce or reduce_scatter runs direct)");
 }
 
 void RegisteredTransport::recv_copy_send(const Slice& s) {

@@ -45,8 +45,8 @@ class StagedTransport final : public RingTransport {
 // mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and copy
 // it into my own tensor. No slots, no staging copies. finish() waits until my successor has
 // read my last slice. all_gather and broadcast use it: they move final values only, and the
-// reduction primitives throw. A registered all_reduce runs direct instead (shm_comm.cpp
-// run_direct: 2 x S bytes a rank, no chain); reduce_scatter is always staged.
+// reduction primitives throw. A registered all_reduce or reduce_scatter runs direct instead
+// (shm_comm.cpp run_direct: no FIFO, no chain).
 class RegisteredTransport final : public RingTransport {
  public:
   RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype);
