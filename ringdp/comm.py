@@ -798,8 +798,9 @@ class Communicator:
 
     def all_gather_into_tensor(self, output, input, async_op=False, tag=None, timeout=None, algo=None):
         """torch's all_gather_into_tensor: `output` holds world x input.numel() elements and
-        block q of it becomes rank q's `input` (which may itself be block r of `output`). In
-        place, with no staging copy, when every rank's output is registered (ringdp.empty);
+        block q of it becomes rank q's `input` (which may itself be block r of `output`).
+        Direct, with no staging copy, when every rank's output is registered (ringdp.empty:
+        each rank copies the peers' blocks from their outputs, shm_comm.cpp run_direct);
         one-shot for small inputs (policy.py). CUDA tensors: the ring on ringdp's stream (the
         input copied into its block first, unless it is that block; on the IPC transport a
         registered output (ringdp.empty(device="cuda")) is read in place by the successor),

@@ -116,12 +116,25 @@ def _paths(rank, world):
     run("registered_here_only", ringdp.empty(n) if rank == 0 else torch.empty(n))
     run("registered_small", ringdp.empty(5), algo="ring")
     run("oneshot", ringdp.empty(100), algo="oneshot")
-    g_in, g_out = ringdp.empty(n), ringdp.empty(n * world)
-    g_in.copy_(value(rank, n, torch.float32))
-    comm.all_gather_into_tensor(g_out, g_in)
+
+    def gather(name, g_out, in_place=False):  # all_gather's registered memory is its output
+        g_out.fill_(-1)
+        g_in = g_out[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=g_out.dtype)
+        g_in.copy_(value(rank, n, g_out.dtype))
+        comm.all_gather_into_tensor(g_out, g_in)
+        rec = comm.flight_record()[-1]
+        out[name] = (rec["path"], rec["kind"],
+                     all(torch.equal(b, value(q, n, g_out.dtype)) for q, b in enumerate(g_out.chunk(world))))
+
+    gather("all_gather", torch.empty(n * world))
+    gather("all_gather_registered", ringdp.empty(n * world))
+    gather("all_gather_registered_in_place", ringdp.empty(n * world, dtype=torch.float16), in_place=True)
+    gather("all_gather_registered_here_only", ringdp.empty(n * world) if rank == 0 else torch.empty(n * world))
+    b = ringdp.empty(n)
+    b.copy_(value(0, n) if rank == 0 else torch.full((n,), -1.0))
+    comm.broadcast(b, 0)
     rec = comm.flight_record()[-1]
-    out["all_gather_registered"] = (rec["path"], rec["kind"],
-                                    all(torch.equal(b, value(q, n, torch.float32)) for q, b in enumerate(g_out.chunk(world))))
+    out["broadcast_registered"] = (rec["path"], rec["kind"], torch.equal(b, value(0, n)))
 
     def scatter(name, inp, in_place=False):  # reduce_scatter's registered memory is its input
         inp.copy_(value(rank, n * world, inp.dtype))
@@ -141,12 +154,14 @@ def _paths(rank, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_paths(world):
-    # A registered all_reduce or reduce_scatter (its input registered) runs direct on every
-    # rank (any dtype), a mixed one staged on every rank, registered all_gather the in-place
-    # ring; the flight record says which.
+    # A registered all_reduce, reduce_scatter (its input registered) or all_gather (its
+    # output) runs direct on every rank (any dtype), a mixed one staged on every rank, a
+    # registered broadcast the in-place ring; the flight record says which.
     want = {"ordinary": "ring_staged", "registered": "direct", "registered_bf16": "direct",
             "registered_max_int": "direct", "registered_here_only": "ring_staged", "registered_small": "direct",
-            "oneshot": "oneshot", "all_gather_registered": "ring_in_place",
+            "oneshot": "oneshot", "all_gather": "ring_staged", "all_gather_registered": "direct",
+            "all_gather_registered_in_place": "direct", "all_gather_registered_here_only": "ring_staged",
+            "broadcast_registered": "ring_in_place",
             "reduce_scatter": "ring_staged", "reduce_scatter_registered": "direct",
             "reduce_scatter_registered_in_place": "direct", "reduce_scatter_registered_here_only": "ring_staged"}
     for rank, out in enumerate(values(run_ranks(_paths, world))):
@@ -155,7 +170,7 @@ def test_paths(world):
 
 
 def _direct_back_to_back(rank, world, count, calls, kind):
-    """Many direct all-reduces (or reduce-scatters) on the same registered tensor, the ranks
+    """Many direct all-reduces (reduce-scatters, all-gathers) on the same registered tensor, the ranks
     out of step (a rank sleeps before some calls, another overwrites its tensor the moment a
     call returns): a peer still reading or writing my tensor after I return would show in
     the values."""
@@ -163,16 +178,24 @@ def _direct_back_to_back(rank, world, count, calls, kind):
 
     import ringdp
 
-    scatter = kind == "reduce_scatter"
-    t = ringdp.empty(count * world if scatter else count)
+    scatter, gather = kind == "reduce_scatter", kind == "all_gather"
+    t = ringdp.empty(count * world if scatter or gather else count)
     res = torch.empty(count)
     i = torch.arange(t.numel(), dtype=torch.float64)
     mine = slice(rank * count, (rank + 1) * count) if scatter else slice(None)
+    g = torch.arange(count, dtype=torch.float64) % 101
     rng = random.Random(rank)
     bad = []
     for k in range(calls):
         if rng.random() < 0.2:
             time.sleep(rng.random() * 0.002)
+        if gather:  # block q of my output: rank q's input (q + 1)(i % 101) + k
+            ringdp.all_gather_into_tensor(t, (g * (rank + 1) + k).float(), algo="ring")
+            want = torch.cat([g * (q + 1) + k for q in range(world)])
+            if not torch.equal(t.to(torch.float64), want):
+                bad.append(k)
+            t.fill_(-1e9)  # a peer still reading my output would copy this
+            continue
         t.copy_((i % 101) * (rank + 1) + k)  # exact in float32
         if scatter:
             ringdp.reduce_scatter_tensor(res, t, algo="ring")
@@ -186,7 +209,7 @@ def _direct_back_to_back(rank, world, count, calls, kind):
     return bad, ringdp.get_communicator().flight_record()[-1]["path"]
 
 
-@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_direct_back_to_back(world, kind):
     for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60, kind))):

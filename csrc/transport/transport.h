@@ -8,9 +8,9 @@
 //   shm staged      CPU, ordinary tensors: sender writes into a FIFO of slots in its own
 //                   POSIX shared-memory segment, receiver reads from it.
 //   shm registered  CPU, tensors from ringdp.empty(): receiver reads the sender's tensor
-//                   in place, no staging copy; final values only (all_gather, broadcast:
-//                   a registered all_reduce or reduce_scatter runs direct, outside the
-//                   ring, shm_comm.cpp).
+//                   in place, no staging copy; final values only (broadcast: a
+//                   registered all_reduce, reduce_scatter or all_gather runs direct,
+//                   outside the ring, shm_comm.cpp).
 //   cuda ipc / nccl GPU transports (csrc/cuda/), the same primitives, enqueued on a stream
 //                   (csrc/cuda/step_ring.h: one step kind per primitive).
 //

@@ -445,6 +445,14 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
     }
     if (c.kind != Kind::kBroadcast || c.root == cfg_.rank) std::memcpy(oneshot_buf(cfg_.rank, par), stage, stage_bytes);
   }
+  // An all_gather starts from this rank's own block of its output: put the input there now,
+  // so that it is in place before any peer passes the header exchange (the direct path reads
+  // it then). The output is this rank's (no peer reads a tensor of mine once its call
+  // returned), so this is safe even when the call then fails its checks.
+  if (c.kind == Kind::kAllGather && c.algo != Algo::kOneShot) {
+    char* mine = c.data + static_cast<size_t>(cfg_.rank) * bytes;
+    if (mine != c.in) std::memmove(mine, c.in, bytes);
+  }
   // Control::wrote trails this call by one until run_direct publishes s, whatever ran
   // before: a peer's direct wait for s sees s - 1 or s, never a value 2^31 calls old that
   // would compare as reached (the header's release publishes it).
@@ -482,13 +490,13 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
 
   // 3. A single rank has nothing to exchange: the output is its own input.
   if (n == 1) {
-    if (c.kind == Kind::kReduceScatter || c.kind == Kind::kAllGather) std::memmove(c.data, c.in, bytes);
+    if (c.kind == Kind::kReduceScatter || (c.kind == Kind::kAllGather && c.algo == Algo::kOneShot))
+      std::memmove(c.data, c.in, bytes);
     return;
   }
   try {
     if (c.algo == Algo::kOneShot) run_oneshot(par, c);
-    else if ((c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter) && all_registered(par))
-      run_direct(s, par, c);
+    else if (c.kind != Kind::kBroadcast && all_registered(par)) run_direct(s, par, c);
     else run_ring(par, c);
   } catch (const RingError&) {
     if (poison_.empty()) abort(cat("failed during ", kind_name(c.kind)));
@@ -531,19 +539,23 @@ bool ShmComm::all_registered(int par) const {
   return true;
 }
 
-// The direct all-reduce and reduce-scatter, for tensors every rank has in its registered
-// arena (ringdp.empty; reduce_scatter: the input): no FIFO, no staging copy, no chain of
+// The direct path, for tensors every rank has in its registered arena (ringdp.empty;
+// reduce_scatter: the input; all_gather: the output): no FIFO, no staging copy, no chain of
 // steps. With chunk q = the q-th of n chunks of the tensor (all_reduce:
-// ring::chunk_begin/chunk_end, 64-byte aligned; reduce_scatter: block q of the input), rank r
-//   1. reduce-scatter: reduces chunk r of every rank's tensor, in rank order 0..n-1 (in the
-//      accumulation type), reading the peers' tensors where they are, into chunk r of its
-//      own tensor (reduce_scatter: into its output, which may be that chunk of its input);
-//   2. all-gather (all_reduce only): writes the result into chunk r of every peer's tensor;
+// ring::chunk_begin/chunk_end, 64-byte aligned; reduce_scatter, all_gather: block q), rank r
+//   1. reduce (all_reduce, reduce_scatter): reduces chunk r of every rank's tensor, in rank
+//      order 0..n-1 (in the accumulation type), reading the peers' tensors where they are,
+//      into chunk r of its own tensor (reduce_scatter: into its output, which may be that
+//      chunk of its input);
+//   2. spread (all_reduce): writes the result into chunk r of every peer's tensor;
+//      or gather (all_gather): copies chunk q of every peer q's output into its own (each
+//      rank put its input there before the header exchange: run_call);
 //   3. publishes Control::wrote = s and waits until every peer has published it too.
 // Steps 1 and 2 go block by block, so a block is read from every tensor before any tensor's
-// copy of it is overwritten. Only rank r reads or writes chunk r, and the header exchange
-// before step 1 means every rank has entered call s (its tensor holds its input and is
-// given to the collective); step 3 means no peer still reads or writes my tensor when I
+// copy of it is overwritten. Only rank r reads or writes chunk r of a peer's tensor (the
+// gather reads chunk q of peer q's, which nobody writes in the call), and the header
+// exchange before step 1 means every rank has entered call s (its tensor holds its input and
+// is given to the collective); step 3 means no peer still reads or writes my tensor when I
 // return. An all_reduce moves 2 x S bytes a rank (reads S, writes S) at any world size,
 // against 5(n-1)/n x S for the in-place ring, and the ranks work at once rather than in a
 // chain: on the 2-core box this is 1.5-2.2x faster than the in-place ring at 256 KiB-64 MiB
@@ -551,56 +563,77 @@ bool ShmComm::all_registered(int par) const {
 // there, because each rank overwrote lines its neighbour had just read: a store to a line
 // another core holds costs ~4x a store to a private one (measured at 256 KiB). A
 // reduce_scatter reads S and writes S/n a rank, where the staged ring also copies every
-// partial through a FIFO.
+// partial through a FIFO; an all_gather reads and writes (n-1)/n x S, as the in-place ring
+// does, in two waits instead of one per slice and step.
 // Results are bitwise identical on every rank: one rank computes each chunk, in rank order.
 void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   took(CallRecord::kDirect);
   const int n = cfg_.world;
-  const bool scatter = c.kind == Kind::kReduceScatter;
-  const char* chunk_what = scatter ? "the peer's chunk (direct reduce_scatter)" : "the peer's chunk (direct all_reduce)";
-  const char* wait_what = scatter ? "the peer to finish its chunk of my tensor (direct reduce_scatter)"
-                                  : "the peer to finish its chunk of my tensor (direct all_reduce)";
+  const int me = cfg_.rank;
+  const bool scatter = c.kind == Kind::kReduceScatter, gather = c.kind == Kind::kAllGather;
+  const char* peer_what = scatter  ? "a peer's input (direct reduce_scatter)"
+                          : gather ? "a peer's output (direct all_gather)"
+                                   : "a peer's tensor (direct all_reduce)";
+  const char* wait_what = scatter  ? "the peer to finish reading my input (direct reduce_scatter)"
+                          : gather ? "the peer to finish reading my output (direct all_gather)"
+                                   : "the peer to finish its chunk of my tensor (direct all_reduce)";
   const size_t esz = dtype_size(c.dtype);
-  // Chunk r: elements [first, last) of every rank's tensor; reduce_scatter's is its block r.
-  const size_t first = scatter ? static_cast<size_t>(cfg_.rank) * c.count : ring::chunk_begin(c.count, n, 64 / esz, cfg_.rank);
-  const size_t last = scatter ? first + c.count : ring::chunk_end(c.count, n, 64 / esz, cfg_.rank);
   std::vector<char*> tensors(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r)
     tensors[static_cast<size_t>(r)] = segs_[static_cast<size_t>(r)].base() + geo_.arena_offset() +
                                       static_cast<size_t>(ctrl(r).hdr[par].reg_offset);
-  const cpu::Kernels& k = cpu::kernels_for(c.dtype, c.op);
-  const int avg_div = c.op == RedOp::kAvg ? n : 0;
-  const size_t block = kDirectBlockBytes / esz;
-  char* mine = tensors[static_cast<size_t>(cfg_.rank)];
-  // Where chunk r's result goes: in place (all_reduce), or the output (reduce_scatter).
-  char* result = scatter ? c.data - first * esz : mine;
-  std::vector<const void*> srcs(static_cast<size_t>(n));
-  for (size_t b = first; b < last; b += block) {
-    // A peer that gave up (its wait failed) may be back in its caller's hands: stop reading
-    // or writing its tensor within a block (check_health throws, naming it).
+  char* mine = tensors[static_cast<size_t>(me)];
+  // A peer that gave up (its wait failed) may be back in its caller's hands: stop reading or
+  // writing its tensor within a block (check_health throws, naming it).
+  auto check_peers = [&] {
     for (int r = 0; r < n; ++r)
-      if (r != cfg_.rank && ctrl(r).aborted.v.load(std::memory_order_relaxed) != 0)
-        check_health(r, chunk_what);
-    const size_t m = last - b < block ? last - b : block;
-    const size_t at = b * esz;
-    // 1. Reduce block b of chunk r from every rank's tensor ...
-    for (int r = 0; r < n; ++r) srcs[static_cast<size_t>(r)] = tensors[static_cast<size_t>(r)] + at;
-    k.reduce_many(result + at, srcs.data(), n, m, avg_div);
-    // 2. ... and copy it into every peer's.
-    if (!scatter)
-      for (int r = 0; r < n; ++r)
-        if (r != cfg_.rank) std::memcpy(tensors[static_cast<size_t>(r)] + at, mine + at, m * esz);
+      if (r != me && ctrl(r).aborted.v.load(std::memory_order_relaxed) != 0) check_health(r, peer_what);
+  };
+  if (gather) {
+    // 2. Gather: chunk q of peer q's output into mine, peers in ring order from my successor
+    //    (the ranks do not all read one peer at once).
+    const size_t bytes = c.count * esz;
+    for (int k = 1; k < n; ++k) {
+      const size_t q = static_cast<size_t>((me + k) % n);
+      for (size_t at = q * bytes; at < (q + 1) * bytes; at += kDirectBlockBytes) {
+        check_peers();
+        const size_t m = (q + 1) * bytes - at < kDirectBlockBytes ? (q + 1) * bytes - at : kDirectBlockBytes;
+        std::memcpy(mine + at, tensors[q] + at, m);
+      }
+    }
+  } else {
+    // Chunk r: elements [first, last) of every rank's tensor; reduce_scatter's is its block r.
+    const size_t first = scatter ? static_cast<size_t>(me) * c.count : ring::chunk_begin(c.count, n, 64 / esz, me);
+    const size_t last = scatter ? first + c.count : ring::chunk_end(c.count, n, 64 / esz, me);
+    const cpu::Kernels& k = cpu::kernels_for(c.dtype, c.op);
+    const int avg_div = c.op == RedOp::kAvg ? n : 0;
+    const size_t block = kDirectBlockBytes / esz;
+    // Where chunk r's result goes: in place (all_reduce), or the output (reduce_scatter).
+    char* result = scatter ? c.data - first * esz : mine;
+    std::vector<const void*> srcs(static_cast<size_t>(n));
+    for (size_t b = first; b < last; b += block) {
+      check_peers();
+      const size_t m = last - b < block ? last - b : block;
+      const size_t at = b * esz;
+      // 1. Reduce block b of chunk r from every rank's tensor ...
+      for (int r = 0; r < n; ++r) srcs[static_cast<size_t>(r)] = tensors[static_cast<size_t>(r)] + at;
+      k.reduce_many(result + at, srcs.data(), n, m, avg_div);
+      // 2. ... and spread it into every peer's.
+      if (!scatter)
+        for (int r = 0; r < n; ++r)
+          if (r != me) std::memcpy(tensors[static_cast<size_t>(r)] + at, mine + at, m * esz);
+    }
   }
   // 3. Done with the peers' tensors; wait until they are done with mine.
-  publish(ctrl(cfg_.rank).wrote, s);
+  publish(ctrl(me).wrote, s);
   for (int r = 0; r < n; ++r)
-    if (r != cfg_.rank) wait(ctrl(r).wrote, r, s, wait_what);
+    if (r != me) wait(ctrl(r).wrote, r, s, wait_what);
 }
 
 void ShmComm::run_ring(int par, const Call& c) {
-  // In place over registered memory (all_gather, broadcast) when every rank's buffer is
-  // registered; otherwise staged through the FIFOs. A registered all_reduce or
-  // reduce_scatter never gets here (run_direct).
+  // In place over registered memory (broadcast) when every rank's buffer is registered;
+  // otherwise staged through the FIFOs. A registered all_reduce, reduce_scatter or
+  // all_gather never gets here (run_direct).
   const int n = cfg_.world;
   const size_t esz = dtype_size(c.dtype);
   const bool reduces = c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter;
@@ -610,10 +643,7 @@ void ShmComm::run_ring(int par, const Call& c) {
   const size_t slice_elems = geo_.slot_bytes / (reduces ? acc_size(c.dtype) : esz);
   const RingPlan plan{c.count, n, cfg_.rank, slice_elems, 64 / esz};
   const RedOp op = reduces ? c.op : RedOp::kSum;  // (all_gather, broadcast: no arithmetic)
-  if (c.kind == Kind::kAllGather) {  // my block first, in place: the all-gather starts from it
-    char* mine = c.data + static_cast<size_t>(cfg_.rank) * c.count * esz;
-    if (mine != c.in) std::memmove(mine, c.in, c.count * esz);
-  }
+  // (an all_gather's own block is in place already: run_call)
   auto drive = [&](RingTransport& t) {
     switch (c.kind) {
       case Kind::kAllReduce: ring_all_reduce(t, plan); break;

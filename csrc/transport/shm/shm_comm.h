@@ -1,7 +1,7 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot path, the direct all-reduce and reduce-scatter of registered tensors
-// (run_direct), and drives the
+// one-shot path, the direct all-reduce, reduce-scatter and all-gather of registered
+// tensors (run_direct), and drives the
 // ring engine over the shm transports: all_reduce, reduce_scatter, all_gather and
 // broadcast, each a Kind in the call's fingerprint.
 #pragma once
@@ -74,8 +74,9 @@ class ShmComm final : public Endpoint {
   void reduce_scatter(const void* input, void* output, size_t count, DType dtype, RedOp op, Algo algo,
                       double timeout_s, const std::string& tag = "");
   // torch's all_gather_into_tensor: `input` count elements, `output` world * count; block q
-  // of the output is rank q's input. `input` may be block r of `output` itself. In place
-  // over registered memory when every rank's output is registered.
+  // of the output is rank q's input. `input` may be block r of `output` itself. Direct
+  // when every rank's output is registered (run_direct: each rank copies the peers' blocks
+  // from their outputs), else the staged ring or one-shot.
   void all_gather(const void* input, void* output, size_t count, DType dtype, Algo algo, double timeout_s,
                   const std::string& tag = "");
   // Copy `count` elements at `data` of rank `root` to every rank's `data` (a pipelined chain

@@ -44,8 +44,8 @@ class StagedTransport final : public RingTransport {
 // Registered tensors (ringdp.empty): the tensor itself lives in the arena every peer has
 // mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and copy
 // it into my own tensor. No slots, no staging copies. finish() waits until my successor has
-// read my last slice. all_gather and broadcast use it: they move final values only, and the
-// reduction primitives throw. A registered all_reduce or reduce_scatter runs direct instead
+// read my last slice. broadcast uses it (final values only: the reduction primitives
+// throw). A registered all_reduce, reduce_scatter or all_gather runs direct instead
 // (shm_comm.cpp run_direct: no FIFO, no chain).
 class RegisteredTransport final : public RingTransport {
  public:
