@@ -1002,6 +1002,20 @@ class Communicator:
             raise ValueError(
                 f"ringdp.all_gather_into_tensor on rank {self.rank}: output has {output.numel()} elements, expected "
                 f"input.numel() x world size = {input.numel()} x {n} = {input.numel() * n}")
+        # The smaller tensor is either this rank's block of the larger one (in place) or
+        # apart from it: peers read the other blocks while the call runs (the direct path
+        # reads them where they lie), so a partial overlap would race with them.
+        small, large = (output, input) if what == "reduce_scatter_tensor" else (input, output)
+        nbytes = small.numel() * small.element_size()
+        if nbytes:
+            start, end = small.data_ptr(), small.data_ptr() + nbytes
+            lo, hi = large.data_ptr(), large.data_ptr() + large.numel() * large.element_size()
+            if start < hi and lo < end and start != lo + self.rank * nbytes:
+                names = ("output", "input") if small is output else ("input", "output")
+                raise ValueError(
+                    f"ringdp.{what} on rank {self.rank}: the {names[0]} overlaps the {names[1]} other than as "
+                    f"its block {self.rank} (bytes {start - lo}..{end - lo} of it, block {self.rank} is "
+                    f"{self.rank * nbytes}..{(self.rank + 1) * nbytes}); pass a separate tensor or exactly that block")
         return code
 
     def _cpu_path(self) -> None:

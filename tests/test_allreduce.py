@@ -178,7 +178,8 @@ def _direct_back_to_back(rank, world, count, calls, kind):
 
     import ringdp
 
-    scatter, gather = kind == "reduce_scatter", kind == "all_gather"
+    in_place = kind.endswith("_in_place")  # the output is the input's block (reduce_scatter) or the reverse
+    scatter, gather = kind.startswith("reduce_scatter"), kind.startswith("all_gather")
     t = ringdp.empty(count * world if scatter or gather else count)
     res = torch.empty(count)
     i = torch.arange(t.numel(), dtype=torch.float64)
@@ -190,7 +191,9 @@ def _direct_back_to_back(rank, world, count, calls, kind):
         if rng.random() < 0.2:
             time.sleep(rng.random() * 0.002)
         if gather:  # block q of my output: rank q's input (q + 1)(i % 101) + k
-            ringdp.all_gather_into_tensor(t, (g * (rank + 1) + k).float(), algo="ring")
+            src = t[rank * count:(rank + 1) * count] if in_place else torch.empty(count)
+            src.copy_(g * (rank + 1) + k)
+            ringdp.all_gather_into_tensor(t, src, algo="ring")
             want = torch.cat([g * (q + 1) + k for q in range(world)])
             if not torch.equal(t.to(torch.float64), want):
                 bad.append(k)
@@ -198,6 +201,8 @@ def _direct_back_to_back(rank, world, count, calls, kind):
             continue
         t.copy_((i % 101) * (rank + 1) + k)  # exact in float32
         if scatter:
+            if in_place:  # into my block of the input
+                res = t[mine]
             ringdp.reduce_scatter_tensor(res, t, algo="ring")
         else:
             ringdp.all_reduce(t, algo="ring")  # (one-shot's threshold aside, whatever it is)
@@ -209,7 +214,8 @@ def _direct_back_to_back(rank, world, count, calls, kind):
     return bad, ringdp.get_communicator().flight_record()[-1]["path"]
 
 
-@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "reduce_scatter_in_place", "all_gather",
+                                  "all_gather_in_place"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_direct_back_to_back(world, kind):
     for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60, kind))):

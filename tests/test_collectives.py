@@ -406,6 +406,8 @@ def _bad_args(rank, world):
     import ringdp
 
     errors = []
+    base = torch.zeros(3 * world + 1)
+    shared = base[:3 * world]
     calls = [
         lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world + 1)),  # size
         lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world, dtype=torch.float64)),  # dtype
@@ -418,6 +420,8 @@ def _bad_args(rank, world):
         lambda: ringdp.broadcast(torch.empty(3), -1),
         lambda: ringdp.broadcast(torch.empty(3), "0"),
         lambda: ringdp.reduce_scatter_tensor(torch.empty(3), torch.empty(3 * world), op=torch.distributed.ReduceOp.PRODUCT),
+        lambda: ringdp.reduce_scatter_tensor(shared[1:4], shared),  # the output overlaps the input, not as its block
+        lambda: ringdp.all_gather_into_tensor(shared, base[3 * rank + 1:3 * rank + 4]),  # likewise the input
     ]
     for c in calls:
         try:
@@ -434,11 +438,13 @@ def test_bad_arguments_are_clear_errors(pool):
     for errors, out in pool.run(_bad_args):
         kinds = [e[0] if e else None for e in errors]
         assert kinds == ["ValueError", "TypeError", "TypeError", "ValueError", "ValueError", "TypeError",
-                         "ValueError", "ValueError", "TypeError", "ValueError"], errors
+                         "ValueError", "ValueError", "TypeError", "ValueError", "ValueError", "ValueError"], errors
         assert "expected output.numel() x world size" in errors[0][1]
         assert "differs from input dtype" in errors[1][1]
         assert "contiguous" in errors[4][1]
         assert "src=2 is not a rank" in errors[6][1]
+        assert "the output overlaps the input other than as its block" in errors[10][1], errors[10]
+        assert "the input overlaps the output other than as its block" in errors[11][1], errors[11]
         assert out == [1.0] * 4
 
 

@@ -448,8 +448,9 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   // An all_gather starts from this rank's own block of its output: put the input there now,
   // so that it is in place before any peer passes the header exchange (the direct path reads
   // it then). The output is this rank's (no peer reads a tensor of mine once its call
-  // returned), so this is safe even when the call then fails its checks.
-  if (c.kind == Kind::kAllGather && c.algo != Algo::kOneShot) {
+  // returned), so this is safe even when the call then fails its checks (its output then
+  // holds its own input in its block, as after a success).
+  if (c.kind == Kind::kAllGather && c.algo != Algo::kOneShot && bytes > 0) {
     char* mine = c.data + static_cast<size_t>(cfg_.rank) * bytes;
     if (mine != c.in) std::memmove(mine, c.in, bytes);
   }
@@ -608,8 +609,9 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
     const cpu::Kernels& k = cpu::kernels_for(c.dtype, c.op);
     const int avg_div = c.op == RedOp::kAvg ? n : 0;
     const size_t block = kDirectBlockBytes / esz;
-    // Where chunk r's result goes: in place (all_reduce), or the output (reduce_scatter).
-    char* result = scatter ? c.data - first * esz : mine;
+    // Where chunk r's result goes: in place (all_reduce), or the output (reduce_scatter),
+    // whose element 0 is element `first` of the input.
+    auto result = [&](size_t at) { return scatter ? c.data + (at - first * esz) : mine + at; };
     std::vector<const void*> srcs(static_cast<size_t>(n));
     for (size_t b = first; b < last; b += block) {
       check_peers();
@@ -617,7 +619,7 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
       const size_t at = b * esz;
       // 1. Reduce block b of chunk r from every rank's tensor ...
       for (int r = 0; r < n; ++r) srcs[static_cast<size_t>(r)] = tensors[static_cast<size_t>(r)] + at;
-      k.reduce_many(result + at, srcs.data(), n, m, avg_div);
+      k.reduce_many(result(at), srcs.data(), n, m, avg_div);
       // 2. ... and spread it into every peer's.
       if (!scatter)
         for (int r = 0; r < n; ++r)

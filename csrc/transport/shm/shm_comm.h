@@ -76,7 +76,8 @@ class ShmComm final : public Endpoint {
   // torch's all_gather_into_tensor: `input` count elements, `output` world * count; block q
   // of the output is rank q's input. `input` may be block r of `output` itself. Direct
   // when every rank's output is registered (run_direct: each rank copies the peers' blocks
-  // from their outputs), else the staged ring or one-shot.
+  // from their outputs), else the staged ring or one-shot. The input goes into block r
+  // first, before the call's checks (so even a failed call leaves it there).
   void all_gather(const void* input, void* output, size_t count, DType dtype, Algo algo, double timeout_s,
                   const std::string& tag = "");
   // Copy `count` elements at `data` of rank `root` to every rank's `data` (a pipelined chain
