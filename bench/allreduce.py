@@ -512,7 +512,7 @@ class Caller:
 
     def path(self, s: Series) -> str | None:
         """What the engine ran for this series' last call on this host's shared memory (the
-        flight record's path: oneshot, ring_staged, ring_in_place, direct); None for
+        flight record's path: oneshot, ring_staged, direct); None for
         torch.distributed series, CUDA, across hosts, or a ringdp without the field."""
         if self.torch_api(s) or self.device.type != "cpu" or self.cross_path is not None:
             return None

@@ -83,7 +83,7 @@ std::function<void(const std::string&)> python_callback(py::function f, const ch
 py::list records_to_python(const std::vector<CallRecord>& records) {
   py::list out;
   static const char* status[] = {"running", "ok", "failed"};
-  static const char* path[] = {"none", "oneshot", "ring_staged", "ring_in_place", "direct"};
+  static const char* path[] = {"none", "oneshot", "ring_staged", "direct"};
   static_assert(sizeof(path) / sizeof(path[0]) == CallRecord::kDirect + 1, "a name for every path");
   for (const CallRecord& r : records) {
     py::dict d;

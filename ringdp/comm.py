@@ -825,8 +825,9 @@ class Communicator:
 
     def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
-        every rank: a pipelined chain src -> src+1 -> ... along the ring (in place when every
-        rank's tensor is registered), or one-shot for small tensors (policy.py). CUDA tensors:
+        every rank: a pipelined chain src -> src+1 -> ... along the ring (direct when every
+        rank's tensor is registered: each copies src's where it lies, shm_comm.cpp
+        run_direct), or one-shot for small tensors (policy.py). CUDA tensors:
         the chain on ringdp's stream (IPC: registered tensors read in place), or one-shot
         (IPC)."""
         def check():
@@ -1146,7 +1147,7 @@ class Communicator:
     def flight_record(self) -> list[dict]:
         """This rank's last collectives on the shared-memory transport, oldest first: seq,
         kind, count, dtype, op, algo (asked for), path (what moved the data: none, oneshot,
-        ring_staged, ring_in_place, direct), tag, status (running, ok, failed), start and end
+        ring_staged, direct), tag, status (running, ok, failed), start and end
         (microseconds since the epoch; end 0 while running)."""
         shm = self._cpu_arena()
         if shm is None:

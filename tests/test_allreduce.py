@@ -155,13 +155,13 @@ def _paths(rank, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_paths(world):
     # A registered all_reduce, reduce_scatter (its input registered) or all_gather (its
-    # output) runs direct on every rank (any dtype), a mixed one staged on every rank, a
-    # registered broadcast the in-place ring; the flight record says which.
+    # output) or broadcast runs direct on every rank (any dtype), a mixed one staged on every
+    # rank; the flight record says which.
     want = {"ordinary": "ring_staged", "registered": "direct", "registered_bf16": "direct",
             "registered_max_int": "direct", "registered_here_only": "ring_staged", "registered_small": "direct",
             "oneshot": "oneshot", "all_gather": "ring_staged", "all_gather_registered": "direct",
             "all_gather_registered_in_place": "direct", "all_gather_registered_here_only": "ring_staged",
-            "broadcast_registered": "ring_in_place",
+            "broadcast_registered": "direct",
             "reduce_scatter": "ring_staged", "reduce_scatter_registered": "direct",
             "reduce_scatter_registered_in_place": "direct", "reduce_scatter_registered_here_only": "ring_staged"}
     for rank, out in enumerate(values(run_ranks(_paths, world))):
@@ -180,6 +180,20 @@ def _direct_back_to_back(rank, world, count, calls, kind):
 
     in_place = kind.endswith("_in_place")  # the output is the input's block (reduce_scatter) or the reverse
     scatter, gather = kind.startswith("reduce_scatter"), kind.startswith("all_gather")
+    if kind == "broadcast":  # the source rotates; it overwrites its tensor as the call returns
+        t = ringdp.empty(count)
+        g = torch.arange(count, dtype=torch.float64) % 101
+        bad = []
+        for k in range(calls):
+            if random.Random(rank * 1000 + k).random() < 0.2:
+                time.sleep(0.002 * random.Random(k).random())
+            src = k % world
+            t.copy_(g * (src + 1) + k if rank == src else torch.full((count,), -5.0, dtype=torch.float64))
+            ringdp.broadcast(t, src, algo="ring")
+            if not torch.equal(t.to(torch.float64), g * (src + 1) + k):
+                bad.append(k)
+            t.fill_(-1e9)  # a peer still reading the source's tensor would copy this
+        return bad, ringdp.get_communicator().flight_record()[-1]["path"]
     t = ringdp.empty(count * world if scatter or gather else count)
     res = torch.empty(count)
     i = torch.arange(t.numel(), dtype=torch.float64)
@@ -215,7 +229,7 @@ def _direct_back_to_back(rank, world, count, calls, kind):
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "reduce_scatter_in_place", "all_gather",
-                                  "all_gather_in_place"])
+                                  "all_gather_in_place", "broadcast"])
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_direct_back_to_back(world, kind):
     for rank, (bad, path) in enumerate(values(run_ranks(_direct_back_to_back, world, 40_009, 60, kind))):

@@ -17,10 +17,9 @@ namespace ringdp {
 struct CallRecord {
   enum Status : int32_t { kRunning = 0, kOk = 1, kFailed = 2 };
   // What moved the data, once the headers agreed: nothing (world 1, no elements, a call that
-  // failed its checks), the one-shot buffers, the ring through the FIFOs (staged), the ring
-  // reading peers' registered tensors in place (broadcast), or the direct path over
-  // registered tensors (all_reduce, reduce_scatter, all_gather: shm_comm.cpp run_direct).
-  enum Path : int32_t { kNone = 0, kOneShot = 1, kRingStaged = 2, kRingInPlace = 3, kDirect = 4 };
+  // failed its checks), the one-shot buffers, the ring through the FIFOs (staged), or the
+  // direct path over registered tensors (shm_comm.cpp run_direct).
+  enum Path : int32_t { kNone = 0, kOneShot = 1, kRingStaged = 2, kDirect = 3 };
   uint32_t seq = 0;       // the communicator's call number
   int32_t kind = 0;       // Kind
   int32_t dtype = 0;      // DType

@@ -6,11 +6,9 @@
 // transport decides only how bytes travel and where the arithmetic runs:
 //
 //   shm staged      CPU, ordinary tensors: sender writes into a FIFO of slots in its own
-//                   POSIX shared-memory segment, receiver reads from it.
-//   shm registered  CPU, tensors from ringdp.empty(): receiver reads the sender's tensor
-//                   in place, no staging copy; final values only (broadcast: a
-//                   registered all_reduce, reduce_scatter or all_gather runs direct,
-//                   outside the ring, shm_comm.cpp).
+//                   POSIX shared-memory segment, receiver reads from it. (Tensors from
+//                   ringdp.empty() that every rank holds take no ring: the direct path
+//                   reads and writes them where they lie, shm_comm.cpp run_direct.)
 //   cuda ipc / nccl GPU transports (csrc/cuda/), the same primitives, enqueued on a stream
 //                   (csrc/cuda/step_ring.h: one step kind per primitive).
 //

@@ -19,10 +19,11 @@ namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 5;  // 2: call fingerprint (kind, tag), Control::done
+constexpr uint32_t kLayoutVersion = 6;  // 2: call fingerprint (kind, tag), Control::done
                                         // 3: kinds reduce_scatter/all_gather/broadcast, root
                                         // 4: Control::wrote (the direct all-reduce)
                                         // 5: reduce_scatter's reg_offset (its input; direct)
+                                        // 6: registered broadcast direct (no in-place ring)
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.

@@ -17,7 +17,6 @@ Link::Link(const Neighbours& n, const Geometry& geo, const WaitPolicy& policy, W
       next_ctrl_(&control_at(n.next_base)),
       my_fifo_(n.mine + geo.fifo_offset()),
       prev_fifo_(n.prev_base + geo.fifo_offset()),
-      prev_arena_(n.prev_base + geo.arena_offset()),
       slots_(geo.fifo_slots),
       slot_bytes_(geo.slot_bytes),
       policy_(policy),
@@ -35,10 +34,6 @@ char* Link::out_slot() {
 }
 
 void Link::post() { publish(me_->posted, me_->sleepers, ++posted_); }
-
-void Link::wait_drained() {
-  wait(next_ctrl_->consumed, *next_ctrl_, next_, posted_, "successor to finish reading my tensor");
-}
 
 void Link::wait_in() { wait(prev_ctrl_->posted, *prev_ctrl_, prev_, consumed_ + 1, "data from predecessor"); }
 

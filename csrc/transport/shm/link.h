@@ -56,21 +56,16 @@ class Link {
   // Wait until my next FIFO slot is free (the successor consumed the slice that used it
   // `slots` slices ago) and return it.
   char* out_slot();
-  // Publish one more slice to the successor (in my next slot, or read in place).
+  // Publish one more slice to the successor (in my next slot).
   void post();
-  // Wait until the successor consumed every slice I posted (it no longer reads my data).
-  void wait_drained();
 
   // --- my connection from prev -----------------------------------------------------------
-  // Wait until the predecessor posted my next slice (its data may be read in place).
+  // Wait until the predecessor posted my next slice.
   void wait_in();
   // wait_in(), then the predecessor's FIFO slot that holds the slice.
   const char* in_slot();
   // Release the slice taken from the predecessor (its slot may be reused).
   void consume();
-
-  // The predecessor's registered-memory arena (its tensors from ringdp.empty, in place).
-  const char* prev_arena() const { return prev_arena_; }
 
  private:
   void wait(const Flag& flag, Control& owner, int owner_rank, uint32_t target, const char* what);
@@ -81,7 +76,6 @@ class Link {
   Control* next_ctrl_;
   char* my_fifo_;
   const char* prev_fifo_;
-  const char* prev_arena_;
   size_t slots_, slot_bytes_;
   WaitPolicy policy_;
   SpinLearner learner_;  // every wait of a Link is inside a call (wait.h)

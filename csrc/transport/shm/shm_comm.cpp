@@ -497,8 +497,8 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   }
   try {
     if (c.algo == Algo::kOneShot) run_oneshot(par, c);
-    else if (c.kind != Kind::kBroadcast && all_registered(par)) run_direct(s, par, c);
-    else run_ring(par, c);
+    else if (all_registered(par)) run_direct(s, par, c);
+    else run_ring(c);
   } catch (const RingError&) {
     if (poison_.empty()) abort(cat("failed during ", kind_name(c.kind)));
     throw;
@@ -542,7 +542,8 @@ bool ShmComm::all_registered(int par) const {
 
 // The direct path, for tensors every rank has in its registered arena (ringdp.empty;
 // reduce_scatter: the input; all_gather: the output): no FIFO, no staging copy, no chain of
-// steps. With chunk q = the q-th of n chunks of the tensor (all_reduce:
+// steps, and every collective's only path over registered memory. With chunk q = the q-th
+// of n chunks of the tensor (all_reduce:
 // ring::chunk_begin/chunk_end, 64-byte aligned; reduce_scatter, all_gather: block q), rank r
 //   1. reduce (all_reduce, reduce_scatter): reduces chunk r of every rank's tensor, in rank
 //      order 0..n-1 (in the accumulation type), reading the peers' tensors where they are,
@@ -551,32 +552,37 @@ bool ShmComm::all_registered(int par) const {
 //   2. spread (all_reduce): writes the result into chunk r of every peer's tensor;
 //      or gather (all_gather): copies chunk q of every peer q's output into its own (each
 //      rank put its input there before the header exchange: run_call);
-//   3. publishes Control::wrote = s and waits until every peer has published it too.
+//      or copy (broadcast): copies the source's tensor into its own;
+//   3. publishes Control::wrote = s and waits until every peer has published it too
+//      (broadcast: the source alone waits; nobody reads the others' tensors).
 // Steps 1 and 2 go block by block, so a block is read from every tensor before any tensor's
 // copy of it is overwritten. Only rank r reads or writes chunk r of a peer's tensor (the
 // gather reads chunk q of peer q's, which nobody writes in the call), and the header
 // exchange before step 1 means every rank has entered call s (its tensor holds its input and
 // is given to the collective); step 3 means no peer still reads or writes my tensor when I
 // return. An all_reduce moves 2 x S bytes a rank (reads S, writes S) at any world size,
-// against 5(n-1)/n x S for the in-place ring, and the ranks work at once rather than in a
-// chain: on the 2-core box this is 1.5-2.2x faster than the in-place ring at 256 KiB-64 MiB
+// against 5(n-1)/n x S for the in-place ring it replaced, and the ranks work at once rather
+// than in a chain: on the 2-core box this is 1.5-2.2x faster than that ring at 256 KiB-64 MiB
 // (bench/results/compare_direct_*). The in-place ring was slower than even the staged one
 // there, because each rank overwrote lines its neighbour had just read: a store to a line
 // another core holds costs ~4x a store to a private one (measured at 256 KiB). A
 // reduce_scatter reads S and writes S/n a rank, where the staged ring also copies every
-// partial through a FIFO; an all_gather reads and writes (n-1)/n x S, as the in-place ring
-// does, in two waits instead of one per slice and step.
+// partial through a FIFO; an all_gather reads and writes (n-1)/n x S, a broadcast S, as the
+// in-place ring they ran before did, in two waits instead of one per slice and step.
 // Results are bitwise identical on every rank: one rank computes each chunk, in rank order.
 void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   took(CallRecord::kDirect);
   const int n = cfg_.world;
   const int me = cfg_.rank;
   const bool scatter = c.kind == Kind::kReduceScatter, gather = c.kind == Kind::kAllGather;
+  const bool bcast = c.kind == Kind::kBroadcast;
   const char* peer_what = scatter  ? "a peer's input (direct reduce_scatter)"
                           : gather ? "a peer's output (direct all_gather)"
+                          : bcast  ? "the source's tensor (direct broadcast)"
                                    : "a peer's tensor (direct all_reduce)";
   const char* wait_what = scatter  ? "the peer to finish reading my input (direct reduce_scatter)"
                           : gather ? "the peer to finish reading my output (direct all_gather)"
+                          : bcast  ? "the peer to finish reading my tensor (direct broadcast)"
                                    : "the peer to finish its chunk of my tensor (direct all_reduce)";
   const size_t esz = dtype_size(c.dtype);
   std::vector<char*> tensors(static_cast<size_t>(n));
@@ -590,18 +596,24 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
     for (int r = 0; r < n; ++r)
       if (r != me && ctrl(r).aborted.v.load(std::memory_order_relaxed) != 0) check_health(r, peer_what);
   };
+  // Copy bytes [from, to) of rank q's tensor into mine, block by block.
+  auto copy_from = [&](size_t q, size_t from, size_t to) {
+    for (size_t at = from; at < to; at += kDirectBlockBytes) {
+      check_peers();
+      std::memcpy(mine + at, tensors[q] + at, to - at < kDirectBlockBytes ? to - at : kDirectBlockBytes);
+    }
+  };
+  const size_t bytes = c.count * esz;
   if (gather) {
     // 2. Gather: chunk q of peer q's output into mine, peers in ring order from my successor
     //    (the ranks do not all read one peer at once).
-    const size_t bytes = c.count * esz;
     for (int k = 1; k < n; ++k) {
       const size_t q = static_cast<size_t>((me + k) % n);
-      for (size_t at = q * bytes; at < (q + 1) * bytes; at += kDirectBlockBytes) {
-        check_peers();
-        const size_t m = (q + 1) * bytes - at < kDirectBlockBytes ? (q + 1) * bytes - at : kDirectBlockBytes;
-        std::memcpy(mine + at, tensors[q] + at, m);
-      }
+      copy_from(q, q * bytes, (q + 1) * bytes);
     }
+  } else if (bcast) {
+    // 2. Broadcast: the source's tensor into mine.
+    if (me != c.root) copy_from(static_cast<size_t>(c.root), 0, bytes);
   } else {
     // Chunk r: elements [first, last) of every rank's tensor; reduce_scatter's is its block r.
     const size_t first = scatter ? static_cast<size_t>(me) * c.count : ring::chunk_begin(c.count, n, 64 / esz, me);
@@ -626,21 +638,21 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
           if (r != me) std::memcpy(tensors[static_cast<size_t>(r)] + at, mine + at, m * esz);
     }
   }
-  // 3. Done with the peers' tensors; wait until they are done with mine.
+  // 3. Done with the peers' tensors; wait until they are done with mine (a broadcast: only
+  //    the source's tensor is read by peers).
   publish(ctrl(me).wrote, s);
-  for (int r = 0; r < n; ++r)
-    if (r != me) wait(ctrl(r).wrote, r, s, wait_what);
+  if (!bcast || me == c.root)
+    for (int r = 0; r < n; ++r)
+      if (r != me) wait(ctrl(r).wrote, r, s, wait_what);
 }
 
-void ShmComm::run_ring(int par, const Call& c) {
-  // In place over registered memory (broadcast) when every rank's buffer is registered;
-  // otherwise staged through the FIFOs. A registered all_reduce, reduce_scatter or
-  // all_gather never gets here (run_direct).
+void ShmComm::run_ring(const Call& c) {
+  // Staged through the FIFOs (tensors that every rank holds in registered memory run
+  // direct instead: run_direct).
   const int n = cfg_.world;
   const size_t esz = dtype_size(c.dtype);
   const bool reduces = c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter;
-  const bool registered = !reduces && all_registered(par);
-  took(registered ? CallRecord::kRingInPlace : CallRecord::kRingStaged);
+  took(CallRecord::kRingStaged);
   // Partial sums travel in the accumulation type; final values in the tensor's dtype.
   const size_t slice_elems = geo_.slot_bytes / (reduces ? acc_size(c.dtype) : esz);
   const RingPlan plan{c.count, n, cfg_.rank, slice_elems, 64 / esz};
@@ -658,10 +670,6 @@ void ShmComm::run_ring(int par, const Call& c) {
     // Reads the input, writes only block `rank` of the result, into the output.
     shm::StagedTransport t(*link_, const_cast<char*>(c.in), c.data, static_cast<size_t>(cfg_.rank) * c.count,
                            c.dtype, op);
-    drive(t);
-  } else if (registered) {
-    const size_t prev_offset = static_cast<size_t>(ctrl(link_->prev()).hdr[par].reg_offset);
-    shm::RegisteredTransport t(*link_, c.data, prev_offset, c.dtype);
     drive(t);
   } else {
     shm::StagedTransport t(*link_, c.data, c.dtype, op);

@@ -1,8 +1,7 @@
 // The shared-memory communicator: one per (process group, process). Owns this rank's
 // segment, maps the peers', runs the per-call header exchange (mismatch detection), the
-// one-shot path, the direct all-reduce, reduce-scatter and all-gather of registered
-// tensors (run_direct), and drives the
-// ring engine over the shm transports: all_reduce, reduce_scatter, all_gather and
+// one-shot path, the direct path for registered tensors (run_direct), and drives the ring
+// engine over the staged shm transport: all_reduce, reduce_scatter, all_gather and
 // broadcast, each a Kind in the call's fingerprint.
 #pragma once
 #include <cstdint>
@@ -81,7 +80,7 @@ class ShmComm final : public Endpoint {
   void all_gather(const void* input, void* output, size_t count, DType dtype, Algo algo, double timeout_s,
                   const std::string& tag = "");
   // Copy `count` elements at `data` of rank `root` to every rank's `data` (a pipelined chain
-  // along the ring; in place over registered memory when every rank's tensor is registered).
+  // along the ring; direct when every rank's tensor is registered: each copies the root's).
   void broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
                  const std::string& tag = "");
   // Take part in the next collective without data because this rank rejected its input:
@@ -171,7 +170,7 @@ class ShmComm final : public Endpoint {
   // The data-moving part of run_call, once every header agrees.
   void run_oneshot(int parity, const Call& c);
   void run_direct(uint32_t s, int parity, const Call& c);
-  void run_ring(int parity, const Call& c);
+  void run_ring(const Call& c);
   // Whether every rank's header of `parity` names a tensor in its registered arena.
   bool all_registered(int parity) const;
   // Note in the current call's flight record what moved its data.

@@ -71,44 +71,5 @@ void StagedTransport::recv_reduce_copy(const Slice& s) {
   link_.consume();
 }
 
-// ---- registered ------------------------------------------------------------------------
-
-RegisteredTransport::RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype)
-    : link_(link), data_(data), prev_data_(link.prev_arena() + prev_offset), esz_(dtype_size(dtype)) {}
-
-const char* RegisteredTransport::in(const Slice& s) {
-  link_.wait_in();
-  return prev_data_ + s.offset * esz_;
-}
-
-void RegisteredTransport::send(const Slice&) { link_.post(); }  // my values are readable in place
-
-void RegisteredTransport::recv_reduce_send(const Slice&) { reduces(); }
-void RegisteredTransport::recv_reduce_copy_send(const Slice&) { reduces(); }
-void RegisteredTransport::recv_reduce_copy(const Slice&) { reduces(); }
-
-void RegisteredTransport::reduces() const {
-  throw RingError("shm: the in-place ring carries final values only (a registered all_reduce or reduce_scatter runs direct)");
-}
-
-void RegisteredTransport::recv_copy_send(const Slice& s) {
-  std::memcpy(data_ + s.offset * esz_, in(s), s.count * esz_);
-  link_.consume();
-  link_.post();
-}
-
-void RegisteredTransport::recv(const Slice& s) {
-  std::memcpy(data_ + s.offset * esz_, in(s), s.count * esz_);
-  link_.consume();
-}
-
-void RegisteredTransport::copy_send(const Slice&) { link_.post(); }  // read in place
-
-void RegisteredTransport::finish() {
-  // My tensor is read in place by my successor: the caller may touch it only after the
-  // successor consumed every slice I posted.
-  link_.wait_drained();
-}
-
 }  // namespace shm
 }  // namespace ringdp

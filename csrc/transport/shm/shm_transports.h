@@ -1,5 +1,6 @@
-// The two shared-memory implementations of RingTransport (see transport.h). Both move
-// bytes over a Link (link.h), which owns the neighbours' flags, FIFOs and the counters.
+// The shared-memory implementation of RingTransport (see transport.h): it moves bytes over
+// a Link (link.h), which owns the neighbours' flags, FIFOs and the counters. Tensors that
+// every rank holds in registered memory do not take the ring (shm_comm.cpp run_direct).
 #pragma once
 #include "../../common/types.h"
 #include "../../kernels/cpu/reduce.h"
@@ -39,34 +40,6 @@ class StagedTransport final : public RingTransport {
   const cpu::Kernels& k_;
   size_t esz_, asz_;
   int avg_div_;
-};
-
-// Registered tensors (ringdp.empty): the tensor itself lives in the arena every peer has
-// mapped, so I read my predecessor's slice in place (at `prev_offset` in its arena) and copy
-// it into my own tensor. No slots, no staging copies. finish() waits until my successor has
-// read my last slice. broadcast uses it (final values only: the reduction primitives
-// throw). A registered all_reduce, reduce_scatter or all_gather runs direct instead
-// (shm_comm.cpp run_direct: no FIFO, no chain).
-class RegisteredTransport final : public RingTransport {
- public:
-  RegisteredTransport(Link& link, char* data, size_t prev_offset, DType dtype);
-  void send(const Slice& s) override;
-  void recv_reduce_send(const Slice& s) override;
-  void recv_reduce_copy_send(const Slice& s) override;
-  void recv_copy_send(const Slice& s) override;
-  void recv(const Slice& s) override;
-  void copy_send(const Slice& s) override;
-  void recv_reduce_copy(const Slice& s) override;
-  void finish() override;
-
- private:
-  const char* in(const Slice& s);  // wait for predecessor's slice
-  [[noreturn]] void reduces() const;
-
-  Link& link_;
-  char* data_;
-  const char* prev_data_;
-  size_t esz_;
 };
 
 }  // namespace shm
