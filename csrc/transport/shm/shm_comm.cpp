@@ -445,12 +445,12 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
     }
     if (c.kind != Kind::kBroadcast || c.root == cfg_.rank) std::memcpy(oneshot_buf(cfg_.rank, par), stage, stage_bytes);
   }
-  // An all_gather starts from this rank's own block of its output: put the input there now,
-  // so that it is in place before any peer passes the header exchange (the direct path reads
-  // it then). The output is this rank's (no peer reads a tensor of mine once its call
+  // An all_gather starts from this rank's own block of its output, on every path: put the
+  // input there now, so that it is in place before any peer passes the header exchange (the
+  // direct path reads it then). The output is this rank's (no peer reads a tensor of mine once its call
   // returned), so this is safe even when the call then fails its checks (its output then
   // holds its own input in its block, as after a success).
-  if (c.kind == Kind::kAllGather && c.algo != Algo::kOneShot && bytes > 0) {
+  if (c.kind == Kind::kAllGather && bytes > 0) {
     char* mine = c.data + static_cast<size_t>(cfg_.rank) * bytes;
     if (mine != c.in) std::memmove(mine, c.in, bytes);
   }
@@ -491,8 +491,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
 
   // 3. A single rank has nothing to exchange: the output is its own input.
   if (n == 1) {
-    if (c.kind == Kind::kReduceScatter || (c.kind == Kind::kAllGather && c.algo == Algo::kOneShot))
-      std::memmove(c.data, c.in, bytes);
+    if (c.kind == Kind::kReduceScatter) std::memmove(c.data, c.in, bytes);
     return;
   }
   try {
@@ -524,9 +523,9 @@ void ShmComm::run_oneshot(int par, const Call& c) {
         srcs[static_cast<size_t>(r)] = oneshot_buf(r, par) + static_cast<size_t>(cfg_.rank) * bytes;
       cpu::kernels_for(c.dtype, c.op).reduce_many(c.data, srcs.data(), n, c.count, avg_div);
       break;
-    case Kind::kAllGather:  // block r of the output is rank r's input
+    case Kind::kAllGather:  // block r of the output is rank r's input (mine is in place: run_call)
       for (int r = 0; r < n; ++r)
-        std::memmove(c.data + static_cast<size_t>(r) * bytes, r == cfg_.rank ? c.in : oneshot_buf(r, par), bytes);
+        if (r != cfg_.rank) std::memcpy(c.data + static_cast<size_t>(r) * bytes, oneshot_buf(r, par), bytes);
       break;
     case Kind::kBroadcast:
       if (cfg_.rank != c.root) std::memcpy(c.data, oneshot_buf(c.root, par), bytes);
@@ -576,14 +575,14 @@ void ShmComm::run_direct(uint32_t s, int par, const Call& c) {
   const int me = cfg_.rank;
   const bool scatter = c.kind == Kind::kReduceScatter, gather = c.kind == Kind::kAllGather;
   const bool bcast = c.kind == Kind::kBroadcast;
-  const char* peer_what = scatter  ? "a peer's input (direct reduce_scatter)"
-                          : gather ? "a peer's output (direct all_gather)"
-                          : bcast  ? "the source's tensor (direct broadcast)"
-                                   : "a peer's tensor (direct all_reduce)";
-  const char* wait_what = scatter  ? "the peer to finish reading my input (direct reduce_scatter)"
-                          : gather ? "the peer to finish reading my output (direct all_gather)"
-                          : bcast  ? "the peer to finish reading my tensor (direct broadcast)"
-                                   : "the peer to finish its chunk of my tensor (direct all_reduce)";
+  // What a failed check or wait names, by Kind: the peer's memory read, and what I wait for.
+  static const char* const kWhat[][2] = {
+      {"a peer's tensor (direct all_reduce)", "the peer to finish its chunk of my tensor (direct all_reduce)"},
+      {"a peer's input (direct reduce_scatter)", "the peer to finish reading my input (direct reduce_scatter)"},
+      {"a peer's output (direct all_gather)", "the peer to finish reading my output (direct all_gather)"},
+      {"the source's tensor (direct broadcast)", "the peer to finish reading my tensor (direct broadcast)"}};
+  const char* peer_what = kWhat[static_cast<int>(c.kind)][0];
+  const char* wait_what = kWhat[static_cast<int>(c.kind)][1];
   const size_t esz = dtype_size(c.dtype);
   std::vector<char*> tensors(static_cast<size_t>(n));
   for (int r = 0; r < n; ++r)
