@@ -78,6 +78,8 @@ def machine_info(world_size: int | None = None, device: str = "cpu") -> dict:
     info["ringdp_source"] = ringdp_source(ringdp)
     if world_size is not None:
         info["world_size"] = world_size
+    if os.environ.get("BENCH_NETWORK"):  # what joins the hosts (bench/netns_hosts.py sets it)
+        info["network"] = os.environ["BENCH_NETWORK"]
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(0)
     return info

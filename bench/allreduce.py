@@ -107,7 +107,9 @@ machine, rank r on host r*H // world (RINGDP_HOST_ID sim0, sim1, ...; world defa
 hierarchical path policy.cross_host_path chooses: two_level, or leaders on uneven
 hosts; column algo), ringdp-reg (the same on tensors from this host's arena: its in-host
 steps run in place where they can) and ringdp-flat. No roofline: the "network" is loopback TCP on the same cores. For real hosts run
-it under torchrun on each host without --hosts: ringdp finds the hosts itself. With --device
+it under torchrun on each host without --hosts: ringdp finds the hosts itself (ringdp-flat
+then needs asking for in --series); bench/netns_hosts.py runs it so on two hosts made of
+Linux namespaces of this machine, their link shaped if asked (the JSON's machine.network). With --device
 cuda the baseline is nccl, ringdp's collectives take the same hierarchy (CUDA IPC in the
 host, ringdp's NCCL between hosts; algo two_level or leaders), ringdp-flat ringdp's flat
 NCCL ring (algo ring); on one GPU NCCL needs a host id per rank (sockets
@@ -456,6 +458,9 @@ class Caller:
         self.cross_path = self.comm.cross_path if self.comm is not None else None
         self.flat_comm = None
         if "ringdp-flat" in args.series:
+            if self.cross_path is None:
+                raise SystemExit(f"rank {rank}: --series ringdp-flat: this group does not span hosts "
+                                 f"(hosts {sorted(set(self.comm.hosts))})")
             from ringdp.comm import Communicator
 
             self.flat_comm = Communicator(config=self.comm.config.replace(hierarchy=False))
@@ -924,8 +929,8 @@ def parse_args(argv: list[str] | None = None):
     bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat", "ringdp-pg"}
     if bad:
         ap.error(f"unknown --series {sorted(bad)}")
-    if "ringdp-flat" in args.series and args.hosts == 1:
-        ap.error("--series ringdp-flat needs --hosts (it is the inter-host engine)")
+    if "ringdp-flat" in args.series and args.hosts == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        ap.error("--series ringdp-flat needs --hosts, or torchrun across hosts (it is the inter-host engine)")
     if "ringdp-flat" in args.series and "ringdp" not in args.series:
         ap.error("--series ringdp-flat needs ringdp too (its communicator is made from ringdp's)")
     if args.no_baseline and "baseline" in args.series:

@@ -167,6 +167,29 @@ def test_bench_hosts(tmp_path):
 
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_namespace_hosts(tmp_path):
+    """bench/netns_hosts.py: the sweep under torchrun on two hosts in namespaces of their own,
+    the link shaped (tc tbf): ringdp finds two hosts by hostname (no RINGDP_HOST_ID), takes
+    the two-level path, ringdp-flat the inter-host engine, all exact; the JSON says what
+    joined the hosts. Skipped where the machine does not allow the namespaces."""
+    cmd = [sys.executable, str(REPO / "bench" / "netns_hosts.py"), "--rate", "1gbit", "--", str(BENCH),
+           "--series", "baseline,ringdp,ringdp-flat", "-b", "4K", "-e", "256K", "-f", "64", "--iters", "2",
+           "--warmup", "1", "--out-dir", str(tmp_path), "--name", "netns"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    if proc.returncode == 2 and "does not allow the namespaces" in proc.stderr:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    payload = json.loads((tmp_path / "allreduce_cpu_w4_float32_netns.json").read_text())
+    hosts = [h.split("/")[0] for h in payload["hosts"]]
+    assert hosts[0] == hosts[1] != hosts[2] == hosts[3] and hosts[0].startswith("ringdp-"), hosts
+    assert payload["cross_path"] == "two_level"
+    assert payload["machine"]["network"] == "2 hosts in network namespaces, one veth link, 1gbit each way (tc tbf)"
+    rows = payload["rows"]
+    assert {(r["series"], r["algo"]) for r in rows} == {("gloo", "-"), ("ringdp", "two_level"), ("ringdp-flat", "flat")}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows) and len(rows) == 3 * 2, rows
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_hosts_uneven_other_collectives(tmp_path):
     """--hosts 2 --world 3 (hosts a,a,b: the leaders' path) with reduce_scatter, all_gather
     and broadcast: every series exact, the registered series too (the rank alone on its host

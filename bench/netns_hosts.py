@@ -1,0 +1,155 @@
+"""Two hosts on this machine in Linux namespaces, and a torchrun job across them.
+
+    python bench/netns_hosts.py [--rate 2gbit] [--nproc-per-node 2] -- bench/allreduce.py ARGS...
+
+Each host is a network namespace of its own, the two joined by a veth pair (10.S.77.1 and
+.2 on a /24 of their own); each launcher enters its host's network namespace, then a UTS and
+mount namespace of its own where it takes a hostname (ringdp-<pid>-<k>), a private
+/dev/shm and an /etc/hosts naming both hosts. So ringdp finds two hosts from hostname and
+boot id, as on real machines (no RINGDP_HOST_ID), the shared memory of one host is not
+seen by the other, and every byte between hosts (the store, gloo) crosses the veth link,
+not loopback. `--rate` shapes each host's sending side of the link with a token bucket
+(tc tbf, e.g. 2gbit): a network slower than the hosts' memory, as between real hosts.
+The hosts still share this machine's cores.
+
+The job: `torchrun --nnodes 2 --nproc-per-node N --rdzv-backend c10d` on each host, the
+store on host 0's address, then SCRIPT ARGS. Host 0's output is this command's; host 1's
+is printed if it fails. The ranks get BENCH_NETWORK (bench/_common.py machine_info
+records it as "network") and, where the ranks of both hosts outnumber the cores,
+RINGDP_SPIN_US at the oversubscribed spin (ringdp counts ranks per hostname, which here
+differs per host; policy.spin_ns) unless it is set.
+
+Needs root, iproute2 (ip, tc) and util-linux (unshare, mount); tests/test_hierarchy.py
+uses `two_hosts` and `launch` (it skips where the machine does not allow namespaces).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Unavailable(RuntimeError):
+    """This machine does not allow the namespaces (not root, a tool missing, a refused step)."""
+
+
+@contextlib.contextmanager
+def two_hosts(workdir: str, rate: str | None = None):
+    """Make the two hosts (module doc) for the duration of the block; yields a dict with
+    `prefix` (per host: the command prefix that enters it), `addr` and `name` (per host).
+    Raises Unavailable when the machine does not allow them; removes the namespaces (and
+    with them the link) on every exit."""
+    tools = ("ip", "unshare", "mount", "hostname") + (("tc",) if rate else ())
+    if os.geteuid() != 0 or not all(shutil.which(t) for t in tools):
+        raise Unavailable(f"network namespaces need root and {', '.join(tools)}")
+    pid = os.getpid()
+    tag, sub = f"rdp{pid}", 16 + pid % 200
+    ns, dev = [f"{tag}a", f"{tag}b"], [f"{tag}x", f"{tag}y"]
+    addr = [f"10.{sub}.77.1", f"10.{sub}.77.2"]
+    name = [f"ringdp-{pid}-{k}" for k in range(2)]
+    steps = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+             ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]]]
+    for k in range(2):
+        steps += [["ip", "link", "set", dev[k], "netns", ns[k]],
+                  ["ip", "-n", ns[k], "addr", "add", f"{addr[k]}/24", "dev", dev[k]],
+                  ["ip", "-n", ns[k], "link", "set", dev[k], "up"], ["ip", "-n", ns[k], "link", "set", "lo", "up"]]
+        if rate:
+            steps.append(["ip", "netns", "exec", ns[k], "tc", "qdisc", "add", "dev", dev[k], "root", "tbf",
+                          "rate", rate, "burst", "256kb", "latency", "50ms"])
+    hosts = os.path.join(workdir, "hosts")
+    try:
+        for step in steps:
+            r = subprocess.run(step, capture_output=True, text=True)
+            if r.returncode != 0:
+                raise Unavailable(f"{' '.join(step)}: {r.stderr.strip() or r.returncode}")
+        with open(hosts, "w") as f:
+            f.write("127.0.0.1 localhost\n" + "".join(f"{a} {n}\n" for a, n in zip(addr, name)))
+        enter = 'hostname "$0" && mount -t tmpfs tmpfs /dev/shm && mount --bind "$1" /etc/hosts && shift && exec "$@"'
+        yield {"prefix": [["ip", "netns", "exec", ns[k], "unshare", "--uts", "--mount", "sh", "-c", enter,
+                           name[k], hosts] for k in range(2)],
+               "addr": addr, "name": name}
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+
+
+def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict | None = None,
+           timeout: float = 600, rdzv_id: str = "netns", stream: bool = False) -> list[tuple[int, str]]:
+    """Run `script` (a command line after torchrun's own arguments) under a torchrun
+    launcher on each host of `hosts` (two_hosts; or any dict of `prefix` and `addr` per
+    host, and optionally `env` per host: tests/test_hierarchy.py runs two launchers on
+    loopback with a RINGDP_HOST_ID each), the c10d store on host 0 at `port`; the ranks get
+    this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own. Waits for both
+    (killing both process groups after `timeout` seconds or on any exception); returns
+    (return code, output) per host (host 0's output "" with `stream`: it went to stdout)."""
+    base = {k: v for k, v in os.environ.items() if k != "RINGDP_HOST_ID"}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    procs = []
+    try:
+        for k in range(2):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts['addr'][0]}:{port}",
+                   "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)}"]
+            out = None if stream and k == 0 else subprocess.PIPE
+            own = hosts["env"][k] if "env" in hosts else {}
+            procs.append(subprocess.Popen(hosts["prefix"][k] + cmd + script, env={**base, **(env or {}), **own},
+                                          stdout=out, stderr=subprocess.STDOUT if out else None, text=True,
+                                          start_new_session=True))
+        results = []
+        for p in procs:
+            text = p.communicate(timeout=timeout)[0]
+            results.append((p.returncode, text or ""))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", help="shape each host's sending side of the link (tc tbf rate, e.g. 2gbit)")
+    ap.add_argument("--nproc-per-node", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds before both launchers are killed")
+    ap.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...: what torchrun runs on each host")
+    args = ap.parse_args(argv)
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        ap.error("give the job after --, e.g. -- bench/allreduce.py --series baseline,ringdp")
+    if args.nproc_per_node < 1:
+        ap.error("--nproc-per-node must be >= 1")
+    from _common import free_port  # (bench/ is this script's directory)
+
+    from ringdp import policy
+
+    network = f"2 hosts in network namespaces, one veth link, {args.rate + ' each way (tc tbf)' if args.rate else 'unshaped'}"
+    env = {"BENCH_NETWORK": network}
+    cores = len(os.sched_getaffinity(0))
+    if 2 * args.nproc_per_node > cores and "RINGDP_SPIN_US" not in os.environ:
+        env["RINGDP_SPIN_US"] = f"{policy.SPIN_NS_OVERSUBSCRIBED / 1000:g}"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            with two_hosts(tmp, args.rate) as hosts:
+                print(f"# {network}: {hosts['name'][0]} {hosts['addr'][0]}, {hosts['name'][1]} {hosts['addr'][1]}",
+                      flush=True)
+                (rc0, _), (rc1, log1) = launch(hosts, script, free_port(), args.nproc_per_node, env, args.timeout,
+                                               stream=True)
+        except Unavailable as e:
+            print(f"netns_hosts: this machine does not allow the namespaces: {e}", file=sys.stderr)
+            return 2
+    if rc1 != 0:
+        print(f"# host 1 ended with {rc1}:\n{log1[-4000:]}", file=sys.stderr)
+    return rc0 or rc1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
