@@ -21,6 +21,13 @@ It does three things, reading only committed benchmark JSONs (bench/allreduce.py
              the file's "hier_pieces" (at most max_pieces of at least min_piece_bytes,
              policy.two_level_piece_bytes), or fixed 16 MiB pieces for files written before
              it (ringdp's rule until then)
+  link       the projection's own formulas (flat_ring, two_level with ringdp's pieces, the
+             one-NIC-per-host case) with this box's parameters (G = 2 ranks per host; in-host
+             bandwidth and latency from the shm fits with the calibrated contention; network
+             latency from gloo's; the NIC = the link's rate) against a run across two hosts
+             in Linux namespaces whose veth link is shaped (bench/netns_hosts.py --rate): a
+             network slower than the hosts, as between real ones, where the network term
+             and the overlap of in-host steps with it are what the projection rests on
   project    flat ring over H x G GPUs against the two-level algorithm (in-host RS/AG at
              NCCL's in-host ring busbw, inter-host all-reduce of 1/G of the data among H
              ranks per local rank), H = 2..16 hosts of G = 8 GPUs, 400 Gb/s NICs (one per GPU,
@@ -47,6 +54,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -264,6 +272,61 @@ def validate(docs: dict, fits: dict, factors: dict) -> list[dict]:
     return out
 
 
+# ----------------------------------------------------------------------------- a shaped link
+# the run across two namespace hosts on a shaped link (README "Across hosts" gives its command)
+LINK_FILE = "allreduce_cpu_w4_float32_netns_2gbit.json"
+_TC_UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9}
+
+
+def link_rate_Bps(doc: dict) -> float:
+    """The shaped link's rate in bytes/s, from the run's machine.network (bench/netns_hosts.py:
+    "..., 2gbit each way (tc tbf)"; tc's units: kbit = 1000 bits/s)."""
+    m = re.search(r"(\d+(?:\.\d+)?)([kmg]?)bit each way", doc.get("machine", {}).get("network", ""))
+    if not m:
+        raise ValueError(f"no shaped link in machine.network: {doc.get('machine', {}).get('network')!r}")
+    return float(m.group(1)) * _TC_UNITS[m.group(2)] / 8
+
+
+def box_hw(fits: dict, factors: dict, rate_Bps: float) -> dict:
+    """hw_params' machine for the box as 2 hosts x 2 ranks on one link (nic_per_host, G = 2):
+    in-host ring RS/AG of p bytes = a_nv + p/2 / b_nv, matched to the shm fits (the mean of
+    RS and AG) times the calibrated shm contention; a_net per network step = gloo2's alpha
+    / 2 (its 2 steps); the NIC = the link."""
+    c = factors["calibrated"]["shm"]
+    alpha = (fits["shm_rs"]["alpha_s"] + fits["shm_ag"]["alpha_s"]) / 2
+    beta = (fits["shm_rs"]["beta_s_per_byte"] + fits["shm_ag"]["beta_s_per_byte"]) / 2
+    return {"G": 2, "nics": 1, "b_nv": 1 / (2 * c * beta), "b_nic": rate_Bps, "a_nv": c * alpha,
+            "a_net": fits["gloo2"]["alpha_s"] / 2, "launch": 0.0}
+
+
+def validate_link(doc: dict, fits: dict, factors: dict) -> dict:
+    """Predicted (flat_ring; two_level with the pieces the run used) against measured (gloo;
+    ringdp two-level) for every size from 1 MiB of the shaped-link run."""
+    rate = link_rate_Bps(doc)
+    hw = box_hw(fits, factors, rate)
+    piece_of = measured_pieces(doc)
+    measured = {}
+    for r in doc["rows"]:
+        measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
+    rows = []
+    for S in sorted(measured):
+        m = measured[S]
+        if S < MiB or "gloo" not in m or "ringdp" not in m:
+            continue
+        flat, two = flat_ring(S, 2, hw), two_level(S, 2, hw, piece_of(S))
+        rows.append({"size": int(S), "pieces": len(_pieces(S, piece_of(S))),
+                     "flat_pred_s": flat, "flat_measured_s": m["gloo"], "flat_err": flat / m["gloo"] - 1,
+                     "two_level_pred_s": two, "two_level_measured_s": m["ringdp"],
+                     "two_level_err": two / m["ringdp"] - 1,
+                     "speedup_pred": flat / two, "speedup_measured": m["gloo"] / m["ringdp"],
+                     "two_level_reg_measured_s": m.get("ringdp-reg")})
+    big = [r for r in rows if r["size"] >= 16 * MiB]
+    return {"file": LINK_FILE, "network": doc["machine"]["network"], "rate_Bps": rate,
+            "hw": {k: v for k, v in hw.items()}, "rows": rows,
+            "max_abs_err_from_16MiB": max(max(abs(r["flat_err"]), abs(r["two_level_err"])) for r in big),
+            "bytes_bound_speedup": (1 - 1 / 4) / (1 - 1 / 2)}
+
+
 # ----------------------------------------------------------------------------- projection
 def _pieces(S: float, piece_bytes: float | None) -> list[float]:
     if not piece_bytes or piece_bytes >= S:
@@ -477,6 +540,22 @@ def print_report(out: dict, file=sys.stdout) -> None:
     p()
     p(f"two-level, 16 MiB-256 MiB: calibrated within {s['two_level_calibrated_max_abs_err']:.0%}, nominal within "
       f"{s['two_level_nominal_max_abs_err']:.0%}")
+    k = out["link"]
+    h = k["hw"]
+    p()
+    p(f"## the projection's formulas on a shaped link, {k['file']} ({k['network']})")
+    p(f"(G = 2, one NIC per host = the link, {k['rate_Bps'] / 1e6:.0f} MB/s; in-host {h['b_nv'] / GB:.2f} GB/s, "
+      f"{h['a_nv'] * 1e6:.0f} us a step; network {h['a_net'] * 1e6:.0f} us a step; bytes bound on the speedup "
+      f"{k['bytes_bound_speedup']:.2f}x)")
+    p("| size (pieces) | flat gloo measured | flat_ring predicted (err) | two-level measured | two_level predicted "
+      "(err) | speedup measured / predicted |")
+    p("|---|---|---|---|---|---|")
+    for r in k["rows"]:
+        p(f"| {size_name(r['size'])} ({r['pieces']}) | {fmt_ms(r['flat_measured_s'])} | {fmt_ms(r['flat_pred_s'])} "
+          f"({r['flat_err']:+.0%}) | {fmt_ms(r['two_level_measured_s'])} | {fmt_ms(r['two_level_pred_s'])} "
+          f"({r['two_level_err']:+.0%}) | {r['speedup_measured']:.2f}x / {r['speedup_pred']:.2f}x |")
+    p()
+    p(f"16 MiB and up: within {k['max_abs_err_from_16MiB']:.0%}")
     a = out["args"]
     fixed = size_name(a["fixed_piece_bytes"])
     for case, what in NIC_CASES.items():
@@ -580,6 +659,7 @@ def run(args) -> dict:
                     for k in ("nominal", "calibrated")})
     out = {"benchmark": "cost_model", "args": vars(args), "fits": fits, "fit_ranges": FIT_RANGE_WHY,
            "contention": factors, "validation": val, "validation_summary": summary,
+           "link": validate_link(load(results / LINK_FILE), fits, factors),
            "assumptions": assumptions(args)}
     out.update(project(args))
     out["piece_rules"] = compare_piece_rules(args)

@@ -50,6 +50,9 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
     title = (f"{coll} {args.get('dtype', '?')} {args.get('op', '?')}, world {world_of(first) or '?'}, "
              f"{machine.get('device', '?')}: {machine.get('gpu') or machine.get('cpu_model', '')} "
              f"({machine.get('cpu_cores', '?')} cores), torch {machine.get('torch', '?')}")
+    if first.get("cross_path"):  # across hosts: how many, and what joins them
+        title += f"\n{len(set(first.get('hosts') or []))} hosts ({first['cross_path']})"
+        title += f", {machine['network']}" if machine.get("network") else ", simulated (RINGDP_HOST_ID), loopback"
     fig.suptitle(title, fontsize=9)
     ticks = sorted(sizes_seen)
     for ax in (ax_bw, ax_t):

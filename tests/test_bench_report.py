@@ -246,6 +246,7 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
     committed = {p.name for p in RESULTS.iterdir() if p.suffix in (".json", ".jsonl")}
     assert {f for f in committed if f"`{f}`" not in rows} == set()
     for first, cmd in cmds.items():
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
         argv = shlex.split(cmd)
         if "bench/compare.py" in argv:  # before/after globs over bench/out, the table in bench/results
             import fnmatch
@@ -259,6 +260,12 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
         assert argv[-2:] == ["--out-dir", "bench/results"], cmd
         script = next(a for a in argv if a.startswith("bench/"))
         rest = argv[argv.index(script) + 1:]
+        if script == "bench/netns_hosts.py":  # its job after "--": the benchmark under torchrun on two hosts
+            rate = rest[rest.index("--rate") + 1] if "--rate" in rest[:rest.index("--")] else None
+            network = json.loads((RESULTS / first).read_text())["machine"]["network"]
+            assert network.endswith(f"{rate} each way (tc tbf)" if rate else "unshaped"), (first, network)
+            script, rest = rest[rest.index("--") + 1], rest[rest.index("--") + 2:]
+            monkeypatch.setenv("TORCHELASTIC_RUN_ID", "readme")  # (as under torchrun: ringdp-flat allowed)
         if script == "bench/train.py":
             assert "--ddp" in rest and rest[rest.index("--ddp") + 1] == "both"
             continue

@@ -120,6 +120,14 @@ def test_pieces():
     assert cm._pieces(3, 4) == [3.0]
 
 
+def test_link_rate():
+    net = lambda s: {"machine": {"network": s}}  # noqa: E731
+    assert cm.link_rate_Bps(net("2 hosts in network namespaces, one veth link, 2gbit each way (tc tbf)")) == 2.5e8
+    assert cm.link_rate_Bps(net("..., 500mbit each way (tc tbf)")) == 62.5e6
+    with pytest.raises(ValueError, match="no shaped link"):
+        cm.link_rate_Bps(net("2 hosts in network namespaces, one veth link, unshaped"))
+
+
 def test_script_end_to_end(tmp_path):
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "cost_model.py"), "--out-dir", str(tmp_path)],
                        capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
@@ -133,6 +141,13 @@ def test_script_end_to_end(tmp_path):
         assert f["alpha_s"] >= 0 and f["beta_s_per_byte"] > 0
     # the committed measurements: the calibrated two-level prediction within 30% from 16 MiB
     assert out["validation_summary"]["two_level_calibrated_max_abs_err"] < 0.3
+    # the projection's formulas on the shaped link (LINK_FILE): within 30% from 16 MiB, the
+    # two-level path faster than flat gloo there, as predicted
+    link = out["link"]
+    assert link["rate_Bps"] == 2.5e8 and link["max_abs_err_from_16MiB"] < 0.3
+    big = [x for x in link["rows"] if x["size"] >= 16 * MiB]
+    assert len(big) >= 3 and all(x["speedup_measured"] > 1.2 and x["speedup_pred"] > 1.2 for x in big)
+    assert "shaped link" in r.stdout
     sizes = {r["size"] for r in out["validation"]}
     assert {16 * MiB, 64 * MiB, 256 * MiB} <= sizes
     grid = out["grid"]
