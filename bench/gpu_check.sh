@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
 # What ringdp wants to know from a GPU machine, in phases that each fit one command of the
-# GPU machine we test on (10 minutes per command, ~30 minutes of GPU time in all, at most
-# 8 files brought back, no network, build outputs kept only while the machine stays up):
+# GPU machine we test on (10 minutes per command, 15 minutes of GPU time in all, the
+# machine's start included, at most 8 files brought back, no network, build outputs kept
+# only while the machine stays up, which is 30 s after a call):
 #
+#   bash bench/gpu_check.sh session OUT one device call for a 15-minute lease (~9.5 minutes,
+#                                       run with timeout_s 590): build (120 s), priority
+#                                       (270 s), bench (150 s), each as below, one after the
+#                                       other on this machine; stops after build if ringdp
+#                                       has no CUDA (exit 3); 6 files in OUT
 #   bash bench/gpu_check.sh build OUT   facts (nvidia-smi, torch, nvcc, NCCL); build ringdp
 #                                       with CUDA in place; stop at once (exit 3) unless
 #                                       ringdp.build_info()["cuda"] is True
+#   bash bench/gpu_check.sh priority OUT  the tests a short lease runs, most wanted first
+#                                       (the phase budget skips the rest): the core paths
+#                                       whose code changed since the first GPU run (IPC
+#                                       matrix, Work, RingDDP, NCCL), then tests that never
+#                                       ran on a GPU (the halves, the backend on CUDA, two
+#                                       simulated hosts); world 2 and the 4-rank hosts,
+#                                       time-sliced
 #   bash bench/gpu_check.sh smoke OUT   world-2 correctness of the IPC transport
 #                                       (tests/test_cuda.py, ranks time-sliced, no MPS):
 #                                       all_reduce, the halves and broadcast (ring and
@@ -31,8 +44,8 @@
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, smoke 300 s, nccl 300 s, hosts 560 s, mps 300 s, bench 420 s, probe 240 s; steps get at most
-# what is left) and writes exactly two files into OUT:
+# build 360 s, priority 270 s, smoke 300 s, nccl 300 s, hosts 560 s, mps 300 s, bench 420 s, probe 240 s;
+# steps get at most what is left; `session` sets its own) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
 # Exit status: 0 when every step passed, 3 when ringdp has no CUDA (build), 1 otherwise.
@@ -42,8 +55,8 @@ set -uo pipefail
 
 PHASE="${1:-}"
 OUT_ARG="${2:-}"
-PHASES="build smoke nccl hosts mps bench probe"
-usage() { echo "usage: bash bench/gpu_check.sh {build|smoke|nccl|hosts|mps|bench|probe} OUT_DIR" >&2; exit 2; }
+PHASES="session build priority smoke nccl hosts mps bench probe"
+usage() { echo "usage: bash bench/gpu_check.sh {session|build|priority|smoke|nccl|hosts|mps|bench|probe} OUT_DIR" >&2; exit 2; }
 [ -n "$PHASE" ] && [ -n "$OUT_ARG" ] || usage
 case " $PHASES " in *" $PHASE "*) ;; *) usage ;; esac
 
@@ -52,7 +65,22 @@ ROOT="$(pwd)"
 mkdir -p "$OUT_ARG" || exit 2
 OUT="$(cd "$OUT_ARG" && pwd)"
 PY="${PYTHON:-python3}"
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; hosts) DEFAULT_BUDGET=560 ;; *) DEFAULT_BUDGET=300 ;; esac
+# ------------------------------------------------------------------ session
+# A 15-minute lease: the machine's start takes 1-2 minutes of it and no machine starts with
+# less than 4 left, so everything goes in one call, build, tests and figures on the same
+# machine; the budgets (build 58 s and tests ~13 s each on the first H100) leave a minute.
+if [ "$PHASE" = session ]; then
+  GPU_CHECK_BUDGET_S=120 bash "$0" build "$OUT"
+  RC=$?
+  if [ "$RC" -ne 0 ] && [ "$RC" -ne 1 ]; then  # 3: no CUDA build (nothing else can run); 2: usage
+    echo "gpu_check session: build ended with $RC: stopping" >&2
+    exit "$RC"
+  fi
+  GPU_CHECK_BUDGET_S=270 bash "$0" priority "$OUT" || RC=1
+  GPU_CHECK_BUDGET_S=150 bash "$0" bench "$OUT" || RC=1
+  exit "$RC"
+fi
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; priority) DEFAULT_BUDGET=270 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; hosts) DEFAULT_BUDGET=560 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -231,6 +259,31 @@ EOF
   step nccl_loadable 60 "$PY" -c 'from ringdp import _C; ok = bool(_C.cuda_nccl_available()); print("libnccl loadable:", ok); raise SystemExit(0 if ok else 1)' || true
   step protocol_sim 120 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py::test_protocol_simulation \
     --junitxml="$WORK/test_protocol_simulation.xml" || true
+  ;;
+# ------------------------------------------------------------------ priority
+priority)
+  need_cuda_build
+  # what changed since the first GPU run (bad0456), on its core path
+  cuda_test 60 "test_ipc_matrix[2-default]"
+  # never run on a GPU, most used first (limits ~3x the ~13-15 s a test took on the H100)
+  cuda_test 45 "test_cuda_halves[ipc-2]"
+  cuda_test 45 "test_ipc_halves_registered[2]"
+  cuda_test 45 "test_cuda_work_semantics[ipc]"
+  cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
+  cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:ringdp]"
+  cuda_test 45 test_backend_halves_cuda
+  cuda_test 45 "test_nccl_world2[default]"
+  cuda_test 60 "test_cuda_halves[nccl-2]"
+  cuda_test 75 "test_cuda_two_hosts[two_level]"
+  cuda_test 60 test_ringddp_cuda_two_hosts
+  cuda_test 60 "test_cuda_two_hosts_halves[two_level-False]"
+  cuda_test 45 "test_ipc_halves_mismatch_raises[ring]"
+  cuda_test 45 "test_ipc_broadcast_roots_disagree_raises[many-slices]"
+  cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
+  cuda_test 45 test_cuda_two_hosts_mismatch_raises
+  cuda_test 60 "test_cuda_two_hosts[leaders]"
+  cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
+  cuda_test 45 "test_ipc_peer_killed[during]"
   ;;
 # ------------------------------------------------------------------ smoke
 smoke)

@@ -8,7 +8,7 @@ the logs, the junit XML of the tests and the benchmark JSON files, and writes OU
     phase, status (ok | failed | timeout | no_cuda), exit_code, seconds, steps, failed_steps
     build  facts (GPU, capability, torch, CUDA, NCCL, driver, nvcc, python packages),
            cuda_build (ringdp.build_info()["cuda"]), build_info, build_seconds, nccl_loadable
-    smoke, nccl, hosts, mps  tests {test id: passed | failed | error | skipped | timeout | not run},
+    priority, smoke, nccl, hosts, mps  tests {test id: passed | failed | error | skipped | timeout | not run},
            counts; mps: whether MPS was running
     bench  copy bandwidth (device copy_ and add_, bytes read + written), mps, and per
            benchmark file: complete (false: the sweep was cut short), transport, world,
@@ -245,7 +245,7 @@ def summarize(phase: str, work: str, rc: int, seconds: int) -> dict:
     try:
         if phase == "build":
             s.update(build_summary(work, steps))
-        elif phase in ("smoke", "nccl", "hosts", "mps"):
+        elif phase in ("priority", "smoke", "nccl", "hosts", "mps"):
             s.update(tests_summary(work, steps))
         elif phase == "bench":
             s.update(bench_summary(work, steps))

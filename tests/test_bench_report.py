@@ -152,6 +152,38 @@ def test_gpu_check_build_without_gpu(tmp_path):
     assert "build" not in {x["step"] for x in s["steps"]}  # nothing was built
 
 
+def test_gpu_check_session_without_gpu(tmp_path):
+    """The one-call session on a machine without a GPU: its build stops it (exit 3), and OUT
+    holds the build's two files alone (no priority or bench phase ran)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: the session would build and test")
+    out = tmp_path / "out"
+    env = dict(os.environ, TMPDIR=str(tmp_path), PYTHON=sys.executable)
+    r = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), "session", str(out)], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "build ended with 3: stopping" in r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["build.json", "build.tar.gz"]
+    assert json.loads((out / "build.json").read_text())["status"] == "no_cuda"
+
+
+def test_gpu_check_session_fits_the_lease():
+    """The session's phase budgets fit one device call (10 minutes) with room for the
+    machine's start inside a 15-minute lease, and its phases bring back at most 8 files."""
+    import re
+
+    text = (BENCH / "gpu_check.sh").read_text()
+    block = text[text.index('if [ "$PHASE" = session ]; then'):]
+    block = block[:block.index("\nfi\n")]
+    budgets = [int(b) for b in re.findall(r"GPU_CHECK_BUDGET_S=(\d+) bash", block)]
+    phases = re.findall(r'bash "\$0" (\w+) "\$OUT"', block)
+    assert phases == ["build", "priority", "bench"] and len(budgets) == 3
+    assert sum(budgets) + 60 <= 600 and sum(budgets) + 60 + 120 <= 15 * 60 - 60, budgets  # summaries; start
+    assert 2 * len(phases) <= 8
+
+
 def _summary(tmp_path, phase, rc=0):
     out = tmp_path / f"{phase}.json"
     r = subprocess.run([sys.executable, str(BENCH / "gpu_check_summary.py"), phase, str(tmp_path / "work"),
