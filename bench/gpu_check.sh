@@ -263,9 +263,11 @@ EOF
 # ------------------------------------------------------------------ priority
 priority)
   need_cuda_build
-  # what changed since the first GPU run (bad0456), on its core path
+  # most used first, limits ~3x the ~13-15 s a test took on the H100: the core paths whose
+  # code changed since the first GPU run (bad0456: the IPC matrix, Work, RingDDP, NCCL, a
+  # killed peer) among the tests that never ran on a GPU (the halves, the backend on CUDA,
+  # two simulated hosts)
   cuda_test 60 "test_ipc_matrix[2-default]"
-  # never run on a GPU, most used first (limits ~3x the ~13-15 s a test took on the H100)
   cuda_test 45 "test_cuda_halves[ipc-2]"
   cuda_test 45 "test_ipc_halves_registered[2]"
   cuda_test 45 "test_cuda_work_semantics[ipc]"
