@@ -20,7 +20,7 @@ RINGDP_SPIN_US at the oversubscribed spin (ringdp counts ranks per hostname, whi
 differs per host; policy.spin_ns) unless it is set.
 
 Needs root, iproute2 (ip, tc) and util-linux (unshare, mount); tests/test_hierarchy.py
-uses `two_hosts` and `launch` (it skips where the machine does not allow namespaces).
+uses `two_hosts`, `launch` and `set_link` (it skips where the machine does not allow namespaces).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ class Unavailable(RuntimeError):
 @contextlib.contextmanager
 def two_hosts(workdir: str, rate: str | None = None):
     """Make the two hosts (module doc) for the duration of the block; yields a dict with
-    `prefix` (per host: the command prefix that enters it), `addr` and `name` (per host).
+    `prefix` (per host: the command prefix that enters it), `addr`, `name`, and `netns` and
+    `dev` (its network namespace and its end of the link; set_link) per host.
     Raises Unavailable when the machine does not allow them; removes the namespaces (and
     with them the link) on every exit."""
     tools = ("ip", "unshare", "mount", "hostname") + (("tc",) if rate else ())
@@ -74,44 +75,65 @@ def two_hosts(workdir: str, rate: str | None = None):
         enter = 'hostname "$0" && mount -t tmpfs tmpfs /dev/shm && mount --bind "$1" /etc/hosts && shift && exec "$@"'
         yield {"prefix": [["ip", "netns", "exec", ns[k], "unshare", "--uts", "--mount", "sh", "-c", enter,
                            name[k], hosts] for k in range(2)],
-               "addr": addr, "name": name}
+               "addr": addr, "name": name, "netns": ns, "dev": dev}
     finally:
         for n in ns:
             subprocess.run(["ip", "netns", "del", n], capture_output=True)
 
 
+def set_link(hosts: dict, k: int, up: bool) -> None:
+    """Take host k's end of the link down (or up again): the hosts and their processes stay,
+    nothing passes between them (a cable pulled, a switch port dead)."""
+    subprocess.run(["ip", "-n", hosts["netns"][k], "link", "set", hosts["dev"][k], "up" if up else "down"],
+                   check=True, capture_output=True)
+
+
 def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict | None = None,
-           timeout: float = 600, rdzv_id: str = "netns", stream: bool = False) -> list[tuple[int, str]]:
+           timeout: float = 600, rdzv_id: str = "netns", stream: bool = False, watch=None) -> list[tuple[int, str]]:
     """Run `script` (a command line after torchrun's own arguments) under a torchrun
     launcher on each host of `hosts` (two_hosts; or any dict of `prefix` and `addr` per
     host, and optionally `env` per host: tests/test_hierarchy.py runs two launchers on
     loopback with a RINGDP_HOST_ID each), the c10d store on host 0 at `port`; the ranks get
-    this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own. Waits for both
-    (killing both process groups after `timeout` seconds or on any exception); returns
-    (return code, output) per host (host 0's output "" with `stream`: it went to stdout)."""
+    this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own.
+    Waits for both; ends both process groups (SIGKILL) once `timeout` seconds have passed,
+    or `watch()` (called every 0.2 s while they run) returned True, or on any exception.
+    Returns (return code, output) per host (-9 for one killed; host 0's output "" with
+    `stream`: it went to stdout)."""
+    import time
+
     base = {k: v for k, v in os.environ.items() if k != "RINGDP_HOST_ID"}
     base["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
-    procs = []
+    procs, logs = [], []
     try:
         for k in range(2):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts['addr'][0]}:{port}",
                    "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)}"]
-            out = None if stream and k == 0 else subprocess.PIPE
+            log = None if stream and k == 0 else tempfile.TemporaryFile("w+")  # (a pipe could fill and stall it)
+            logs.append(log)
             own = hosts["env"][k] if "env" in hosts else {}
             procs.append(subprocess.Popen(hosts["prefix"][k] + cmd + script, env={**base, **(env or {}), **own},
-                                          stdout=out, stderr=subprocess.STDOUT if out else None, text=True,
+                                          stdout=log, stderr=subprocess.STDOUT if log else None, text=True,
                                           start_new_session=True))
-        results = []
-        for p in procs:
-            text = p.communicate(timeout=timeout)[0]
-            results.append((p.returncode, text or ""))
-        return results
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if watch is not None and watch():
+                break
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            p.wait()
+    results = []
+    for p, log in zip(procs, logs):
+        text = ""
+        if log is not None:
+            log.seek(0)
+            text = log.read()
+            log.close()
+        results.append((p.returncode, text))
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -136,7 +136,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("arena_bytes", &ShmConfig::arena_bytes)
       .def_readwrite("spin_ns", &ShmConfig::spin_ns)
       .def_readwrite("stall_warn_s", &ShmConfig::stall_warn_s)
-      .def_readwrite("flight_calls", &ShmConfig::flight_calls);
+      .def_readwrite("flight_calls", &ShmConfig::flight_calls)
+      .def_readwrite("rank_names", &ShmConfig::rank_names);
 
   // The lifecycle every transport endpoint shares (common/endpoint.h), bound once.
   py::class_<Endpoint, std::shared_ptr<Endpoint>>(m, "Endpoint")

@@ -406,8 +406,11 @@ class Communicator:
             "host", json.dumps([self.host_key, machine]), "the host records")]
         return [h for h, _ in recs], sum(m == machine for _, m in recs)
 
-    def _connect_shm(self, rdv: Rendezvous | None = None):
-        """This rank's segment, connected to every peer's (module doc, step 3).
+    def _connect_shm(self, rdv: Rendezvous | None = None, rank_names: list[int] | None = None):
+        """This rank's segment, connected to every peer's (module doc, step 3). `rdv`: the
+        rendezvous of the endpoint's ranks (default: the communicator's); `rank_names`: the
+        communicator's rank of each of them, how the endpoint's messages name them (a
+        host's endpoint across hosts; default: its own numbers).
 
         Nothing is left in /dev/shm when a rank dies during set-up: every rank is here (the
         host exchange) before any segment exists; an exception unlinks this rank's name, a
@@ -427,6 +430,8 @@ class Communicator:
         c.spin_ns = self._spin_set = self._spins[False]
         c.stall_warn_s = cfg.stall_warn_s
         c.flight_calls = policy.FLIGHT_RECORD_CALLS
+        if rank_names is not None:
+            c.rank_names = list(rank_names)
         native = _C.ShmComm(c)  # creates (and owns) this rank's segment
         native.set_stall_handler(functools.partial(_on_stall, weakref.ref(self)))
         try:

@@ -157,7 +157,7 @@ class CrossHost:
             k = comm.host_order.index(comm.host_key)
             rdv = Rendezvous(f"{comm.rendezvous._prefix}host{k}/", comm.local_rank, comm.local_size, comm.timeout,
                              store=comm._store)
-            inhost = comm._connect_shm(rdv)
+            inhost = comm._connect_shm(rdv, by_host[k])  # (its messages name the group's ranks)
         def gloo_group(members, name):
             timeout = timedelta(seconds=comm.timeout)
             if comm._backend:
@@ -704,7 +704,7 @@ class CrossHost:
         ranks = self.cross_ranks if ranks is None else ranks
         net = self.net_name if net is None else net
         self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
-                   f"failed within {timeout_s:g} s: a rank (or a whole host) died or is stuck: "
+                   f"failed within {timeout_s:g} s: a rank (or a whole host) died, is stuck or cannot be reached: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
     def _fail(self, msg: str, tell, timeout_s: float, tag: str):

@@ -252,9 +252,9 @@ def case_one_rank_fails(rank, world, hosts, bad):
 
 
 # bad rank: on a host of two (its peer learns in the first in-host step, the other host
-# through the call check), a non-leader and the rank alone on its host of the uneven path,
-# one rank per host (flat)
-@pytest.mark.parametrize("hosts,bad", [("aabb", 1), ("aaab", 1), ("aaab", 3), ("ab", 0)])
+# through the call check; on the second host too, where local and group ranks differ), a
+# non-leader and the rank alone on its host of the uneven path, one rank per host (flat)
+@pytest.mark.parametrize("hosts,bad", [("aabb", 1), ("aabb", 3), ("aaab", 1), ("aaab", 3), ("ab", 0)])
 def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
     res = values(run_ranks(case_one_rank_fails, len(hosts), list(hosts), bad, timeout=300))
     for r, (calls, ok_after) in enumerate(res):
@@ -265,6 +265,8 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
                 assert kind in ("ValueError", "TypeError"), (r, name, kind, msg)
                 continue
             assert kind == "RingError", (r, name, kind, msg)
+            # every message names the group's ranks, the in-host endpoint's too (not its local ones)
+            assert msg.startswith(f"rank {r}:"), (r, name, msg)
             if "bad input" in name:
                 assert f"rank {bad}" in msg and needle in msg, (r, name, msg)
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
@@ -623,3 +625,52 @@ def test_two_hosts_in_namespaces(tmp_path):
     except Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
     assert [o["host"] for o in outs] == [hosts["name"][0]] * 2 + [hosts["name"][1]] * 2
+
+
+def test_link_down_between_hosts(tmp_path):
+    # The link between two namespace hosts goes down while they all-reduce (a pulled cable:
+    # every process stays alive, no connection is reset, nothing arrives): every rank raises
+    # a RingError naming itself within ringdp's timeout of its last good call (8 s here, the
+    # cross-host gloo groups' too), and ringdp.destroy() then returns at once. (torchrun's
+    # own agents wait on their store across the dead link: the launchers are ended here.)
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    from _dist import free_port
+    from netns_hosts import Unavailable, launch, set_link, two_hosts
+
+    job = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_link_down_job.py")]
+    state = {"down_at": None}
+
+    def progress(r):
+        try:
+            return int((tmp_path / f"prog{r}").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def watch():
+        if state["down_at"] is None:
+            if min(progress(r) for r in range(4)) >= 20:  # every rank well into the loop
+                set_link(hosts, 0, False)
+                state["down_at"] = time.monotonic()
+            return False
+        return all((tmp_path / f"rank{r}.json").exists() for r in range(4))
+
+    try:
+        with two_hosts(str(tmp_path)) as hosts:
+            results = launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+                                                           "RINGDP_SPIN_US": "2"},
+                             timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch)
+    except Unavailable as e:
+        pytest.skip(f"this machine does not allow network namespaces: {e}")
+    logs = "\n".join(log[-2000:] for _, log in results)
+    assert state["down_at"] is not None, f"the ranks never got going:\n{logs}"
+    for r in range(4):
+        path = tmp_path / f"rank{r}.json"
+        assert path.exists(), f"rank {r} left no record within the launchers' time:\n{logs}"
+        rec = json.loads(path.read_text())
+        assert rec["error"].startswith(f"RingError: rank {r}:"), rec
+        assert ("across hosts" in rec["error"] and "cannot be reached" in rec["error"]) or "rejected" in rec["error"], rec
+        assert rec["after_s"] < rec["timeout"] + 6, rec  # within the timeout of its last good call
+        assert rec["calls"] >= 20 and rec["destroy"] == "ok" and rec["destroy_s"] < 5, rec

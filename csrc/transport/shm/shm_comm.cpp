@@ -74,9 +74,10 @@ HeaderView view(const shm::CallHeader& h) {
   return v;
 }
 
-std::string describe(const HeaderView& h) {
+// `root`: the broadcast root as the messages name it (ShmComm::name_of).
+std::string describe(const HeaderView& h, int root) {
   const Kind k = static_cast<Kind>(h.kind);
-  const std::string what = k == Kind::kBroadcast   ? cat("from rank ", h.root)
+  const std::string what = k == Kind::kBroadcast   ? cat("from rank ", root)
                            : k == Kind::kAllGather ? std::string("")
                                                    : std::string(redop_name(static_cast<RedOp>(h.op)));
   return cat(kind_name(k), " #", h.seq, " (", h.count, " x ", dtype_name(static_cast<DType>(h.dtype)),
@@ -94,6 +95,8 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
   if (cfg_.world < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.world)
     throw RingError(cat("invalid rank ", cfg_.rank, " for world size ", cfg_.world));
+  if (!cfg_.rank_names.empty() && static_cast<int>(cfg_.rank_names.size()) != cfg_.world)
+    throw RingError(cat("rank_names has ", cfg_.rank_names.size(), " entries for world size ", cfg_.world));
   if (cfg_.fifo_slots < 2) throw RingError("fifo_slots must be at least 2");
   if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes % 64 != 0)
     throw RingError("slot_bytes must be a multiple of 64 and at least 4096");
@@ -144,22 +147,22 @@ std::string ShmComm::local_blob() {
 void ShmComm::check_identity(int r, const shm::Identity& id, bool readable, uint64_t actual_bytes,
                              const std::string& what) const {
   if (!readable || id.magic != shm::kMagic || id.version != shm::kLayoutVersion)
-    throw RingError(cat("rank ", cfg_.rank, ": ", what, " of rank ", r,
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", what, " of rank ", name_of(r),
                         " is not from a ringdp of this version (different ringdp builds?)"));
   if (id.rank != r || id.world != cfg_.world)
-    throw RingError(cat("rank ", cfg_.rank, ": ", what, " of rank ", r, " says rank ", id.rank, " of world ",
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", what, " of rank ", name_of(r), " says rank ", id.rank, " of world ",
                         id.world, ", expected rank ", r, " of world ", cfg_.world));
   if (id.segment_bytes != actual_bytes || id.fifo_slots != geo_.fifo_slots || id.slot_bytes != geo_.slot_bytes ||
       id.oneshot_bytes != geo_.oneshot_bytes || id.arena_bytes != geo_.arena_bytes)
-    throw RingError(cat("rank ", cfg_.rank, ": rank ", r,
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": rank ", name_of(r),
                         " uses a different shared-memory configuration (slots/slot bytes/"
                         "one-shot bytes/arena differ): set the same RINGDP_* variables on every rank"));
 }
 
 void ShmComm::connect(const std::vector<std::string>& blobs) {
-  if (connected_) throw RingError(cat("rank ", cfg_.rank, ": connect() called twice"));
+  if (connected_) throw RingError(cat("rank ", name_of(cfg_.rank), ": connect() called twice"));
   if (static_cast<int>(blobs.size()) != cfg_.world)
-    throw RingError(cat("rank ", cfg_.rank, ": expected ", cfg_.world, " shared-memory records, got ", blobs.size()));
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": expected ", cfg_.world, " shared-memory records, got ", blobs.size()));
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank) continue;
     // The record first: identity and configuration, before anything is opened.
@@ -174,7 +177,7 @@ void ShmComm::connect(const std::vector<std::string>& blobs) {
     try {
       s = shm::Segment::open(blob.substr(sizeof(b)), geo_.fixed_bytes());
     } catch (const RingError& e) {
-      throw RingError(cat("rank ", cfg_.rank, ": cannot map the segment of rank ", r, ": ", e.what()));
+      throw RingError(cat("rank ", name_of(cfg_.rank), ": cannot map the segment of rank ", name_of(r), ": ", e.what()));
     }
     const Control* c = reinterpret_cast<const Control*>(s.base());
     check_identity(r, c->id, s.size() >= shm::kControlBytes, s.size(), cat("segment ", s.name()));
@@ -197,7 +200,7 @@ void ShmComm::connect(const std::vector<std::string>& blobs) {
 
 void ShmComm::require_connected() const {
   if (!connected_)
-    throw RingError(cat("rank ", cfg_.rank, ": the shared-memory transport is not connected"));
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": the shared-memory transport is not connected"));
 }
 
 void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
@@ -207,17 +210,17 @@ void ShmComm::check_health(int waiting_on, const char* what) {
     if (r == cfg_.rank || !segs_[static_cast<size_t>(r)].base()) continue;
     const Control& c = ctrl(r);
     if (c.aborted.v.load(std::memory_order_acquire) != 0)
-      fail(cat("rank ", cfg_.rank, ": ", kind_name(kind_), " #", call_, " failed because rank ", r,
+      fail(cat("rank ", name_of(cfg_.rank), ": ", kind_name(kind_), " #", call_, " failed because rank ", name_of(r),
                " aborted: ", read_msg(c.abort_msg), "\n", stall_report(waiting_on, what)));
     if (pid_usable_[static_cast<size_t>(r)] && pid_dead(c.id.pid))
-      fail(cat("rank ", cfg_.rank, ": rank ", r, " (pid ", c.id.pid, ") died during ", kind_name(kind_), " #", call_,
+      fail(cat("rank ", name_of(cfg_.rank), ": rank ", name_of(r), " (pid ", c.id.pid, ") died during ", kind_name(kind_), " #", call_,
                "\n",
                stall_report(waiting_on, what)));
   }
   const auto now = Clock::now();
   if (now >= deadline_)
-    fail(cat("rank ", cfg_.rank, ": ", kind_name(kind_), " #", call_, " timed out after ", timeout_s_,
-             " s waiting for rank ", waiting_on, " (", what,
+    fail(cat("rank ", name_of(cfg_.rank), ": ", kind_name(kind_), " #", call_, " timed out after ", timeout_s_,
+             " s waiting for rank ", name_of(waiting_on), " (", what,
              "); that rank is alive but did not make progress: is it running the same collectives "
              "in the same order? (set the timeout with RINGDP_TIMEOUT_S or timeout=)\n",
              stall_report(waiting_on, what)));
@@ -237,18 +240,18 @@ std::string ShmComm::stall_report(int waiting_on, const char* what) const {
     const uint32_t q[2] = {h[0].seq, h[1].seq};
     const uint32_t latest = shm::reached(q[0], q[1]) ? q[0] : q[1];  // wrap-safe max
     const uint32_t done = c.done.v.load(std::memory_order_acquire);
-    if (!shm::reached(latest, s)) absent += cat(absent.empty() ? "" : ", ", r);
+    if (!shm::reached(latest, s)) absent += cat(absent.empty() ? "" : ", ", name_of(r));
     auto call = [&](uint32_t n) -> std::string {
       if (n == 0) return "none";
       for (int k = 0; k < 2; ++k)
-        if (q[k] == n) return describe(h[k]);
+        if (q[k] == n) return describe(h[k], name_of(h[k].root));
       return cat("#", n);
     };
-    lines += cat("\n  rank ", r, r == cfg_.rank ? " (this rank)" : "", ": last finished ", call(done),
+    lines += cat("\n  rank ", name_of(r), r == cfg_.rank ? " (this rank)" : "", ": last finished ", call(done),
                  done == latest ? std::string("; in no collective") : cat("; in ", call(latest)));
   }
-  return cat("ringdp stall report from rank ", cfg_.rank, ": ", kind_name(kind_), " #", s,
-             " has waited ", seconds(Clock::now() - call_start_), " s, now for rank ", waiting_on, " (", what,
+  return cat("ringdp stall report from rank ", name_of(cfg_.rank), ": ", kind_name(kind_), " #", s,
+             " has waited ", seconds(Clock::now() - call_start_), " s, now for rank ", name_of(waiting_on), " (", what,
              "). ", absent.empty() ? std::string("Every rank has entered it.")
                                    : cat("Not entered by rank(s) ", absent, "."),
              lines);
@@ -284,7 +287,8 @@ void ShmComm::fail(const std::string& why) {
 }
 
 std::string ShmComm::describe_header(int r, int parity) const {
-  return cat("rank ", r, ": ", describe(view(ctrl(r).hdr[parity])));
+  const HeaderView h = view(ctrl(r).hdr[parity]);
+  return cat("rank ", name_of(r), ": ", describe(h, name_of(h.root)));
 }
 
 size_t ShmComm::begin_call(uint32_t s, double timeout_s, Kind kind, DType dtype, RedOp op, Algo algo,
@@ -388,7 +392,7 @@ void ShmComm::all_gather(const void* input, void* output, size_t count, DType dt
 
 void ShmComm::broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
                         const std::string& tag) {
-  check_broadcast_root(cat("rank ", cfg_.rank), root, cfg_.world);
+  check_broadcast_root(cat("rank ", name_of(cfg_.rank)), root, cfg_.world);
   Call c;
   c.kind = Kind::kBroadcast;
   c.dtype = dtype;
@@ -402,10 +406,10 @@ void ShmComm::broadcast(void* data, size_t count, DType dtype, int root, Algo al
 void ShmComm::run(Call c, double timeout_s, const std::string& tag) {
   require_connected();
   if (!poison_.empty())
-    throw RingError(cat("rank ", cfg_.rank, ": this ringdp communicator failed earlier (", first_line(poison_),
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": this ringdp communicator failed earlier (", first_line(poison_),
                         "); call ringdp.destroy() and initialise again"));
   if (tag.size() >= kTagBytes)
-    throw RingError(cat("rank ", cfg_.rank, ": a collective's tag has at most ", kTagBytes - 1, " bytes, got ",
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": a collective's tag has at most ", kTagBytes - 1, " bytes, got ",
                         tag.size(), " ('", tag, "')"));
   const uint32_t s = ++seq_;
   const size_t slot = begin_call(s, timeout_s, c.kind, c.dtype, c.op, c.algo, c.count, tag);
@@ -441,7 +445,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
       h.status = 1;
       copy_msg(h.msg, why);
       exchange_headers(s);
-      throw RingError(cat("rank ", cfg_.rank, ": ", why));
+      throw RingError(cat("rank ", name_of(cfg_.rank), ": ", why));
     }
     if (c.kind != Kind::kBroadcast || c.root == cfg_.rank) std::memcpy(oneshot_buf(cfg_.rank, par), stage, stage_bytes);
   }
@@ -466,7 +470,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
   std::string problems;
   for (int r = 0; r < n; ++r) {
     const shm::CallHeader& p = ctrl(r).hdr[par];
-    if (p.status != 0) problems += cat("; rank ", r, " rejected its input: ", read_msg(p.msg));
+    if (p.status != 0) problems += cat("; rank ", name_of(r), " rejected its input: ", read_msg(p.msg));
   }
   if (problems.empty()) {
     bool same_call = true, same_shape = true;
@@ -486,7 +490,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
       for (int r = 0; r < n; ++r) problems += cat(" [", describe_header(r, par), "]");
   }
   if (!problems.empty())
-    throw RingError(cat("rank ", cfg_.rank, ": ", kind_name(c.kind), " #", s, " cannot run", problems));
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", kind_name(c.kind), " #", s, " cannot run", problems));
   if (c.count == 0) return;
 
   // 3. A single rank has nothing to exchange: the output is its own input.
@@ -696,7 +700,7 @@ size_t ShmComm::arena_alloc(size_t bytes) {
     used_[off] = need;
     return off;
   }
-  throw RingError(cat("rank ", cfg_.rank, ": registered memory exhausted: ", bytes,
+  throw RingError(cat("rank ", name_of(cfg_.rank), ": registered memory exhausted: ", bytes,
                       " bytes requested, arena of ", geo_.arena_bytes,
                       " bytes (raise RINGDP_ARENA_GB)"));
 }

@@ -36,6 +36,9 @@ struct ShmConfig {
   int64_t spin_ns = 50000;
   double stall_warn_s = 60;  // a call that waited this long reports the stall once (0: never)
   size_t flight_calls = 256;  // calls kept in the flight record
+  // How messages name this endpoint's ranks: rank_names[r] for endpoint rank r (a host's
+  // endpoint across hosts: the communicator's ranks of that host); empty: r itself.
+  std::vector<int> rank_names;
 };
 
 // Lifecycle (endpoint.h): the constructor creates (and owns) this rank's segment;
@@ -178,6 +181,11 @@ class ShmComm final : public Endpoint {
   void fail(const std::string& why);  // abort() and throw
   // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
+  // Endpoint rank r as messages name it (ShmConfig::rank_names); a value out of range (a
+  // peer's garbled header) as it is.
+  int name_of(int r) const {
+    return r >= 0 && r < static_cast<int>(cfg_.rank_names.size()) ? cfg_.rank_names[static_cast<size_t>(r)] : r;
+  }
 
   ShmConfig cfg_;
   shm::Geometry geo_;
