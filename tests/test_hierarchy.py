@@ -627,12 +627,15 @@ def test_two_hosts_in_namespaces(tmp_path):
     assert [o["host"] for o in outs] == [hosts["name"][0]] * 2 + [hosts["name"][1]] * 2
 
 
-def test_link_down_between_hosts(tmp_path):
+@pytest.mark.parametrize("backend", [False, True], ids=["ringdp", "backend"])
+def test_link_down_between_hosts(tmp_path, backend):
     # The link between two namespace hosts goes down while they all-reduce (a pulled cable:
-    # every process stays alive, no connection is reset, nothing arrives): every rank raises
-    # a RingError naming itself within ringdp's timeout of its last good call (8 s here, the
-    # cross-host gloo groups' too), and ringdp.destroy() then returns at once. (torchrun's
-    # own agents wait on their store across the dead link: the launchers are ended here.)
+    # every process stays alive, no connection is reset, nothing arrives), through
+    # ringdp.all_reduce or dist.all_reduce(async_op=True).wait() on a cpu:ringdp group:
+    # every rank raises a RingError naming itself within ringdp's timeout of its last good
+    # call (8 s here, the cross-host gloo groups' too), and ringdp.destroy() then returns at
+    # once. (torchrun's own agents wait on their store across the dead link: the launchers
+    # are ended here.)
     import json
     import sys
 
@@ -660,7 +663,7 @@ def test_link_down_between_hosts(tmp_path):
     try:
         with two_hosts(str(tmp_path)) as hosts:
             results = launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-                                                           "RINGDP_SPIN_US": "2"},
+                                                           "RINGDP_SPIN_US": "2", "JOB_BACKEND": str(int(backend))},
                              timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch)
     except Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
