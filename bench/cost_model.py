@@ -242,12 +242,18 @@ def measured_pieces(doc: dict):
     return lambda S: fixed
 
 
+def measured_times(doc: dict) -> dict:
+    """A run's times in seconds: size -> series -> time per call."""
+    measured: dict = {}
+    for r in doc["rows"]:
+        measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
+    return measured
+
+
 def validate(docs: dict, fits: dict, factors: dict) -> list[dict]:
     doc = docs[COMPONENTS["gloo4_flat"][0]]
     piece_of = measured_pieces(doc)
-    measured = {}
-    for r in doc["rows"]:
-        measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
+    measured = measured_times(doc)
     out = []
     for S in sorted(measured):
         if S < MiB:
@@ -305,9 +311,7 @@ def validate_link(doc: dict, fits: dict, factors: dict) -> dict:
     rate = link_rate_Bps(doc)
     hw = box_hw(fits, factors, rate)
     piece_of = measured_pieces(doc)
-    measured = {}
-    for r in doc["rows"]:
-        measured.setdefault(r["size"], {})[r["series"]] = r["time_us"] * 1e-6
+    measured = measured_times(doc)
     rows = []
     for S in sorted(measured):
         m = measured[S]
