@@ -45,8 +45,10 @@ def two_hosts(workdir: str, rate: str | None = None):
     """Make the two hosts (module doc) for the duration of the block; yields a dict with
     `prefix` (per host: the command prefix that enters it), `addr`, `name`, and `netns` and
     `dev` (its network namespace and its end of the link; set_link) per host.
-    Raises Unavailable when the machine does not allow them; removes the namespaces (and
-    with them the link) on every exit."""
+    Raises Unavailable when the machine does not allow them. On every exit it kills what
+    still runs inside them (a torchrun worker sits in a session of its own: killing its
+    launcher leaves it), then removes them and the link. Names carry this process's id: one
+    left by a dead process with the same id is removed first."""
     tools = ("ip", "unshare", "mount", "hostname") + (("tc",) if rate else ())
     if os.geteuid() != 0 or not all(shutil.which(t) for t in tools):
         raise Unavailable(f"network namespaces need root and {', '.join(tools)}")
@@ -65,6 +67,17 @@ def two_hosts(workdir: str, rate: str | None = None):
             steps.append(["ip", "netns", "exec", ns[k], "tc", "qdisc", "add", "dev", dev[k], "root", "tbf",
                           "rate", rate, "burst", "256kb", "latency", "50ms"])
     hosts = os.path.join(workdir, "hosts")
+
+    def remove():
+        for n in ns:
+            pids = subprocess.run(["ip", "netns", "pids", n], capture_output=True, text=True).stdout.split()
+            for p in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                    os.kill(int(p), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        subprocess.run(["ip", "link", "del", dev[0]], capture_output=True)  # (set-up stopped before moving it)
+
+    remove()
     try:
         for step in steps:
             r = subprocess.run(step, capture_output=True, text=True)
@@ -77,8 +90,7 @@ def two_hosts(workdir: str, rate: str | None = None):
                            name[k], hosts] for k in range(2)],
                "addr": addr, "name": name, "netns": ns, "dev": dev}
     finally:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], capture_output=True)
+        remove()
 
 
 def set_link(hosts: dict, k: int, up: bool) -> None:
@@ -88,17 +100,40 @@ def set_link(hosts: dict, k: int, up: bool) -> None:
                    check=True, capture_output=True)
 
 
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (from /proc), e.g. a torchrun agent's workers."""
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
 def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict | None = None,
-           timeout: float = 600, rdzv_id: str = "netns", stream: bool = False, watch=None) -> list[tuple[int, str]]:
+           timeout: float = 600, rdzv_id: str = "netns", stream: bool = False, watch=None,
+           stop_on_failure: bool = True) -> list[tuple[int, str]]:
     """Run `script` (a command line after torchrun's own arguments) under a torchrun
     launcher on each host of `hosts` (two_hosts; or any dict of `prefix` and `addr` per
     host, and optionally `env` per host: tests/test_hierarchy.py runs two launchers on
     loopback with a RINGDP_HOST_ID each), the c10d store on host 0 at `port`; the ranks get
     this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own.
-    Waits for both; ends both process groups (SIGKILL) once `timeout` seconds have passed,
-    or `watch()` (called every 0.2 s while they run) returned True, or on any exception.
-    Returns (return code, output) per host (-9 for one killed; host 0's output "" with
-    `stream`: it went to stdout)."""
+    Waits for both; ends them once `timeout` seconds have passed, one launcher failed
+    (`stop_on_failure`: the other would wait for it), `watch()` (called every 0.2 s while
+    they run) returned True, or on any exception: SIGTERM (torchrun then ends its workers),
+    then 10 s later SIGKILL to the launcher's process group and to every process below it
+    (torchrun starts each worker in a session of its own).
+    Returns (return code, output) per host (negative for one ended so; host 0's output ""
+    with `stream`: it went to stdout)."""
     import time
 
     base = {k: v for k, v in os.environ.items() if k != "RINGDP_HOST_ID"}
@@ -117,13 +152,28 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict 
                                           start_new_session=True))
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if stop_on_failure and any(p.poll() not in (None, 0) for p in procs):
+                break
             if watch is not None and watch():
                 break
             time.sleep(0.2)
     finally:
+        below = {p.pid: _descendants(p.pid) for p in procs if p.poll() is None}
         for p in procs:
             if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        end = time.monotonic() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+            for q in below.get(p.pid, []):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(q, signal.SIGKILL)
             p.wait()
     results = []
     for p, log in zip(procs, logs):
@@ -153,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ringdp import policy
 
+    def on_term(signum, frame):  # (a caller's timeout: the namespaces and what runs in them go too)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     network = f"2 hosts in network namespaces, one veth link, {args.rate + ' each way (tc tbf)' if args.rate else 'unshaped'}"
     env = {"BENCH_NETWORK": network}
     cores = len(os.sched_getaffinity(0))

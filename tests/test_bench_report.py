@@ -181,7 +181,8 @@ def test_gpu_check_session_fits_the_lease():
     phases = re.findall(r'bash "\$0" (\w+) "\$OUT"', block)
     assert phases == ["build", "priority", "bench"] and len(budgets) == 3
     assert sum(budgets) + 60 <= 600 and sum(budgets) + 60 + 120 <= 15 * 60 - 60, budgets  # summaries; start
-    assert 2 * len(phases) <= 8
+    prio = text[text.index("\npriority)\n"):]
+    assert "BUDGET_SKIP_FAILS=0" in prio[:prio.index(";;")]  # what its budget skips is not a failure
 
 
 def _summary(tmp_path, phase, rc=0):

@@ -603,7 +603,7 @@ def test_torchrun_two_nodes(tmp_path):
     # its own simulated host: the two-level path on what torchrun sets up.
     loopback = {"prefix": [[], []], "addr": ["127.0.0.1"] * 2, "env": [{"RINGDP_HOST_ID": "a"}, {"RINGDP_HOST_ID": "b"}]}
     outs = _two_launchers(tmp_path, loopback)
-    assert [o["host"] for o in outs] == ["a", "a", "b", "b"]
+    assert sorted(o["host"] for o in outs) == ["a", "a", "b", "b"]  # (torchrun orders the nodes)
 
 
 def test_two_hosts_in_namespaces(tmp_path):
@@ -664,7 +664,7 @@ def test_link_down_between_hosts(tmp_path, backend):
         with two_hosts(str(tmp_path)) as hosts:
             results = launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
                                                            "RINGDP_SPIN_US": "2", "JOB_BACKEND": str(int(backend))},
-                             timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch)
+                             timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch, stop_on_failure=False)
     except Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
     logs = "\n".join(log[-2000:] for _, log in results)
