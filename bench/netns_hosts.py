@@ -119,7 +119,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict | None = None,
+def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2, env: dict | None = None,
            timeout: float = 600, rdzv_id: str = "netns", stream: bool = False, watch=None,
            stop_on_failure: bool = True) -> list[tuple[int, str]]:
     """Run `script` (a command line after torchrun's own arguments) under a torchrun
@@ -127,6 +127,7 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict 
     host, and optionally `env` per host: tests/test_hierarchy.py runs two launchers on
     loopback with a RINGDP_HOST_ID each), the c10d store on host 0 at `port`; the ranks get
     this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own.
+    `nproc`: ranks per host (a list: per host; hosts of different sizes).
     Waits for both; ends them once `timeout` seconds have passed, one launcher failed
     (`stop_on_failure`: the other would wait for it), `watch()` (called every 0.2 s while
     they run) returned True, or on any exception: SIGTERM (torchrun then ends its workers),
@@ -141,7 +142,8 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int = 2, env: dict 
     procs, logs = [], []
     try:
         for k in range(2):
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(nproc),
+            n = nproc[k] if isinstance(nproc, (list, tuple)) else nproc
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(n),
                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts['addr'][0]}:{port}",
                    "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)}"]
             log = None if stream and k == 0 else tempfile.TemporaryFile("w+")  # (a pipe could fill and stall it)

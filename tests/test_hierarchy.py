@@ -574,11 +574,12 @@ def test_whole_host_dies_is_a_ring_error(hosts, kind):
         assert "across hosts" in msg or "rank" in msg, msg
 
 
-def _two_launchers(tmp_path, hosts, env=None):
+def _two_launchers(tmp_path, hosts, env=None, nproc=(2, 2)):
     """tests/_two_hosts_job.py under a torchrun launcher on each of two hosts
-    (bench/netns_hosts.py launch: --nnodes 2, --nproc-per-node 2, c10d store on host 0),
-    then the four ranks' results checked: every call right, the two-level path with 2 ranks
-    per host, bitwise identical everywhere. Returns each rank's record."""
+    (bench/netns_hosts.py launch: --nnodes 2, `nproc` ranks per host, c10d store on host
+    0), then every rank's results checked: every call right, bitwise identical everywhere,
+    local ranks 0..n-1 of local size n on each host, the two-level path on hosts of one
+    size, the leaders' on hosts of different sizes. Returns each rank's record."""
     import sys
 
     from _dist import free_port
@@ -587,14 +588,18 @@ def _two_launchers(tmp_path, hosts, env=None):
     from netns_hosts import launch
 
     job = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_two_hosts_job.py")]
-    results = launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-                                                     **(env or {})}, timeout=150, rdzv_id=f"hier{os.getpid()}")
+    results = launch(hosts, job, free_port(), nproc=list(nproc), timeout=150, rdzv_id=f"hier{os.getpid()}",
+                     env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", **(env or {})})
     assert all(rc == 0 for rc, _ in results), "\n".join(log[-3000:] for _, log in results)
-    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(sum(nproc))]
+    path = "two_level" if nproc[0] == nproc[1] else "leaders"
+    by_host = {}
     for r, o in enumerate(outs):
-        assert o["path"] == "two_level" and o["local"] == (r % 2, 2), (r, o["path"], o["local"])
+        assert o["path"] == path, (r, o["path"])
         assert all(o["ok"]) and len(o["ok"]) == 28, (r, o["ok"])
         assert all(torch.equal(a, b) for a, b in zip(o["results"], outs[0]["results"])), r
+        by_host.setdefault(o["host"], []).append(o["local"])
+    assert sorted(sorted(v) for v in by_host.values()) == sorted([(i, n) for i in range(n)] for n in nproc), by_host
     return outs
 
 
@@ -606,14 +611,17 @@ def test_torchrun_two_nodes(tmp_path):
     assert sorted(o["host"] for o in outs) == ["a", "a", "b", "b"]  # (torchrun orders the nodes)
 
 
-def test_two_hosts_in_namespaces(tmp_path):
+@pytest.mark.parametrize("nproc", [(2, 2), (3, 1)], ids=["even", "uneven"])
+def test_two_hosts_in_namespaces(tmp_path, nproc):
     # Two hosts as near to real ones as one machine gets (bench/netns_hosts.py): each
     # launcher in its own network namespace (the store's and gloo's traffic crosses a veth
     # link between them, not loopback), hostname (ringdp finds the hosts from hostname and
     # boot id: no RINGDP_HOST_ID) and /dev/shm (one host's shared memory unseen by the
-    # other). The two-level path, ringdp's backend across hosts (its own cross-host gloo
-    # groups on the store), closed forms, bitwise identical. RINGDP_SPIN_US=2: the four
-    # ranks share two cores, which ringdp, counting ranks per hostname, does not know.
+    # other). The two-level path (hosts of 2 and 2 ranks; the leaders' on 3 and 1: torchrun
+    # with a different --nproc-per-node per node), ringdp's backend across hosts (its own
+    # cross-host gloo groups on the store), closed forms, bitwise identical.
+    # RINGDP_SPIN_US=2: the four ranks share two cores, which ringdp, counting ranks per
+    # hostname, does not know.
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
@@ -621,10 +629,10 @@ def test_two_hosts_in_namespaces(tmp_path):
 
     try:
         with two_hosts(str(tmp_path)) as hosts:
-            outs = _two_launchers(tmp_path, hosts, {"RINGDP_SPIN_US": "2"})
+            outs = _two_launchers(tmp_path, hosts, {"RINGDP_SPIN_US": "2"}, nproc)
     except Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
-    assert [o["host"] for o in outs] == [hosts["name"][0]] * 2 + [hosts["name"][1]] * 2
+    assert sorted(o["host"] for o in outs) == sorted([hosts["name"][0]] * nproc[0] + [hosts["name"][1]] * nproc[1])
 
 
 @pytest.mark.parametrize("backend", [False, True], ids=["ringdp", "backend"])
