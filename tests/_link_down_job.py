@@ -5,6 +5,7 @@ progress in $RINGDP_TEST_OUT/prog<r>, until the link between the hosts goes down
 records what it raised, how long after its last good call, and how long ringdp.destroy()
 took, in $RINGDP_TEST_OUT/rank<r>.json, and leaves without torch.distributed's own teardown
 (whose store is across the dead link)."""
+import datetime
 import json
 import os
 import time
@@ -13,8 +14,6 @@ import torch
 import torch.distributed as dist
 
 import ringdp
-
-import datetime
 
 TIMEOUT = 8.0
 BACKEND = os.environ.get("JOB_BACKEND") == "1"  # dist.all_reduce on a cpu:ringdp group, async

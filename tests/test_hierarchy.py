@@ -18,6 +18,8 @@ import torch.distributed as dist
 from _closed_form import all_reduce_matrix, expected, value
 from _dist import run_ranks, values
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(os.path.dirname(HERE), "bench")
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64]
 SIZES = [0, 1, 7, 4099, 300007]
 
@@ -574,22 +576,29 @@ def test_whole_host_dies_is_a_ring_error(hosts, kind):
         assert "across hosts" in msg or "rank" in msg, msg
 
 
+def _netns_hosts():
+    """bench/netns_hosts.py (two hosts in Linux namespaces, torchrun launchers across them)."""
+    import sys
+
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import netns_hosts
+
+    return netns_hosts
+
+
 def _two_launchers(tmp_path, hosts, env=None, nproc=(2, 2)):
     """tests/_two_hosts_job.py under a torchrun launcher on each of two hosts
     (bench/netns_hosts.py launch: --nnodes 2, `nproc` ranks per host, c10d store on host
     0), then every rank's results checked: every call right, bitwise identical everywhere,
     local ranks 0..n-1 of local size n on each host, the two-level path on hosts of one
     size, the leaders' on hosts of different sizes. Returns each rank's record."""
-    import sys
-
     from _dist import free_port
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from netns_hosts import launch
-
-    job = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_two_hosts_job.py")]
-    results = launch(hosts, job, free_port(), nproc=list(nproc), timeout=150, rdzv_id=f"hier{os.getpid()}",
-                     env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", **(env or {})})
+    job = [os.path.join(HERE, "_two_hosts_job.py")]
+    results = _netns_hosts().launch(hosts, job, free_port(), nproc=list(nproc), timeout=150,
+                                    rdzv_id=f"hier{os.getpid()}",
+                                    env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1", **(env or {})})
     assert all(rc == 0 for rc, _ in results), "\n".join(log[-3000:] for _, log in results)
     outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(sum(nproc))]
     path = "two_level" if nproc[0] == nproc[1] else "leaders"
@@ -622,15 +631,11 @@ def test_two_hosts_in_namespaces(tmp_path, nproc):
     # cross-host gloo groups on the store), closed forms, bitwise identical.
     # RINGDP_SPIN_US=2: the four ranks share two cores, which ringdp, counting ranks per
     # hostname, does not know.
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-    from netns_hosts import Unavailable, two_hosts
-
+    nh = _netns_hosts()
     try:
-        with two_hosts(str(tmp_path)) as hosts:
+        with nh.two_hosts(str(tmp_path)) as hosts:
             outs = _two_launchers(tmp_path, hosts, {"RINGDP_SPIN_US": "2"}, nproc)
-    except Unavailable as e:
+    except nh.Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
     assert sorted(o["host"] for o in outs) == sorted([hosts["name"][0]] * nproc[0] + [hosts["name"][1]] * nproc[1])
 
@@ -645,13 +650,11 @@ def test_link_down_between_hosts(tmp_path, backend):
     # once. (torchrun's own agents wait on their store across the dead link: the launchers
     # are ended here.)
     import json
-    import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
     from _dist import free_port
-    from netns_hosts import Unavailable, launch, set_link, two_hosts
 
-    job = [os.path.join(os.path.dirname(os.path.abspath(__file__)), "_link_down_job.py")]
+    nh = _netns_hosts()
+    job = [os.path.join(HERE, "_link_down_job.py")]
     state = {"down_at": None}
 
     def progress(r):
@@ -663,17 +666,17 @@ def test_link_down_between_hosts(tmp_path, backend):
     def watch():
         if state["down_at"] is None:
             if min(progress(r) for r in range(4)) >= 20:  # every rank well into the loop
-                set_link(hosts, 0, False)
+                nh.set_link(hosts, 0, False)
                 state["down_at"] = time.monotonic()
             return False
         return all((tmp_path / f"rank{r}.json").exists() for r in range(4))
 
     try:
-        with two_hosts(str(tmp_path)) as hosts:
-            results = launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
-                                                           "RINGDP_SPIN_US": "2", "JOB_BACKEND": str(int(backend))},
-                             timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch, stop_on_failure=False)
-    except Unavailable as e:
+        with nh.two_hosts(str(tmp_path)) as hosts:
+            results = nh.launch(hosts, job, free_port(), env={"RINGDP_TEST_OUT": str(tmp_path), "OMP_NUM_THREADS": "1",
+                                                              "RINGDP_SPIN_US": "2", "JOB_BACKEND": str(int(backend))},
+                                timeout=150, rdzv_id=f"down{os.getpid()}", watch=watch, stop_on_failure=False)
+    except nh.Unavailable as e:
         pytest.skip(f"this machine does not allow network namespaces: {e}")
     logs = "\n".join(log[-2000:] for _, log in results)
     assert state["down_at"] is not None, f"the ranks never got going:\n{logs}"
