@@ -685,6 +685,10 @@ def test_link_down_between_hosts(tmp_path, backend):
         assert path.exists(), f"rank {r} left no record within the launchers' time:\n{logs}"
         rec = json.loads(path.read_text())
         assert rec["error"].startswith(f"RingError: rank {r}:"), rec
-        assert ("across hosts" in rec["error"] and "cannot be reached" in rec["error"]) or "rejected" in rec["error"], rec
+        # its own cross-host step, a peer of its host telling it so, or (the same timeout at
+        # both levels: a race) its in-host wait for that peer, stuck across hosts, ending first
+        err = rec["error"]
+        assert (("across hosts" in err and "cannot be reached" in err) or "rejected" in err
+                or ("timed out after" in err and "waiting for rank" in err)), rec
         assert rec["after_s"] < rec["timeout"] + 6, rec  # within the timeout of its last good call
         assert rec["calls"] >= 20 and rec["destroy"] == "ok" and rec["destroy_s"] < 5, rec
