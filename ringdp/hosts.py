@@ -23,7 +23,10 @@ every collective (inline or on its worker thread, under its lock):
 Every rank ends with the same bytes: gloo gives its members one result and the in-host
 steps copy it. AVG is SUM, then one division by the world size. A failed cross-host step
 (a host died, a timeout) is a RingError naming the gloo group's ranks, and this host's
-peers, waiting in the next in-host step, are told at once (a rejected call).
+peers, waiting in the next in-host step, are told at once (a rejected call). A cross-host
+step waits policy.cross_host_timeout of the call's timeout, a little less than the in-host
+waits, so that it fails (and tells) before a peer's in-host wait for this rank ends: every
+rank's error then names the cross-host step, the cause.
 
 Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
 or a header-only agreement for all_gather and broadcast), which fails on every rank of the
@@ -136,7 +139,8 @@ class CrossHost:
     def create(cls, comm, group) -> "CrossHost":
         """Set the cross-host collectives up (collective, every rank of the group): the path,
         this host's shared-memory endpoint (through the communicator's own set-up) and the
-        gloo group(s) across hosts, each with ringdp's timeout.
+        gloo group(s) across hosts, each with the cross-host part of ringdp's timeout
+        (policy.cross_host_timeout).
 
         A group of any backend: the gloo groups are torch.distributed groups made with
         dist.new_group(use_local_synchronization=True) (only their members call it). A group
@@ -159,7 +163,7 @@ class CrossHost:
                              store=comm._store)
             inhost = comm._connect_shm(rdv, by_host[k])  # (its messages name the group's ranks)
         def gloo_group(members, name):
-            timeout = timedelta(seconds=comm.timeout)
+            timeout = timedelta(seconds=policy.cross_host_timeout(comm.timeout))
             if comm._backend:
                 store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", comm._store())
                 return ProcessGroupGloo(store, members.index(comm.rank), len(members), timeout=timeout)
@@ -221,7 +225,7 @@ class CrossHost:
             caller = torch.cuda.ExternalStream(stream, device=self.device)
         self.stream.wait_stream(caller)
         if self.cross is not None:
-            self.cross.timeout_s = t
+            self.cross.timeout_s = policy.cross_host_timeout(t)
         try:
             with torch.cuda.stream(self.stream):
                 call()
@@ -668,7 +672,9 @@ class CrossHost:
     # Every gloo step goes through _start and _wait (or both: _across): a failure (a peer host
     # died, a timeout) is a RingError naming the gloo group's ranks (`ranks`, default: the
     # cross-host group's), and this host's peers (`tell`, waiting in the next in-host step)
-    # are told at once by a rejected call (_fail).
+    # are told at once by a rejected call (_fail). `timeout_s` is the call's; a step waits
+    # policy.cross_host_timeout of it, so that it fails (and tells) before a peer's in-host
+    # wait for this rank ends.
     def _gloo(self, tensor, dop, timeout_s: float, tell=None, tag: str = "") -> None:
         """All-reduce `tensor` on this rank's gloo group across hosts."""
         self._wait("all-reduce", self._gloo_start(tensor, dop, timeout_s, tell, tag), timeout_s, tell, tag)
@@ -694,7 +700,7 @@ class CrossHost:
 
     def _wait(self, what: str, work, timeout_s: float, tell, tag: str, ranks=None, net=None) -> None:
         try:
-            work.wait(timeout=timedelta(seconds=timeout_s))
+            work.wait(timeout=timedelta(seconds=policy.cross_host_timeout(timeout_s)))
         except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
             self._gloo_failed(e, timeout_s, tell, tag, what, ranks, net)
 
@@ -704,7 +710,7 @@ class CrossHost:
         ranks = self.cross_ranks if ranks is None else ranks
         net = self.net_name if net is None else net
         self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
-                   f"failed within {timeout_s:g} s: a rank (or a whole host) died, is stuck or cannot be reached: "
+                   f"failed within {policy.cross_host_timeout(timeout_s):g} s: a rank (or a whole host) died, is stuck or cannot be reached: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
     def _fail(self, msg: str, tell, timeout_s: float, tag: str):

@@ -8,7 +8,8 @@ functions are the decisions, each made in one place for every transport:
 * transport_for: which CUDA transport (IPC inside a host, NCCL across hosts);
 * spin_ns, timeout_s: how long to spin before sleeping, how long to wait for peers;
 * inline_async: which asynchronous collectives run on the calling thread;
-* cross_host_path, two_level_piece_bytes: the CPU all-reduce across hosts and its pieces.
+* cross_host_path, two_level_piece_bytes: the CPU all-reduce across hosts and its pieces;
+* cross_host_timeout: how long a cross-host step waits, within the call's timeout.
 
 ONESHOT_MAX_BYTES comes from `python bench/allreduce.py --algo ring,oneshot` on the 2-core CI
 machine (world 2 and 4, float32); see README.md "Choosing the algorithm".
@@ -191,6 +192,22 @@ def cross_host_path(local_sizes: list[int], hierarchy: bool) -> str:
     if not hierarchy or max(local_sizes) == 1:
         return FLAT
     return TWO_LEVEL if len(set(local_sizes)) == 1 else LEADERS
+
+
+# A cross-host step (gloo or NCCL between hosts, the call check) waits this much less than
+# the call's timeout (a tenth of it, at most this many seconds): a rank stuck in it (a dead
+# host, a pulled cable) then fails and tells its host's peers (a rejected call) before their
+# in-host wait for it ends, so that every rank's RingError names the cross-host step, the
+# cause, rather than the peer of its own host that it waited for. With one timeout at both
+# levels which ended first was a race (CI met it: a rank reported its in-host wait).
+CROSS_HOST_MARGIN_S = 5.0
+
+
+def cross_host_timeout(timeout_s: float) -> float:
+    """Seconds a cross-host step of a call whose timeout is `timeout_s` waits: `timeout_s`
+    less a tenth of it, the margin at most CROSS_HOST_MARGIN_S (never longer than ringdp's
+    timeout: issue 12)."""
+    return timeout_s - min(0.1 * timeout_s, CROSS_HOST_MARGIN_S)
 
 
 # Across hosts every call check all-gathers one fixed-size row per member of its gloo group:

@@ -190,6 +190,17 @@ def test_two_level_piece_bytes_closed_forms():
             f(*bad)
 
 
+def test_cross_host_timeout_is_shorter_by_a_margin():
+    """A cross-host step waits less than the call's in-host waits (a tenth less, at most
+    CROSS_HOST_MARGIN_S), never longer than ringdp's timeout."""
+    f, cap = policy.cross_host_timeout, policy.CROSS_HOST_MARGIN_S
+    assert cap == 5.0
+    assert f(8.0) == pytest.approx(7.2) and f(20.0) == pytest.approx(18.0) and f(50.0) == pytest.approx(45.0)
+    assert f(300.0) == 295.0 and f(1800.0) == 1795.0  # ringdp's default; torch's gloo default
+    for t in (0.01, 1.0, 8.0, 49.0, 51.0, 300.0, 1e6):
+        assert 0 < f(t) < t and t - f(t) <= cap + 1e-9 and f(t) >= 0.9 * t - 1e-9
+
+
 def test_hier_piece_bytes_env_is_the_minimum():
     cfg = Config.from_env({"RINGDP_HIER_PIECE_BYTES": str(4 * MiB)})
     assert policy.two_level_piece_bytes(6 * MiB, cfg.hier_piece_bytes) == 4 * MiB  # 2 pieces: 4 + 2 MiB
