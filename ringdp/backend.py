@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from datetime import timedelta
 
 import torch
@@ -192,8 +193,9 @@ class RingWork(dist.Work):
         if self._done is _DONE and self._exc is None and self._finished is None:
             return True  # (done when made, nothing to join: a synchronous call, _async)
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        deadline = time.monotonic() + secs if secs > 0 else None
         with self._waiting(secs if secs > 0 else None):
-            done = self._done.wait(secs if secs > 0 else None)
+            done = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not done:
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")
         if self._exc is not None:
@@ -445,13 +447,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
     # -- all-reduce -----------------------------------------------------------------------
     def _all_reduce(self, t, reduce_op, timeout=None, async_op=True):
-        self._adopt.see(t)
         kind, factor = _op_of(reduce_op)
         if factor is not None:
-            t.mul_(factor)
+            t.mul_(factor)  # (before see(): a move it queues must not race this write)
             code = _types.SUM
         else:
             code = _NATIVE_OPS[kind]
+        self._adopt.see(t)
         return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=async_op, timeout=timeout)
 
     def allreduce(self, tensors, opts=None):

@@ -139,7 +139,12 @@ class Work:
 
     def wait(self, timeout=None) -> bool:
         """Wait for the collective (module doc); re-raises its error (a RingError), and
-        raises one after `timeout` s."""
+        raises one after `timeout` (seconds or a timedelta, as torch's Work.wait takes; None,
+        0 or less: no limit, as torch's default timedelta(0))."""
+        if hasattr(timeout, "total_seconds"):
+            timeout = timeout.total_seconds()
+        if timeout is not None and timeout <= 0:
+            timeout = None
         with self.waiting(timeout):
             self._future.result()
         if self._cuda is not None:
@@ -504,7 +509,19 @@ class Communicator:
             with self._pending_lock:  # (against _await_queued dropping it meanwhile)
                 refused = self._refusal(fut)  # (then its callbacks run here, on the worker, never on its waiter)
                 fut.set_running_or_notify_cancel()  # (never cancelled: a dropped call is refused instead)
-            error = refused if refused is not None else self._call_catching(fn)
+            if refused is None:
+                error = self._call_catching(fn)
+            else:
+                error = refused
+                refuse = getattr(fut, "_ringdp_refuse", None)
+                if refuse is not None and getattr(fut, "_ringdp_dropped", False):
+                    # take part in it as a rejected call (_reject: the call's transport, under the
+                    # lock): the peers fail it at once, naming this rank, and every rank's next
+                    # call is the same call. Its own outcome is the drop's, whatever the peers did.
+                    try:
+                        refuse(str(refused))
+                    except Exception:  # noqa: BLE001 -- the peers failed first, or left: they know
+                        pass
             self._callbacks_since = time.monotonic()
             _settle(fut, error)  # (its callbacks, here: a collective made in one runs now)
         finally:
@@ -683,7 +700,7 @@ class Communicator:
             fut._ringdp_dropped = True
             return True
 
-    def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None) -> Work | None:
+    def _submit(self, fn, async_op: bool, outputs=(), nbytes: int | None = None, refuse=None) -> Work | None:
         """Run collectives in submission order: inline when nothing is queued and the call is
         synchronous, or asynchronous on shared memory (`nbytes`: its size; None elsewhere)
         and small (policy.inline_async: handing it to the worker would cost more than it
@@ -692,7 +709,7 @@ class Communicator:
         inline returns a completed Work; its failure is raised by wait(), as the worker's."""
         small = async_op and nbytes is not None and policy.inline_async(nbytes, self.config)
         if not self._take_inline(async_op and not small):
-            return self._enqueue(fn, async_op, outputs)
+            return self._enqueue(fn, async_op, outputs, refuse=refuse)
         if not async_op:
             self._call(fn)
             return None
@@ -722,10 +739,12 @@ class Communicator:
                 self._pending += 1
         return inline
 
-    def _enqueue(self, fn, async_op: bool, outputs, cuda=None) -> Work | None:
+    def _enqueue(self, fn, async_op: bool, outputs, cuda=None, refuse=None) -> Work | None:
         """Queue `fn` (counted pending by _take_inline) behind the worker's queued calls.
-        Under _pending_lock, as close() stops the worker: never behind its stop."""
+        Under _pending_lock, as close() stops the worker: never behind its stop. `refuse`: a
+        collective's rejection (_prepare), what the worker runs instead if it is dropped."""
         fut = Future()
+        fut._ringdp_refuse = refuse
         with self._pending_lock:
             try:
                 if self._closed:
@@ -744,11 +763,16 @@ class Communicator:
 
     def _prepare(self, tensor, check, timeout, algo, tag, what="all_reduce"):
         """The start every collective (`what`) shares: (timeout s, check()'s result, forced
-        algorithm, tag). Bad input (check() or the arguments raising TypeError/ValueError) is
-        announced to the peers, in order, so that they fail at once, then re-raised."""
-        t = policy.timeout_s(timeout, self.timeout)
+        algorithm, tag, refuse). Bad input (check() or the arguments raising TypeError/ValueError) is
+        announced to the peers, in order, so that they fail at once, then re-raised.
+        `refuse(why)`: the same announcement, made by the worker in place of the call if the
+        call is dropped while queued (_run_item), so that this rank's calls stay in step with
+        its peers' (a call skipped silently would pair its next call with their dropped one)."""
+        t = self.timeout  # (the rejection's, when `timeout` itself is bad)
         try:
-            return t, check(), self._forced(algo), _current_tag(tag)
+            t = policy.timeout_s(timeout, self.timeout)
+            return t, check(), self._forced(algo), _current_tag(tag), functools.partial(self._reject, tensor,
+                                                                                     timeout_s=t, what=what)
         except (TypeError, ValueError) as e:
             self._reject(tensor, str(e), t, what)
             raise
@@ -758,18 +782,18 @@ class Communicator:
         return policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None, tag=None):
-        t, code, forced, tag = self._prepare(tensor, lambda: self._check(tensor, op), timeout, algo, tag)
+        t, code, forced, tag, refuse = self._prepare(tensor, lambda: self._check(tensor, op), timeout, algo, tag)
         nbytes = tensor.numel() * tensor.element_size()
         if tensor.is_cuda:
-            return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t, tag)
+            return self._all_reduce_cuda(tensor, code, forced, nbytes, async_op, t, tag, refuse)
         if self.across is not None:
             return self._submit(lambda: self.across.all_reduce(tensor, code, forced, t, tag), async_op,
-                                outputs=[tensor])
+                                outputs=[tensor], refuse=refuse)
         if self._shm_error:
             raise RingError(self._shm_error)
         a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.all_reduce(tensor, code, a, t, tag), async_op, outputs=[tensor],
-                            nbytes=nbytes)
+                            nbytes=nbytes, refuse=refuse)
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, async_op=False, tag=None, timeout=None,
                               algo=None):
@@ -781,25 +805,25 @@ class Communicator:
         staged through the FIFOs (in place, its partial sums would overwrite the input), or
         one-shot for small inputs (policy.py); CUDA tensors:
         the ring, staged, or one-shot (IPC), on ringdp's stream (as CUDA all_reduce)."""
-        t, code, forced, tag = self._prepare(
+        t, code, forced, tag, refuse = self._prepare(
             output, lambda: self._check_pair(output, input, op, "reduce_scatter_tensor"), timeout, algo, tag,
             "reduce_scatter")
         if output.is_cuda and self._cuda_endpoint(output.device).hier is not None:
             return self._run_hier(output.device, [output, input], async_op, t,
-                                  lambda h: h.reduce_scatter(output, input, code, forced, t, tag))
+                                  lambda h: h.reduce_scatter(output, input, code, forced, t, tag), refuse)
         if output.is_cuda:  # one-shot stages the whole input
             a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(
                 output.device, [output, input], [output], async_op,
-                lambda ep, stream: ep.native.reduce_scatter_tensor(output, input, code, stream, a, t))
+                lambda ep, stream: ep.native.reduce_scatter_tensor(output, input, code, stream, a, t), refuse)
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.reduce_scatter(output, input, code, forced, t, tag), async_op,
-                                outputs=[output])
+                                outputs=[output], refuse=refuse)
         nbytes = input.numel() * input.element_size()
         a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.reduce_scatter(output, input, code, a, t, tag), async_op,
-                            outputs=[output], nbytes=nbytes)
+                            outputs=[output], nbytes=nbytes, refuse=refuse)
 
     def all_gather_into_tensor(self, output, input, async_op=False, tag=None, timeout=None, algo=None):
         """torch's all_gather_into_tensor: `output` holds world x input.numel() elements and
@@ -810,23 +834,23 @@ class Communicator:
         input copied into its block first, unless it is that block; on the IPC transport a
         registered output (ringdp.empty(device="cuda")) is read in place by the successor),
         or one-shot (IPC)."""
-        t, _, forced, tag = self._prepare(
+        t, _, forced, tag, refuse = self._prepare(
             output, lambda: self._check_pair(output, input, None, "all_gather_into_tensor"), timeout, algo, tag,
             "all_gather")
         if output.is_cuda and self._cuda_endpoint(output.device).hier is not None:
             return self._run_hier(output.device, [output, input], async_op, t,
-                                  lambda h: h.all_gather(output, input, forced, t, tag))
+                                  lambda h: h.all_gather(output, input, forced, t, tag), refuse)
         if output.is_cuda:  # one-shot stages this rank's input
             a = self._cuda_algo(output.device, input.numel() * input.element_size(), forced)
             return self._run_cuda(output.device, [output, input], [output], async_op,
-                                  lambda ep, stream: ep.native.all_gather_tensor(output, input, stream, a, t))
+                                  lambda ep, stream: ep.native.all_gather_tensor(output, input, stream, a, t), refuse)
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.all_gather(output, input, forced, t, tag), async_op,
-                                outputs=[output])
+                                outputs=[output], refuse=refuse)
         a = self._shm_algo(input.numel() * input.element_size(), forced)
         return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output],
-                            nbytes=output.numel() * output.element_size())
+                            nbytes=output.numel() * output.element_size(), refuse=refuse)
 
     def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
@@ -843,21 +867,22 @@ class Communicator:
                 raise ValueError(f"ringdp.broadcast on rank {self.rank}: src={src} is not a rank of this group "
                                  f"(world size {self.world})")
 
-        t, _, forced, tag = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
+        t, _, forced, tag, refuse = self._prepare(tensor, check, timeout, algo, tag, "broadcast")
         if tensor.is_cuda and self._cuda_endpoint(tensor.device).hier is not None:
-            return self._run_hier(tensor.device, [tensor], async_op, t, lambda h: h.broadcast(tensor, src, forced, t, tag))
+            return self._run_hier(tensor.device, [tensor], async_op, t,
+                                  lambda h: h.broadcast(tensor, src, forced, t, tag), refuse)
         if tensor.is_cuda:
             a = self._cuda_algo(tensor.device, tensor.numel() * tensor.element_size(), forced)
             return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                                  lambda ep, stream: ep.native.broadcast_tensor(tensor, src, stream, a, t))
+                                  lambda ep, stream: ep.native.broadcast_tensor(tensor, src, stream, a, t), refuse)
         self._cpu_path()
         if self.across is not None:
             return self._submit(lambda: self.across.broadcast(tensor, src, forced, t, tag), async_op,
-                                outputs=[tensor])
+                                outputs=[tensor], refuse=refuse)
         nbytes = tensor.numel() * tensor.element_size()
         a = self._shm_algo(nbytes, forced)
         return self._submit(lambda: self._shm.broadcast(tensor, src, a, t, tag), async_op, outputs=[tensor],
-                            nbytes=nbytes)
+                            nbytes=nbytes, refuse=refuse)
 
     def _cuda_algo(self, device, nbytes: int, forced: str) -> int:
         """The algorithm code of a CUDA collective that one-shot would stage `nbytes` for
@@ -865,21 +890,22 @@ class Communicator:
         ep = self._cuda_endpoint(device)
         return policy.ALGO_CODES[self._decide(nbytes, forced, ep.kind, ep.native.oneshot_bytes)]
 
-    def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t, tag):
+    def _all_reduce_cuda(self, tensor, code, forced, nbytes, async_op, t, tag, refuse=None):
         if self._cuda_endpoint(tensor.device).hier is not None:
-            return self._run_hier(tensor.device, [tensor], async_op, t, lambda h: h.all_reduce(tensor, code, forced, t, tag))
+            return self._run_hier(tensor.device, [tensor], async_op, t,
+                                  lambda h: h.all_reduce(tensor, code, forced, t, tag), refuse)
         a = self._cuda_algo(tensor.device, nbytes, forced)
         return self._run_cuda(tensor.device, [tensor], [tensor], async_op,
-                              lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t))
+                              lambda ep, stream: ep.native.all_reduce_tensor(tensor, code, stream, a, t), refuse)
 
-    def _run_hier(self, device, tensors, async_op, t, call):
+    def _run_hier(self, device, tensors, async_op, t, call, refuse=None):
         """A CUDA collective across hosts on the hierarchy (ringdp/hosts.py on_cuda): `call(h)`
         with the endpoint's CUDA CrossHost h, inside h.on_stream, ordered as _run_cuda orders
         a transport's call; tensors[0] is the output."""
         return self._run_cuda(device, tensors, tensors[:1], async_op,
-                              lambda ep, stream: ep.hier.on_stream(stream, t, lambda: call(ep.hier)))
+                              lambda ep, stream: ep.hier.on_stream(stream, t, lambda: call(ep.hier)), refuse)
 
-    def _run_cuda(self, device, tensors, outputs, async_op, enqueue):
+    def _run_cuda(self, device, tensors, outputs, async_op, enqueue, refuse=None):
         """A CUDA collective, stream-ordered like torch's NCCL ones (module doc).
         `enqueue(endpoint, stream)` makes ringdp's stream wait for `stream`, puts the ring on
         ringdp's stream and makes `stream` wait for its end (csrc/cuda, no host sync).
@@ -923,7 +949,7 @@ class Communicator:
             enqueue(ep, ep.stream.cuda_stream)
             done.record(ep.stream)
 
-        return self._enqueue(run, async_op, outputs, cuda=(ep, done))
+        return self._enqueue(run, async_op, outputs, cuda=(ep, done), refuse=refuse)
 
     def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
         key = (transport, capacity)
@@ -1209,27 +1235,31 @@ class Communicator:
             with self._pending_lock:  # (the holder reads the flag and lets go under it: _locked)
                 got = self._lock.acquire(blocking=False)
                 self._release_deferred = not got
-        if got:
-            try:
-                self._release_endpoints()
-            finally:
-                self._lock.release()
-        elif not mine:
-            log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
-                        "endpoints are released when it ends", self.rank, self.timeout)
-        self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
+        try:
+            if got:
+                try:
+                    self._release_endpoints()
+                finally:
+                    self._lock.release()
+            elif not mine:
+                log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
+                            "endpoints are released when it ends", self.rank, self.timeout)
+        finally:  # (a failed CUDA teardown too)
+            self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
 
     def _release_endpoints(self) -> None:
         """(close(), or the call close() left it to: under _lock) Let the CUDA endpoint, the
         shared-memory one and the cross-host groups go."""
-        if self._cuda is not None:
-            ep, self._cuda = self._cuda, None
-            ep.close(self.rendezvous if self.group_alive else None)
-        # Registered tensors still alive keep the native object (and its mapping) alive.
-        self._shm = None
-        if self.across is not None:
-            self.across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
-            self.across = None
+        try:
+            if self._cuda is not None:  # (its teardown barrier may fail: a peer died)
+                ep, self._cuda = self._cuda, None
+                ep.close(self.rendezvous if self.group_alive else None)
+        finally:  # the others go whatever it did
+            # Registered tensors still alive keep the native object (and its mapping) alive.
+            self._shm = None
+            if self.across is not None:
+                across, self.across = self.across, None
+                across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
 
 
 def _host_key(hostname: str) -> str:
@@ -1326,17 +1356,22 @@ def _backend_communicator(group):
 def destroy(group=None):
     """Release ringdp's resources for `group` (all groups when None): collective for a group
     that is alive, local for one that was destroyed."""
-    with _comms_lock:
-        if group is None:
+    with _comms_lock:  # (taken from the table under the lock, closed outside it: a callback on a
+        if group is None:  # worker that close() joins may look a communicator up meanwhile)
             keys = list(_comms)
         elif _is_world(group) or group in dist.distributed_c10d._world.pg_map:
             keys = [_group_key(group)]
         else:  # a destroyed group: the communicator made for it, if any
             keys = [k for k, c in _comms.items() if c._pg() is group]
-        for k in keys:
-            c = _comms.pop(k, None)
-            if c is not None:
-                c.close()
+        comms = [c for c in (_comms.pop(k, None) for k in keys) if c is not None]
+    first = None
+    for c in comms:  # every one closed, whatever one of them raised (the first error raised after)
+        try:
+            c.close()
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+    if first is not None:
+        raise first
 
 
 # under torch.compile: ringdp's calls run eagerly (ringdp/_eager.py)

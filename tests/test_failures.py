@@ -50,24 +50,29 @@ def test_mismatch_raises_on_every_rank(kind):
         assert after == [3.0] * 10
 
 
-def _bad_input(rank, world):
+def _bad_input(rank, world, what):
     import ringdp
 
     t = torch.ones(8, 8)
+    t0 = time.monotonic()
     try:
-        if rank == 1:
+        if rank == 1 and what == "layout":
             ringdp.all_reduce(t.t(), timeout=30)  # not contiguous
+        elif rank == 1:
+            ringdp.all_reduce(t, timeout=0)  # a bad timeout is bad input too
         else:
             ringdp.all_reduce(t, timeout=30)
         return None
     except (ValueError, ringdp.RingError) as e:
-        return type(e).__name__, str(e)
+        return type(e).__name__, str(e), time.monotonic() - t0
 
 
-def test_bad_input_on_one_rank_fails_all_ranks_fast():
-    res = values(run_ranks(_bad_input, 2))
-    assert res[1][0] == "ValueError" and "contiguous" in res[1][1]
-    assert res[0][0] == "RingError" and "rank 1 rejected its input" in res[0][1]
+@pytest.mark.parametrize("what,why", [("layout", "contiguous"), ("timeout", "timeout must be positive")])
+def test_bad_input_on_one_rank_fails_all_ranks_fast(what, why):
+    res = values(run_ranks(_bad_input, 2, what))
+    assert res[1][0] == "ValueError" and why in res[1][1]
+    assert res[0][0] == "RingError" and "rank 1 rejected its input" in res[0][1] and why in res[0][1], res[0]
+    assert res[0][2] < SLACK_S, res[0]  # at once, not after its 30 s
 
 
 def _bad_args(rank, world):
@@ -321,6 +326,68 @@ def test_stuck_callback_is_an_error_not_a_hang(api):
         assert future is not None and "dropped" in future, dropped
 
 
+def _dropped_on_one_rank(rank, world, hosts):
+    """Rank 0 alone drops a call (its callback stuck on the worker, as in _stuck_callback)
+    that every other rank runs. The drop takes part in the call as a rejected one: the other
+    ranks fail it at once, naming rank 0, instead of pairing it with rank 0's next call
+    (whose data they would silently reduce); then every rank's next call is the same call."""
+    import threading
+
+    if hosts:
+        os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    import ringdp
+
+    ringdp.init(timeout=3)
+    ringdp.all_reduce(torch.ones(1))  # (set up first)
+    big, small = torch.ones(1 << 16), torch.ones(4)
+    err, took = None, 0.0
+    if rank == 0:
+        lock, in_callback, gate = threading.Lock(), threading.Event(), threading.Event()
+        ringdp.get_communicator()._submit(lambda: gate.wait(30), async_op=True)  # (not a collective)
+
+        def callback(f):
+            in_callback.set()
+            with lock:
+                return True
+
+        with lock:
+            chained = ringdp.all_reduce(big, async_op=True).get_future().then(callback)
+            gate.set()
+            assert in_callback.wait(30)
+            t0 = time.monotonic()
+            try:
+                ringdp.all_reduce(small, timeout=30)  # dropped after the communicator's 3 s
+            except ringdp.RingError as e:
+                err = str(e)
+            took = time.monotonic() - t0
+        chained.wait()  # (the callback returns: the worker then takes part in the dropped call)
+    else:
+        ringdp.all_reduce(big)
+        t0 = time.monotonic()
+        try:
+            ringdp.all_reduce(small, timeout=30)  # rank 0's dropped call
+        except ringdp.RingError as e:
+            err = str(e)
+        took = time.monotonic() - t0
+    nxt = torch.full((4,), 10.0 * (rank + 1))
+    ringdp.all_reduce(nxt, timeout=30)  # the same next call on every rank
+    return err, took, small.tolist(), nxt.tolist()
+
+
+def test_call_dropped_on_one_rank_fails_on_every_rank():
+    # (one host: across hosts the peers' gloo steps, whose timeout is the communicator's less
+    # a margin, end before the drop does, which comes after the communicator's timeout)
+    world = 2
+    res = values(run_ranks(_dropped_on_one_rank, world, "", env={"RINGDP_TIMEOUT_S": "3"}, timeout=120))
+    for rank, (err, took, small, nxt) in enumerate(res):
+        assert err is not None, f"rank {rank}: the call rank 0 dropped returned {small}"
+        assert err.startswith(f"rank {rank}:") and "dropped" in err, err
+        if rank > 0:
+            assert "rank 0" in err, err
+        assert took < 3 + 1 + SLACK_S, (rank, took)  # the drop after 3 s; the peers at once then
+        assert nxt == [10.0 * world * (world + 1) / 2] * 4, (rank, nxt)
+
+
 def _busy_callback(rank, world):
     """A callback on the worker that makes collectives for longer than the timeout, each
     within it (rank 1 arrives 0.8 s late at each): not stuck; the call queued behind it
@@ -382,9 +449,11 @@ def test_destroy_in_a_callback_fails_the_queued_calls():
         assert err is not None and f"rank {rank}:" in err and "destroyed" in err, err
 
 
-def _work_wait_timeout(rank, world):
-    """Work.wait(timeout) on a call whose peer is late: a RingError after `timeout`; the
-    call goes on, and a second wait returns it."""
+def _work_wait_timeout(rank, world, as_timedelta):
+    """Work.wait(timeout) on a call whose peer is late: a RingError after `timeout` (seconds,
+    or a timedelta as torch's Work.wait takes); the call goes on, and a second wait returns it."""
+    from datetime import timedelta
+
     import ringdp
 
     ringdp.all_reduce(torch.ones(1))
@@ -394,17 +463,18 @@ def _work_wait_timeout(rank, world):
     w = ringdp.all_reduce(t, async_op=True)
     t0 = time.monotonic()
     try:
-        w.wait(timeout=0.5)
+        w.wait(timeout=timedelta(seconds=0.5) if as_timedelta else 0.5)
         err = None
     except ringdp.RingError as e:
         err = str(e)
     took = time.monotonic() - t0
-    w.wait()
+    w.wait(timedelta(0) if as_timedelta else None)  # (no limit, as torch's default)
     return err, took, float(t[0]), float(t[-1])
 
 
-def test_work_wait_timeout_is_a_ring_error():
-    res = values(run_ranks(_work_wait_timeout, 2, timeout=120))
+@pytest.mark.parametrize("as_timedelta", [False, True])
+def test_work_wait_timeout_is_a_ring_error(as_timedelta):
+    res = values(run_ranks(_work_wait_timeout, 2, as_timedelta, timeout=120))
     err, took, first, last = res[0]
     assert err is not None and "rank 0:" in err and "within 0.5 s" in err, err
     assert 0.5 <= took < 0.5 + SLACK_S, took

@@ -171,6 +171,46 @@ def test_closed_communicator_sets_no_cuda_endpoint_up():
             assert "destroyed" in m and f"rank {rank}" in m, m
 
 
+def _failed_teardown(rank, world):
+    """destroy() when one communicator's CUDA teardown fails (its barrier's peer died: a
+    stand-in endpoint whose close() raises): that communicator still lets its shared memory
+    go, every other communicator is closed too, and destroy() raises the failure after."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    c1 = ringdp.init()
+    c2 = ringdp.init(dist.new_group([0, 1]))
+    for c in (c1, c2):
+        c.all_reduce(torch.ones(4))
+
+    class FailingCudaEndpoint:
+        def close(self, rendezvous):
+            raise ringdp.RingError(f"rank {rank}: the CUDA endpoint's teardown failed (a stand-in)")
+
+    c1._cuda = FailingCudaEndpoint()
+    try:
+        ringdp.destroy()
+        err = None
+    except ringdp.RingError as e:
+        err = str(e)
+    left = [(c._closed, c._shm is None, c._cuda is None, c.across is None) for c in (c1, c2)]
+    try:
+        c1.all_reduce(torch.ones(4))
+        after = None
+    except ringdp.RingError as e:
+        after = str(e)
+    return err, left, after, len(ringdp.comm._comms)
+
+
+def test_failed_teardown_still_releases_everything():
+    for rank, (err, left, after, n) in enumerate(values(run_ranks(_failed_teardown, 2))):
+        assert err is not None and "stand-in" in err, err
+        assert left == [(True, True, True, True)] * 2, left
+        assert after is not None and f"rank {rank}" in after and "destroyed" in after, after
+        assert n == 0
+
+
 # ---------------------------------------------------------------------- shutdown
 _RANK_PROGRAM = """
 import os, sys
