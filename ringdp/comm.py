@@ -1284,7 +1284,9 @@ def _on_stall(ref, report: str) -> None:
 
 
 _comms: dict[str, Communicator] = {}
-_comms_lock = threading.Lock()
+# Reentrant: a signal handler that calls destroy() (a graceful shutdown on torchrun's SIGTERM)
+# may run on a thread inside init(), which holds it while it waits for the peers.
+_comms_lock = threading.RLock()
 
 
 @eager

@@ -211,6 +211,43 @@ def test_failed_teardown_still_releases_everything():
         assert n == 0
 
 
+def _destroy_in_a_signal_handler_during_init(rank, world):
+    """A signal handler that calls ringdp.destroy() (a graceful-shutdown handler) runs while
+    init() on the same thread waits for a late peer: destroy() returns (before: it waited
+    forever for the table lock that init() held, on its own thread), and the set-up goes on."""
+    import signal
+    import threading
+
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))  # (one communicator to destroy)
+    import torch.distributed as dist
+
+    g = dist.new_group([0, 1])
+    handled = []
+    if rank == 0:
+        def handler(signum, frame):
+            t0 = time.monotonic()
+            ringdp.destroy()
+            handled.append(time.monotonic() - t0)
+
+        signal.signal(signal.SIGUSR1, handler)
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    else:
+        time.sleep(3.0)
+    ringdp.init(g, timeout=20)  # rank 0 waits for rank 1 here when the signal comes
+    t = torch.full((4,), float(rank + 1))
+    ringdp.all_reduce(t, group=g)
+    return handled, t.tolist()
+
+
+def test_destroy_in_a_signal_handler_during_init():
+    res = values(run_ranks(_destroy_in_a_signal_handler_during_init, 2, timeout=60))
+    handled, t = res[0]
+    assert len(handled) == 1 and handled[0] < 5, handled
+    assert all(r[1] == [3.0] * 4 for r in res), res
+
+
 # ---------------------------------------------------------------------- shutdown
 _RANK_PROGRAM = """
 import os, sys
