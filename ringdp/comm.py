@@ -779,7 +779,10 @@ class Communicator:
 
     def _shm_algo(self, nbytes: int, forced: str) -> int:
         """The algorithm code of a collective of `nbytes` on the shared-memory endpoint."""
-        return policy.ALGO_CODES[self._decide(nbytes, forced, "shm", self._shm.oneshot_bytes)]
+        shm = self._shm  # (read once: destroy() on another thread may clear it meanwhile)
+        if shm is None:
+            raise self._closed_error()
+        return policy.ALGO_CODES[self._decide(nbytes, forced, "shm", shm.oneshot_bytes)]
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, async_op=False, timeout=None, algo=None, tag=None):
         t, code, forced, tag, refuse = self._prepare(tensor, lambda: self._check(tensor, op), timeout, algo, tag)
