@@ -247,8 +247,9 @@ class CrossHost:
             if self.inhost is not None:  # the same kind of step as a non-empty call's
                 two = self.path == policy.TWO_LEVEL
                 step = (functools.partial(self.inhost.reduce_scatter, flat, flat, red, ring, t, tag) if two
-                        else functools.partial(self.inhost.all_reduce, flat, red, ring, t, tag))
+                        else self._marked(functools.partial(self.inhost.all_reduce, flat, red, ring, t, tag), code, t, tag))
             begin(step)
+            self._close(t, tag)
             return
         if self.path == policy.TWO_LEVEL:
             blk = -(-n // self.local_size)
@@ -326,7 +327,8 @@ class CrossHost:
                     if self.inhost is not None else None)
             rows = None
             if off == 0:  # (one piece: it may go with the leaders' call check)
-                rows = begin(step, piece if per >= n and self.cross is not None else None)
+                rows = begin(self._marked(step, _types.AVG if avg else red, t, tag),
+                             piece if per >= n and self.cross is not None else None)
             elif step is not None:
                 step()
             work = None
@@ -397,8 +399,8 @@ class CrossHost:
             seg = self._segment_elements(n)
             leader = self.cross is not None and n > 0
             padded = self._scratch("segments", len(self.by_host) * seg, output.dtype) if leader else None
-            step = None if self.inhost is None else functools.partial(
-                self.inhost.all_reduce, summed, red, self._host_algo(summed, forced), t, tag)
+            step = None if self.inhost is None else self._marked(functools.partial(
+                self.inhost.all_reduce, summed, red, self._host_algo(summed, forced), t, tag), code, t, tag)
             rows = self._begin("reduce_scatter", output, code, 0, t, tag, step, functools.partial(
                 self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
             if n:
@@ -407,6 +409,8 @@ class CrossHost:
                     scatter(self.cross, mine, padded, self.host_index, tell=self.inhost)
                 self._host_broadcast(mine[:self.local_size * n], 0, forced, t, tag)
                 out.copy_(mine[self.local_rank * n:(self.local_rank + 1) * n])
+            else:
+                self._close(t, tag)
         else:
             ordered = self._scratch("input", input.numel(), input.dtype)
             torch.index_select(blocks, 0, self._by_local_then_host, out=ordered.view(self.world, n))
@@ -414,6 +418,7 @@ class CrossHost:
             rows = self._begin("reduce_scatter", output, code, 0, t, tag, functools.partial(
                 self.inhost.reduce_scatter, part, ordered, red, self._host_algo(ordered, forced), t, tag), part)
             scatter(self.cross, out, part, self.host_index, tell=self.inhost)
+            self._close(t, tag)  # (its last step is across hosts)
         if code == _types.AVG:
             out.div_(self.world)
 
@@ -450,6 +455,7 @@ class CrossHost:
                 self.inhost.all_gather, part, mine, self._host_algo(part, forced), t, tag),
                 host if self.cross is not None else None)
             if n == 0:
+                self._close(t, tag)
                 return
             if self.cross is not None:
                 every = self._scratch("segments", len(self.by_host) * seg, input.dtype)
@@ -459,8 +465,9 @@ class CrossHost:
                     blocks.index_copy_(0, index, every[k * seg:k * seg + index.numel() * n].view(-1, n))
             self._host_broadcast(out, 0, forced, t, tag)
             return
-        rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_agree(t, tag), mine)
+        rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_signature("all_gather", n, 0, t, tag), mine)
         if n == 0:
+            self._close(t, tag)
             return
         across = self._scratch("segment", len(self.host_order) * n, input.dtype)
         gather(self.cross, across, mine, tell=self.inhost)
@@ -500,20 +507,24 @@ class CrossHost:
         if self.path == policy.LEADERS:
             on_src_host = k_src == self.host_index
             first = (functools.partial(self.inhost.broadcast, flat, lr_src, self._host_algo(flat, forced), t, tag)
-                     if on_src_host and self.inhost is not None else self._host_agree(t, tag))
+                     if on_src_host and self.inhost is not None
+                     else self._host_signature("broadcast", flat.numel(), src, t, tag))
             rows = self._begin("broadcast", tensor, -1, src, t, tag, first, flat if self.cross is not None else None)
             if flat.numel() == 0:
+                self._close(t, tag)
                 return
             if self.cross is not None:
                 across()
             if not on_src_host:
                 self._host_broadcast(flat, 0, forced, t, tag)
-            elif self.inhost is not None:
-                self._host_agree(t, tag)()
+            else:
+                self._close(t, tag)
             return
         carries = self.local_rank == lr_src  # (the other local ranks' cross groups move nothing)
-        rows = self._begin("broadcast", tensor, -1, src, t, tag, self._host_agree(t, tag), flat if carries else None)
+        rows = self._begin("broadcast", tensor, -1, src, t, tag, self._host_signature("broadcast", flat.numel(), src, t, tag),
+                           flat if carries else None)
         if flat.numel() == 0:
+            self._close(t, tag)
             return
         if carries:
             across()
@@ -604,12 +615,61 @@ class CrossHost:
 
     def _host_agree(self, t, tag):
         """A header-only in-host call (no data: every rank of the host at the same call, none
-        rejected), the first in-host step of the collectives whose data crosses hosts first;
-        None for a rank alone on its host."""
+        rejected); None for a rank alone on its host. The closing step of a call that has
+        no in-host step after its call check (_close)."""
         if self.inhost is None:
             return None
         return functools.partial(self.inhost.broadcast, torch.empty(0, device=self.device), 0,
                                  policy.ALGO_CODES[policy.RING], t, tag)
+
+    def _host_signature(self, what: str, n: int, root: int, t, tag):
+        """The first in-host step of the collectives whose data crosses hosts first (TWO_LEVEL
+        all_gather and broadcast, broadcast on a host without its source): an in-host
+        all-gather of each rank's (count, root), so that ranks of one host that disagree on
+        them fail alike, naming each one's call, before the call check (a header-only step
+        would let them through, and their check groups could then decide differently).
+        None for a rank alone on its host. A CUDA CrossHost keeps the header-only step (a
+        no-op on IPC, whose failures come from the device at the next check: on_cuda)."""
+        if self.inhost is None or self.stream is not None:
+            return self._host_agree(t, tag)
+
+        def step():
+            mine = torch.tensor([n, root], dtype=torch.int64, device=self.device)
+            every = torch.empty(2 * self.local_size, dtype=torch.int64, device=self.device)
+            self.inhost.all_gather(every, mine, self._host_algo(every, "auto"), t, tag)
+            calls = every.view(self.local_size, 2).tolist()
+            if any(c != calls[0] for c in calls):
+                ranks = self.by_host[self.host_index]
+                said = "; ".join(f"rank {ranks[lr]}: {c[0]} elements" + (f", src {c[1]}" if what == "broadcast" else "")
+                                 for lr, c in enumerate(calls))
+                raise RingError(f"rank {self.rank}: ranks of this host disagree on a {what} across hosts: {said}")
+        return step
+
+    def _marked(self, step, code: int, t, tag):
+        """LEADERS: the first in-host step of an AVG call (all_reduce, reduce_scatter), marked by
+        a header-only in-host call before it. Its data step carries SUM, and a non-leader is in
+        no call check: ranks of one host that disagree on AVG and SUM would otherwise all get
+        through, and only those with AVG divide. Marked, their first in-host calls differ (a
+        broadcast of nothing, an all_reduce) and fail alike on every rank of the host."""
+        if code != _types.AVG or step is None or self.stream is not None:  # (CUDA: as _close)
+            return step
+        agree = self._host_agree(t, tag)
+
+        def marked():
+            agree()
+            step()
+        return marked
+
+    def _close(self, t, tag) -> None:
+        """The closing in-host step (header only) of a call with no in-host step after its call
+        check: a rank whose check failed rejects its next in-host call (_fail), and its
+        host's peers whose check passed (another check group, or no check: a leader's
+        non-leaders) must meet that rejection in this call, not in their next one (their
+        in-host calls would then pair with the wrong calls). Not on a CUDA CrossHost: a
+        failed call there poisons the CUDA endpoint (on_cuda)."""
+        agree = self._host_agree(t, tag) if self.stream is None else None
+        if agree is not None:
+            agree()
 
     def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
                payload=None) -> "_Check":

@@ -37,7 +37,7 @@ def all_reduce_matrix(rank: int, world: int, all_reduce, dtypes, sizes, after_ca
     """Every dtype x op x size through `all_reduce(t, op, async_op)` (a ReduceOp; with
     async_op=True it returns a Work), each call twice (the second one at 4099 elements
     asynchronous), against expected(). Returns (bad: the calls that differ, digests: each
-    call's result, keyed "dtype op count rep"); `after_call(count)` runs after each call."""
+    call's result, keyed "dtype op count rep"); `after_call(count, op)` (op: its name) runs after each call."""
     import torch.distributed as dist
 
     bad, digests = [], {}
@@ -52,7 +52,7 @@ def all_reduce_matrix(rank: int, world: int, all_reduce, dtypes, sizes, after_ca
                     else:
                         all_reduce(t, getattr(dist.ReduceOp, op), False)
                     if after_call is not None:
-                        after_call(count)
+                        after_call(count, op)
                     if not torch.equal(t, want):
                         bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
                     digests[f"{dtype} {op} {count} {rep}"] = digest(t)

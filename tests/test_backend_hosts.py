@@ -59,14 +59,15 @@ def _host_calls(comm) -> int:
     return calls() if callable(calls) else calls
 
 
-def _calls_per_all_reduce(comm, n: int) -> int:
+def _calls_per_all_reduce(comm, n: int, op: str) -> int:
     """In-host calls one all-reduce of n elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
-    with several); n = 0: the header-only agreement before the call check (ringdp/hosts.py);
-    flat or alone on a host: none."""
+    with several); n = 0: the first step (no data) and the closing header-only step after the
+    call check (ringdp/hosts.py _close); leaders' AVG: one more, the header-only mark before the
+    first step (_marked); flat or alone on a host: none."""
     if comm.across is None or comm.across.inhost is None:
         return 0
-    return 1 if n == 0 else 2
+    return 2 + (op == "AVG" and comm.cross_path == "leaders")
 
 
 def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
@@ -76,7 +77,7 @@ def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
 
     calls0, want = _host_calls(comm), []
     bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: dist.all_reduce(t, op=op, async_op=a), DTYPES,
-                                     sizes, lambda count: want.append(_calls_per_all_reduce(comm, count)))
+                                     sizes, lambda count, op: want.append(_calls_per_all_reduce(comm, count, op)))
     want_calls = sum(want)
     matrix_calls = _host_calls(comm) - calls0
 

@@ -236,6 +236,14 @@ def case_one_rank_fails(rank, world, hosts, bad):
         ("broadcast, bad input", lambda: ringdp.broadcast(value(rank, 9), world if me else 0), "src="),
         ("all_reduce, another count", lambda: ringdp.all_reduce(value(rank, 2000 if me else 1000)), "rank"),
         ("all_reduce, count 0 on one rank", lambda: ringdp.all_reduce(value(rank, 0 if me else 5)), "rank"),
+        # the other ranks at count 0, which returns with no cross-host data: its ranks whose
+        # check passed still learn in this call that a peer's failed (a closing in-host step)
+        ("all_reduce, count 0 but on one rank", lambda: ringdp.all_reduce(value(rank, 5 if me else 0)), "rank"),
+        ("all_gather, count 0 but on one rank", lambda: ringdp.all_gather_into_tensor(
+            torch.empty(world * (5 if me else 0)), value(rank, 5 if me else 0)), "rank"),
+        ("reduce_scatter, AVG on one rank", lambda: ringdp.reduce_scatter_tensor(
+            torch.empty(7), value(rank, world * 7), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
+        ("broadcast, another src on one rank", lambda: ringdp.broadcast(value(rank, 9), 1 if me else 0), "rank"),
     ]
     out = []
     for name, call, needle in calls:
@@ -271,6 +279,46 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
             assert msg.startswith(f"rank {r}:"), (r, name, msg)
             if "bad input" in name:
                 assert f"rank {bad}" in msg and needle in msg, (r, name, msg)
+        assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
+
+
+def case_host_ranks_disagree(rank, world, hosts):
+    """Ranks of one host disagree on what their first in-host step does not carry by itself
+    (all_gather's count, broadcast's src), in a way each cross-host check group agrees on
+    (aabb: local rank 0 says one thing on both hosts, local rank 1 another; aaabb: the rank
+    of the host without the source names another source): a RingError on every rank, then
+    the communicator works."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    lr = hosts[:rank].count(hosts[rank])  # local rank
+    odd = lr % 2 == 1
+    calls = [
+        ("all_gather", lambda: ringdp.all_gather_into_tensor(torch.empty(world * (5 if odd else 3)),
+                                                             value(rank, 5 if odd else 3))),
+        ("broadcast", lambda: ringdp.broadcast(value(rank, 9), (1 if rank == world - 1 else 0) if world == 5
+                                               else (2 if odd else 0))),
+    ]
+    out = []
+    for name, call in calls:
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append((name, None, time.monotonic() - t0))
+        except ringdp.RingError as e:
+            out.append((name, str(e), time.monotonic() - t0))
+    t = value(rank, 4099)
+    ringdp.all_reduce(t)
+    return out, torch.equal(t, expected("SUM", world, 4099, torch.float32))
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "aaabb"])
+def test_ranks_of_a_host_that_disagree_fail_everywhere(hosts):
+    res = values(run_ranks(case_host_ranks_disagree, len(hosts), list(hosts), timeout=150))
+    for r, (calls, ok_after) in enumerate(res):
+        for name, msg, took in calls:
+            assert msg is not None, f"rank {r}, {name}: no error"
+            assert msg.startswith(f"rank {r}:") and took < 10, (r, name, msg, took)
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
 
 
