@@ -360,9 +360,14 @@ class Reducer:
 
     def prepare_for_backward(self, outputs, sync: bool) -> None:
         """After forward: whether the coming backward synchronises gradients, and (when
-        unused parameters are tracked) which parameters `outputs` do not depend on."""
+        unused parameters are tracked) which parameters `outputs` do not depend on. A forward
+        without autograd (an evaluation or logging pass between a forward and its backward)
+        changes nothing, as torch DDP prepares no backward for it: it used to turn the next
+        backward's synchronisation off, silently."""
+        if not torch.is_grad_enabled():
+            return
         self._sync = sync
-        if self.tracks_unused and torch.is_grad_enabled():
+        if self.tracks_unused:
             now = self._find_unused(outputs)
             if sync:  # a parameter used under no_sync since the last sync counts as used (as torch)
                 self._unused_now = now

@@ -259,6 +259,23 @@ def case_no_sync(rank, world, micro=3, per_rank=2, gradient_as_bucket_view=False
     return {"diffs": diffs, "nosync_local": nosync_grad_local, "params": params_of(ddp.module)}
 
 
+def case_no_grad_forward_between(rank, world, find_unused=False, per_rank=4):
+    """A forward without autograd (an evaluation, a logging pass) between a forward and its
+    backward changes nothing: the backward still averages the gradients, as torch DDP's
+    (which prepares no backward for such a forward). Before, it turned the next backward's
+    synchronisation off, silently: every rank kept its local gradients."""
+    ddp, ref = init_ddp(MLP, rank, ddp_kwargs={"find_unused_parameters": find_unused})
+    x, y = batch(0, world * per_rank)
+    xr, yr = shard(x, rank, world), shard(y, rank, world)
+    out = ddp(xr)
+    with torch.no_grad():
+        ddp(xr)
+    ((out - yr) ** 2).mean().backward()
+    ((ref(x) - y) ** 2).mean().backward()
+    return max_diff([p.grad for p in ddp.parameters()], [p.grad for p in ref.parameters()]), \
+        [p.grad.clone() for p in ddp.parameters()]
+
+
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -675,6 +692,15 @@ def test_no_sync_accumulation_equals_large_batch(pool, view, env):
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert max(out["nosync_local"]) < 1e-6, "no_sync should leave the local gradients alone"
     for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_no_grad_forward_between_forward_and_backward(pool, find_unused):
+    res = pool.run(case_no_grad_forward_between, find_unused=find_unused)
+    for r, (diff, _) in enumerate(res):
+        assert diff < 1e-6, f"rank {r}: gradients not averaged (max diff {diff} from the full batch)"
+    for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
 
 
