@@ -57,8 +57,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from ._outputs import output_tensors
 from .buckets import ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, assign_buckets, future_tensor, now_us
 from .comm import collective_tag, get_communicator
 
@@ -382,7 +382,7 @@ class Reducer:
         used: set[int] = set()
         seen = set()
         stack = []
-        for t in tree_leaves(outputs):
+        for t in output_tensors(outputs):
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 if t.grad_fn is None:
                     used.add(id(t))

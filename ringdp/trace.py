@@ -32,8 +32,8 @@ import weakref
 from pathlib import Path
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from ._outputs import output_tensors
 from .config import trace_path
 from .buckets import Bucket, Observer, now_us
 
@@ -203,7 +203,7 @@ class DDPTrace(Observer):
         if torch.is_grad_enabled():
             self._bwd_start = None  # the gradient of the output marks the start of backward
             ref = weakref.ref(self)
-            for t in tree_leaves(outputs):
+            for t in output_tensors(outputs):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(_backward_start_hook(ref))
 

@@ -5,6 +5,7 @@ that run one case per test, so each test pays for the case, not for importing to
 Cases are the module-level `case_*` functions, passed to `pool.run` by reference."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -81,6 +82,29 @@ class Branchy(nn.Module):
         if use_b:
             h = h + self.b(x)
         return h
+
+
+@dataclasses.dataclass
+class BranchyOut:
+    y: torch.Tensor
+    note: str = "a model's output class"
+
+
+class OutputDict(dict):
+    pass
+
+
+class BranchyStructured(Branchy):
+    """Branchy whose forward returns a dataclass or a dict subclass (as models' output
+    classes are): RingDDP finds the output tensors inside them, as torch DDP does."""
+
+    def __init__(self, d=4, kind="dataclass"):
+        super().__init__(d)
+        self.kind = kind
+
+    def forward(self, x, use_b=True):
+        h = super().forward(x, use_b)
+        return BranchyOut(h) if self.kind == "dataclass" else OutputDict(out=[h])
 
 
 class Reordered(nn.Module):
@@ -274,6 +298,31 @@ def case_no_grad_forward_between(rank, world, find_unused=False, per_rank=4):
     ((ref(x) - y) ** 2).mean().backward()
     return max_diff([p.grad for p in ddp.parameters()], [p.grad for p in ref.parameters()]), \
         [p.grad.clone() for p in ddp.parameters()]
+
+
+def case_structured_output(rank, world, kind, static_graph=False, steps=3, d=4):
+    """find_unused_parameters (or static_graph) with a model that returns a dataclass or a
+    dict subclass: trains as the full batch does (rank 0 uses `b`, rank 1 does not)."""
+    from ringdp.ddp import RingDDP
+
+    ref = build(Branchy, 0, d=d)
+    ddp = RingDDP(build(BranchyStructured, 0 if rank == 0 else 50 + rank, d=d, kind=kind),
+                  find_unused_parameters=not static_graph, static_graph=static_graph)
+    opt, ropt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    diffs = []
+    for s in range(steps):
+        x, y = batch(s, world * 3, d_in=d, d_out=d)
+        opt.zero_grad()
+        out = ddp(shard(x, rank, world), use_b=(rank == 0))
+        h = out.y if kind == "dataclass" else out["out"][0]
+        ((h - shard(y, rank, world)) ** 2).mean().backward()
+        opt.step()
+        ropt.zero_grad()
+        full = torch.cat([ref(shard(x, r, world), use_b=(r == 0)) for r in range(world)])
+        ((full - y) ** 2).mean().backward()
+        ropt.step()
+        diffs.append(max_diff(params_of(ddp.module), params_of(ref)))
+    return diffs, params_of(ddp.module)
 
 
 class _TwoHeads(nn.Module):
@@ -725,6 +774,15 @@ def test_unused_parameters_with_flag(pool, static_graph, env, d):
         assert all(out["never_none"]), "a parameter unused on every rank must keep grad None"
         assert all(out["b_grad_defined"]), "a parameter used on some rank gets the averaged gradient"
     for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind,static_graph", [("dataclass", False), ("dict", False), ("dataclass", True)])
+def test_unused_parameters_with_structured_outputs(pool, kind, static_graph):
+    res = pool.run(case_structured_output, kind=kind, static_graph=static_graph)
+    for diffs, _ in res:
+        assert max(diffs) < 1e-5, diffs
+    for a, b in zip(res[0][1], res[1][1]):
         assert torch.equal(a, b)
 
 
