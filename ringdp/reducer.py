@@ -514,6 +514,11 @@ class Reducer:
         fut, b.future = b.future, None
         res = future_tensor(fut, b.target)
         if res is not b.target:
+            if res.numel() != b.target.numel():
+                raise RuntimeError(
+                    f"RingDDP on rank {self.rank}: the comm hook's future for bucket {b.index} (step {self.step}) "
+                    f"holds {res.numel()} elements; the bucket has {b.target.numel()}: a hook must return the "
+                    f"reduced bucket, every element of it")
             b.target.copy_(res.reshape(b.target.shape))
 
     def finalize(self) -> None:
@@ -558,6 +563,11 @@ class Reducer:
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:
                 self.rebuild(self.auth_rank)
+        except BaseException:
+            # (a bucket that failed, say its hook's result: the later ones are still being
+            # reduced, and the next backward would reuse their memory meanwhile)
+            self.abandon()
+            raise
         finally:
             self._in_backward = False
             self.step += 1

@@ -325,6 +325,42 @@ def case_structured_output(rank, world, kind, static_graph=False, steps=3, d=4):
     return diffs, params_of(ddp.module)
 
 
+def case_hook_result_wrong_size(rank, world, steps=3):
+    """A comm hook whose future holds too few elements (bucket 0, step 0 only): a clear error
+    naming the bucket; the later buckets' reductions, still running, are waited for before
+    the error leaves backward, so the next steps (the error caught) train as the full batch."""
+    from ringdp import comm_hooks
+
+    ddp, ref = init_ddp(MLP, rank, ddp_kwargs={"bucket_cap_mb": 1e-9})
+    calls = {"n": 0}
+
+    def hook(state, bucket):
+        fut = comm_hooks.allreduce_hook(state, bucket)
+        calls["n"] += 1
+        if calls["n"] == 1:  # the first bucket of step 0
+            return fut.then(lambda f: f.value()[0][:-1])
+        return fut
+
+    ddp.register_comm_hook(None, hook)
+    opt, ropt = torch.optim.SGD(ddp.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    err, diffs = None, []
+    for s in range(steps):
+        x, y = batch(s, world * 4)
+        opt.zero_grad()
+        try:
+            ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
+        except RuntimeError as e:
+            err = str(e)
+            idle = all(b.future is None for b in ddp.reducer.buckets)
+            continue  # (this step is skipped on every rank alike)
+        opt.step()
+        ropt.zero_grad()
+        ((ref(x) - y) ** 2).mean().backward()
+        ropt.step()
+        diffs.append(max_diff(params_of(ddp.module), params_of(ref)))
+    return err, idle, diffs, params_of(ddp.module)
+
+
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -707,6 +743,16 @@ def test_compression_hooks(pool, dtype, hook, tol):
     _check_train(res, tol)
     for out in res:
         assert len(out["hook_calls"]) == 5 * out["n_buckets"]
+
+
+def test_comm_hook_result_of_the_wrong_size_is_clear(pool):
+    res = pool.run(case_hook_result_wrong_size)
+    for r, (err, idle, diffs, _) in enumerate(res):
+        assert err is not None and f"rank {r}" in err and "bucket" in err and "elements" in err, err
+        assert idle, "reductions still in flight after the failed backward"
+        assert len(diffs) == 2 and max(diffs) < 1e-5, diffs
+    for a, b in zip(res[0][3], res[1][3]):
+        assert torch.equal(a, b)
 
 
 def test_allreduce_hook_equals_default(pool):
