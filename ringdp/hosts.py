@@ -291,24 +291,30 @@ class CrossHost:
         # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
         per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
                         // (L * full.element_size())))
-        pending = None
-        for off in range(0, blk, per):
-            m = min(per, blk - off)
-            piece = full[off * L:(off + m) * L]
-            mine = piece[lr * m:(lr + 1) * m]
-            step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced), t, tag)
-            rows = None
-            if off == 0:  # (one piece: its block may go with the call check)
-                rows = begin(step, mine if per >= blk else None)
-            else:
-                step()
-            if rows is not None:
-                _reduce_rows(mine, rows, red)
-            work = None if rows is not None else self._gloo_start(mine, dop, t, self.inhost, tag)
-            if pending is not None:
-                self._gather_piece(*pending, avg, forced, t, tag)
-            pending = (work, mine, piece)
-        self._gather_piece(*pending, avg, forced, t, tag)
+        pending, started = None, []
+        try:
+            for off in range(0, blk, per):
+                m = min(per, blk - off)
+                piece = full[off * L:(off + m) * L]
+                mine = piece[lr * m:(lr + 1) * m]
+                step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced),
+                                         t, tag)
+                rows = None
+                if off == 0:  # (one piece: its block may go with the call check)
+                    rows = begin(step, mine if per >= blk else None)
+                else:
+                    step()
+                if rows is not None:
+                    _reduce_rows(mine, rows, red)
+                work = None if rows is not None else self._gloo_start(mine, dop, t, self.inhost, tag)
+                started.append(work)
+                if pending is not None:
+                    self._gather_piece(*pending, avg, forced, t, tag)
+                pending = (work, mine, piece)
+            self._gather_piece(*pending, avg, forced, t, tag)
+        except BaseException:
+            _drain(started)
+            raise
 
     def _leaders(self, flat, red, dop, avg, forced, t, tag, begin) -> None:
         """The uneven-hosts all-reduce of `flat`, pipelined by the pieces of the two-level path
@@ -320,26 +326,31 @@ class CrossHost:
         call's first in-host step (`begin`: _begin; the leaders' gloo group is the check group)."""
         n, esz = flat.numel(), flat.element_size()
         per = max(1, policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz)
-        pending = None
-        for off in range(0, n, per):
-            piece = flat[off:off + per]
-            step = (functools.partial(self.inhost.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
-                    if self.inhost is not None else None)
-            rows = None
-            if off == 0:  # (one piece: it may go with the leaders' call check)
-                rows = begin(self._marked(step, _types.AVG if avg else red, t, tag),
-                             piece if per >= n and self.cross is not None else None)
-            elif step is not None:
-                step()
-            work = None
-            if rows is not None:
-                _reduce_rows(piece, rows, red)
-            elif self.cross is not None:
-                work = self._gloo_start(piece, dop, t, self.inhost, tag)
-            if pending is not None:
-                self._spread_piece(*pending, avg, forced, t, tag)
-            pending = (work, piece)
-        self._spread_piece(*pending, avg, forced, t, tag)
+        pending, started = None, []
+        try:
+            for off in range(0, n, per):
+                piece = flat[off:off + per]
+                step = (functools.partial(self.inhost.all_reduce, piece, red, self._host_algo(piece, forced), t, tag)
+                        if self.inhost is not None else None)
+                rows = None
+                if off == 0:  # (one piece: it may go with the leaders' call check)
+                    rows = begin(self._marked(step, _types.AVG if avg else red, t, tag),
+                                 piece if per >= n and self.cross is not None else None)
+                elif step is not None:
+                    step()
+                work = None
+                if rows is not None:
+                    _reduce_rows(piece, rows, red)
+                elif self.cross is not None:
+                    work = self._gloo_start(piece, dop, t, self.inhost, tag)
+                started.append(work)
+                if pending is not None:
+                    self._spread_piece(*pending, avg, forced, t, tag)
+                pending = (work, piece)
+            self._spread_piece(*pending, avg, forced, t, tag)
+        except BaseException:
+            _drain(started)
+            raise
 
     def _spread_piece(self, work, piece, avg, forced, t, tag) -> None:
         if work is not None:
@@ -839,6 +850,24 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
+
+
+DRAIN_S = 2.0  # how long a failed call waits for its started cross-host steps (_drain)
+
+
+def _drain(works) -> None:
+    """A call that fails midway (a later piece's in-host step raised: a peer of the host
+    rejected it) waits briefly for the cross-host steps it started (gloo works, or a CUDA
+    CrossHost's events), so that none still writes into the tensor or a scratch buffer after
+    the call raised; one stuck on a dead peer is left (it fails in its own timeout, writing
+    nothing)."""
+    for w in works:
+        if w is None:
+            continue
+        try:
+            w.wait(timeout=timedelta(seconds=DRAIN_S))
+        except Exception:  # noqa: BLE001 -- its failure is not the call's: the call already failed
+            pass
 
 
 def _reduce_rows(out, rows, code: int) -> None:

@@ -222,6 +222,7 @@ def case_one_rank_fails(rank, world, hosts, bad):
     """One rank (`bad`) rejects its input, or calls with another count, while the others
     call normally: that rank gets its own error, every other rank a RingError naming it
     within seconds (not the timeout: 20 s here), and the communicator works after."""
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = str(64 << 10)  # (160 KiB: two pieces; the other calls: one)
     import ringdp
 
     _as_host(rank, hosts, timeout=20)
@@ -244,6 +245,10 @@ def case_one_rank_fails(rank, world, hosts, bad):
         ("reduce_scatter, AVG on one rank", lambda: ringdp.reduce_scatter_tensor(
             torch.empty(7), value(rank, world * 7), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
         ("broadcast, another src on one rank", lambda: ringdp.broadcast(value(rank, 9), 1 if me else 0), "rank"),
+        # in two pieces: ranks whose check passed have started piece 0 across hosts when piece
+        # 1's in-host step fails (a peer's rejection); the call waits for it before it raises
+        ("all_reduce in pieces, AVG on one rank", lambda: ringdp.all_reduce(
+            value(rank, 40001), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
     ]
     out = []
     for name, call, needle in calls:
