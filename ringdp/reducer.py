@@ -292,13 +292,14 @@ class Reducer:
         # no zeroing: every slot is written (gradient or zeros) before each reduction
         arenas = {key: self.alloc(total, key[0], key[1]) for key, total in totals.items() if total}
         buckets = []
+        me = weakref.ref(self)  # (a bucket holding the Reducer would keep it, and its arenas, until a GC pass)
         for bi, members in enumerate(assignment):
             dtype, device = self._keys[members[0]]
             shapes = [self.params[i].shape for i in members]
             n = sum(s.numel() for s in shapes)
             if in_grad[bi]:
                 b = Bucket(bi, members, shapes, dtype, device, in_grad=True,
-                           alloc=lambda n=n, dtype=dtype, device=device: self.alloc(n, dtype, device))
+                           alloc=lambda n=n, dtype=dtype, device=device: me().alloc(n, dtype, device))
             else:
                 b = Bucket(bi, members, shapes, dtype, device, storage=arenas[(dtype, device)][starts[bi]:starts[bi] + n])
             buckets.append(b)

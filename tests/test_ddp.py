@@ -361,6 +361,30 @@ def case_hook_result_wrong_size(rank, world, steps=3):
     return err, idle, diffs, params_of(ddp.module)
 
 
+def case_freed_without_gc(rank, world):
+    """A RingDDP whose model has a gradient reduced in its own .grad (an in-grad bucket) is
+    freed, with its registered memory, as soon as the last reference goes: no reference
+    cycle through the Reducer that only the cyclic GC would break."""
+    import gc
+    import weakref
+
+    from ringdp.ddp import RingDDP
+
+    gc.collect()
+    gc.disable()
+    try:
+        m = nn.Sequential(nn.Linear(1024, 512), nn.Linear(512, 4))  # 2 MiB of weight: an in-grad bucket
+        ddp = RingDDP(m)
+        for _ in range(2):
+            ddp(torch.randn(2, 1024)).sum().backward()
+        in_grad = sum(b.in_grad for b in ddp.reducer.buckets)
+        r = weakref.ref(ddp.reducer)
+        del ddp, m
+        return in_grad, r() is None
+    finally:
+        gc.enable()
+
+
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -753,6 +777,11 @@ def test_comm_hook_result_of_the_wrong_size_is_clear(pool):
         assert len(diffs) == 2 and max(diffs) < 1e-5, diffs
     for a, b in zip(res[0][3], res[1][3]):
         assert torch.equal(a, b)
+
+
+def test_freed_without_the_cyclic_gc(pool):
+    for in_grad, freed in pool.run(case_freed_without_gc):
+        assert in_grad >= 1 and freed
 
 
 def test_allreduce_hook_equals_default(pool):
