@@ -454,6 +454,12 @@ class Reducer:
                 f"{grad.layout}, but it is reduced in a dense bucket. Only the weights of nn.Embedding / "
                 f"nn.EmbeddingBag modules built with sparse=True are expected to have sparse gradients (as in "
                 f"torch's DistributedDataParallel): do the lookup through such a module, or make it dense")
+        if grad is not None and (grad.dtype != b.dtype or grad.device != b.device):
+            raise RuntimeError(
+                f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of {grad.dtype} on "
+                f"{grad.device}, but its bucket holds {b.dtype} on {b.device}: the model's parameters changed dtype "
+                f"or device after it was wrapped (model.double(), .half(), .to(...)). Convert the model first, "
+                f"then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
         scale = self._scale
         if (b.in_grad and grad is not None and self._hook is None and grad.layout == torch.strided
                 and grad.is_contiguous() and grad.dtype == b.dtype and grad.device == b.device):

@@ -385,6 +385,25 @@ def case_freed_without_gc(rank, world):
         gc.enable()
 
 
+def case_dtype_changed_after_wrapping(rank, world):
+    """The model converted to float64 after it was wrapped: a clear error on every rank (its
+    gradients were rounded through the float32 buckets, silently); the same model converted
+    before wrapping trains."""
+    from ringdp.ddp import RingDDP
+
+    ddp = RingDDP(build(MLP, 0))
+    ddp.double()
+    x, y = batch(0, world * 4, dtype=torch.float64)
+    try:
+        ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
+        err = None
+    except RuntimeError as e:
+        err = str(e)
+    ok = RingDDP(build(MLP, 0).double())
+    ((ok(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
+    return err, [p.grad.clone() for p in ok.parameters()]
+
+
 class _TwoHeads(nn.Module):
     def __init__(self):
         super().__init__()
@@ -782,6 +801,14 @@ def test_comm_hook_result_of_the_wrong_size_is_clear(pool):
 def test_freed_without_the_cyclic_gc(pool):
     for in_grad, freed in pool.run(case_freed_without_gc):
         assert in_grad >= 1 and freed
+
+
+def test_dtype_changed_after_wrapping_is_clear(pool):
+    res = pool.run(case_dtype_changed_after_wrapping)
+    for r, (err, _) in enumerate(res):
+        assert err is not None and f"rank {r}" in err and "after it was wrapped" in err, err
+    for a, b in zip(res[0][1], res[1][1]):
+        assert torch.equal(a, b)
 
 
 def test_allreduce_hook_equals_default(pool):
