@@ -317,10 +317,7 @@ def case_structured_output(rank, world, kind, static_graph=False, steps=3, d=4):
         h = out.y if kind == "dataclass" else out["out"][0]
         ((h - shard(y, rank, world)) ** 2).mean().backward()
         opt.step()
-        ropt.zero_grad()
-        full = torch.cat([ref(shard(x, r, world), use_b=(r == 0)) for r in range(world)])
-        ((full - y) ** 2).mean().backward()
-        ropt.step()
+        _branchy_reference_step(ref, ropt, x, y, world)
         diffs.append(max_diff(params_of(ddp.module), params_of(ref)))
     return diffs, params_of(ddp.module)
 
@@ -449,6 +446,15 @@ def ref_local_grad(ref, x, y, micro, per_rank):
     return [p.grad for p in m.parameters()]
 
 
+def _branchy_reference_step(ref, ropt, x, y, world):
+    """One step of the single-process Branchy on the full batch: rank 0's shard goes
+    through b, the other ranks' do not."""
+    ropt.zero_grad()
+    out = torch.cat([ref(shard(x, r, world), use_b=(r == 0)) for r in range(world)])
+    ((out - y) ** 2).mean().backward()
+    ropt.step()
+
+
 def case_unused(rank, world, find_unused=True, static_graph=False, steps=5, d=4):
     """Rank 0 uses `b`, rank 1 does not; nobody uses `never`. With d >= 91 the weights
     exceed ringdp's one-shot size and take the ring."""
@@ -470,11 +476,7 @@ def case_unused(rank, world, find_unused=True, static_graph=False, steps=5, d=4)
         never_none.append(ddp.module.never.weight.grad is None and ddp.module.never.bias.grad is None)
         b_grad_defined.append(ddp.module.b.weight.grad is not None)
         opt.step()
-        ropt.zero_grad()
-        # full batch: rank 0's shard goes through b, rank 1's does not
-        out = torch.cat([ref(shard(x, r, world), use_b=(r == 0)) for r in range(world)])
-        ((out - y) ** 2).mean().backward()
-        ropt.step()
+        _branchy_reference_step(ref, ropt, x, y, world)
         diffs.append(max_diff(params_of(ddp.module), params_of(ref)))
     return {"diffs": diffs, "never_none": never_none, "b_grad_defined": b_grad_defined,
             "params": params_of(ddp.module)}
