@@ -92,6 +92,8 @@ def _number(kind: type, minimum: float, strict: bool = False, what: str | None =
         except ValueError:
             noun = "an integer" if kind is int else "a number"
             raise ValueError(f"{name}={raw!r}: not {noun}") from None
+        if v != v:  # NaN compares as nothing: every bound below would let it through
+            raise ValueError(f"{name}={raw!r}: not a number")
         if v < minimum or (strict and v == minimum):
             bound = what or ("must be positive" if strict and minimum == 0 else f"must be >= {minimum:g}")
             raise ValueError(f"{name}={raw!r}: {bound}")
@@ -101,6 +103,17 @@ def _number(kind: type, minimum: float, strict: bool = False, what: str | None =
 
 
 _nonneg_int = _number(int, 0)
+
+
+def _power_of_two(name: str, raw: str) -> int:
+    """An int >= 2 that is a power of two (RINGDP_FIFO_SLOTS: a link's slot is its 32-bit
+    slice counter modulo the slots, in order across the counter's wrap only then)."""
+    v = _number(int, 2)(name, raw)
+    if v & (v - 1):
+        raise ValueError(f"{name}={raw!r}: must be a power of two (2, 4, 8, ...)")
+    return v
+
+
 _int_or_never = _number(int, -1, what="expected a byte count, or -1 for never")
 _positive_float = _number(float, 0, strict=True)
 _nonneg_float = _number(float, 0)
@@ -136,7 +149,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_ONESHOT_MAX_BYTES": ("oneshot_max_bytes", _nonneg_int),
     "RINGDP_ONESHOT_BYTES": ("oneshot_bytes", _nonneg_int),
     "RINGDP_SLOT_BYTES": ("slot_bytes", _nonneg_int),
-    "RINGDP_FIFO_SLOTS": ("fifo_slots", _nonneg_int),
+    "RINGDP_FIFO_SLOTS": ("fifo_slots", _power_of_two),
     "RINGDP_ARENA_GB": ("arena_gb", _positive_float),
     "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
     "RINGDP_INLINE_ASYNC_MAX_BYTES": ("inline_async_max_bytes", _nonneg_int),

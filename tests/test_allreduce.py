@@ -23,6 +23,9 @@ CONFIGS = {
     "default": {},
     # tiny slots, two per connection: many rounds, back-pressure on every step; ring only
     "tiny-ring": {"RINGDP_SLOT_BYTES": "4096", "RINGDP_FIFO_SLOTS": "2", "RINGDP_ALGO": "ring"},
+    # a slot of 64 mod 128 bytes: float16/bfloat16 partial sums (4 bytes against a 32-element
+    # alignment unit) once overflowed it by 64 bytes into the next slot
+    "odd-slot-ring": {"RINGDP_SLOT_BYTES": "4160", "RINGDP_FIFO_SLOTS": "2", "RINGDP_ALGO": "ring"},
     # one-shot for everything that fits its buffer
     "oneshot": {"RINGDP_ALGO": "oneshot"},
 }

@@ -449,6 +449,28 @@ def test_destroy_in_a_callback_fails_the_queued_calls():
         assert err is not None and f"rank {rank}:" in err and "destroyed" in err, err
 
 
+def _no_deadline(rank, world):
+    """timeout=inf (or one past what the clock can add) waits without a deadline: a late peer
+    is met (before, the deadline's conversion overflowed into the past: 'timed out after inf
+    s' as soon as a wait slept, and the communicator was poisoned)."""
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(1))
+    out = []
+    for timeout in (float("inf"), 1e300):
+        if rank == 1:
+            time.sleep(0.3)
+        t = torch.full((1000,), float(rank + 1))
+        ringdp.all_reduce(t, timeout=timeout)
+        out.append(float(t[0]))
+    return out
+
+
+def test_infinite_timeout_waits_without_a_deadline():
+    for out in values(run_ranks(_no_deadline, 2, timeout=60)):
+        assert out == [3.0, 3.0]
+
+
 def _work_wait_timeout(rank, world, as_timedelta):
     """Work.wait(timeout) on a call whose peer is late: a RingError after `timeout` (seconds,
     or a timedelta as torch's Work.wait takes); the call goes on, and a second wait returns it."""

@@ -139,7 +139,9 @@ def test_spin_follows_the_thread(pool):
     ({"RINGDP_TIMEOUT_S": "soon"}, "not a number"),
     ({"RINGDP_DDP_OVERLAP": "maybe"}, "RINGDP_DDP_OVERLAP='maybe': expected 1/0"),
     ({"RINGDP_TRANSPORT": "tcp"}, "expected one of auto, ipc, nccl"),
-    ({"RINGDP_FIFO_SLOTS": "-2"}, "must be >= 0"),
+    ({"RINGDP_FIFO_SLOTS": "-2"}, "must be >= 2"),
+    ({"RINGDP_FIFO_SLOTS": "3"}, "RINGDP_FIFO_SLOTS='3': must be a power of two"),
+    ({"RINGDP_TIMEOUT_S": "nan"}, "RINGDP_TIMEOUT_S='nan': not a number"),
     ({"RINGDP_DDP_IN_GRAD_MIN_BYTES": "-5"}, "-1 for never"),
 ])
 def test_strict_parser(env, match):

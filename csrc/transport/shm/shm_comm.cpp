@@ -97,7 +97,10 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
     throw RingError(cat("invalid rank ", cfg_.rank, " for world size ", cfg_.world));
   if (!cfg_.rank_names.empty() && static_cast<int>(cfg_.rank_names.size()) != cfg_.world)
     throw RingError(cat("rank_names has ", cfg_.rank_names.size(), " entries for world size ", cfg_.world));
-  if (cfg_.fifo_slots < 2) throw RingError("fifo_slots must be at least 2");
+  // A power of two: a link picks its slot as a 32-bit slice counter modulo the slots, which
+  // stays in order across the counter's wrap only when the count divides 2^32.
+  if (cfg_.fifo_slots < 2 || (cfg_.fifo_slots & (cfg_.fifo_slots - 1)) != 0)
+    throw RingError("fifo_slots must be a power of two, at least 2");
   if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes % 64 != 0)
     throw RingError("slot_bytes must be a multiple of 64 and at least 4096");
   cfg_.oneshot_bytes = shm::align_up(cfg_.oneshot_bytes, 64);
@@ -298,7 +301,12 @@ size_t ShmComm::begin_call(uint32_t s, double timeout_s, Kind kind, DType dtype,
   timeout_s_ = timeout_s;
   call_start_ = Clock::now();
   stall_reported_ = false;
-  deadline_ = call_start_ + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
+  // (a timeout past what the clock can add, infinity included, waits without a deadline: the
+  // conversion of such a value would be undefined, in practice a deadline in the past)
+  const double max_s = std::chrono::duration<double>(Clock::time_point::max() - call_start_).count() / 2;
+  deadline_ = timeout_s >= max_s ? Clock::time_point::max()
+                                 : call_start_ + std::chrono::duration_cast<Clock::duration>(
+                                                     std::chrono::duration<double>(timeout_s));
   flight_slot_ = flight_.begin(s, kind, dtype, op, static_cast<int32_t>(algo), count, tag);
   return flight_slot_;
 }
@@ -656,9 +664,13 @@ void ShmComm::run_ring(const Call& c) {
   const size_t esz = dtype_size(c.dtype);
   const bool reduces = c.kind == Kind::kAllReduce || c.kind == Kind::kReduceScatter;
   took(CallRecord::kRingStaged);
-  // Partial sums travel in the accumulation type; final values in the tensor's dtype.
-  const size_t slice_elems = geo_.slot_bytes / (reduces ? acc_size(c.dtype) : esz);
-  const RingPlan plan{c.count, n, cfg_.rank, slice_elems, 64 / esz};
+  // Partial sums travel in the accumulation type; final values in the tensor's dtype. A
+  // slice is a whole number of alignment units: a round's chunks are rounded up to them
+  // (schedule.h chunk_stride), and a chunk must fit its slot (half types accumulate in 4
+  // bytes against a 32-element unit: a slot of 64 mod 128 bytes would overflow by 64).
+  const size_t align = 64 / esz;
+  const size_t slice_elems = geo_.slot_bytes / (reduces ? acc_size(c.dtype) : esz) / align * align;
+  const RingPlan plan{c.count, n, cfg_.rank, slice_elems, align};
   const RedOp op = reduces ? c.op : RedOp::kSum;  // (all_gather, broadcast: no arithmetic)
   // (an all_gather's own block is in place already: run_call)
   auto drive = [&](RingTransport& t) {
