@@ -510,10 +510,11 @@ class Communicator:
                 refused = self._refusal(fut)  # (then its callbacks run here, on the worker, never on its waiter)
                 fut.set_running_or_notify_cancel()  # (never cancelled: a dropped call is refused instead)
             if refused is None:
+                fut._ringdp_refuse = None  # (holds the tensor: not needed once the call runs)
                 error = self._call_catching(fn)
             else:
                 error = refused
-                refuse = getattr(fut, "_ringdp_refuse", None)
+                refuse, fut._ringdp_refuse = getattr(fut, "_ringdp_refuse", None), None
                 if refuse is not None and getattr(fut, "_ringdp_dropped", False):
                     # take part in it as a rejected call (_reject: the call's transport, under the
                     # lock): the peers fail it at once, naming this rank, and every rank's next

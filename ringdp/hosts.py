@@ -29,7 +29,8 @@ waits, so that it fails (and tells) before a peer's in-host wait for this rank e
 rank's error then names the cross-host step, the cause.
 
 Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
-or a header-only agreement for all_gather and broadcast), which fails on every rank of the
+or for all_gather and broadcast an in-host all-gather of each rank's count and src:
+_host_signature), which fails on every rank of the
 host alike when one of them rejected its input or called something else; then the call
 check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
 cross-host group: on uneven hosts the leaders', who check for their hosts; the whole group
