@@ -124,6 +124,9 @@ class CrossHost:
         self.device = torch.device("cpu")  # where the tensors and the scratch buffers are
         self.host_kind = "shm"  # the in-host transport, for policy.oneshot_threshold
         self.fuse = True  # an all-reduce's data may go with the call check (host memory only)
+        # the in-host steps keep a host's ranks in step after a failed call (_host_signature,
+        # _marked, _close); not on IPC, whose failures poison the CUDA endpoint instead
+        self.host_in_step = True
         self.stream = None  # a CUDA CrossHost: the stream its own work runs on (on_stream)
         self.poison = None  # a CUDA CrossHost: what a failed call does to the CUDA endpoint (_fail)
         self.host_index = comm.host_order.index(comm.host_key)  # this rank's host: by_host[host_index]
@@ -202,7 +205,7 @@ class CrossHost:
             raise ValueError(f"rank {self.rank}: the CUDA all-reduce across hosts has no hierarchy on path {self.path}")
         c = copy.copy(self)
         c.inhost, c.cross, c.device = inhost, net, device
-        c.net_name, c.host_kind, c.fuse, c.poison = "NCCL", "ipc", False, poison
+        c.net_name, c.host_kind, c.fuse, c.poison, c.host_in_step = "NCCL", "ipc", False, poison, False
         c._buffers = {}
         if self._by_local_then_host is not None:  # (index tensors where the data is)
             c._by_local_then_host = self._by_local_then_host.to(device)
@@ -642,7 +645,7 @@ class CrossHost:
         would let them through, and their check groups could then decide differently).
         None for a rank alone on its host. A CUDA CrossHost keeps the header-only step (a
         no-op on IPC, whose failures come from the device at the next check: on_cuda)."""
-        if self.inhost is None or self.stream is not None:
+        if self.inhost is None or not self.host_in_step:
             return self._host_agree(t, tag)
 
         def step():
@@ -663,7 +666,7 @@ class CrossHost:
         no call check: ranks of one host that disagree on AVG and SUM would otherwise all get
         through, and only those with AVG divide. Marked, their first in-host calls differ (a
         broadcast of nothing, an all_reduce) and fail alike on every rank of the host."""
-        if code != _types.AVG or step is None or self.stream is not None:  # (CUDA: as _close)
+        if code != _types.AVG or step is None or not self.host_in_step:
             return step
         agree = self._host_agree(t, tag)
 
@@ -679,7 +682,7 @@ class CrossHost:
         non-leaders) must meet that rejection in this call, not in their next one (their
         in-host calls would then pair with the wrong calls). Not on a CUDA CrossHost: a
         failed call there poisons the CUDA endpoint (on_cuda)."""
-        agree = self._host_agree(t, tag) if self.stream is None else None
+        agree = self._host_agree(t, tag) if self.host_in_step else None
         if agree is not None:
             agree()
 

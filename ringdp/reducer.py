@@ -461,8 +461,8 @@ class Reducer:
                 f"or device after it was wrapped (model.double(), .half(), .to(...)). Convert the model first, "
                 f"then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
         scale = self._scale
-        if (b.in_grad and grad is not None and self._hook is None and grad.layout == torch.strided
-                and grad.is_contiguous() and grad.dtype == b.dtype and grad.device == b.device):
+        # (a gradient's layout, dtype and device are the bucket's here: checked above)
+        if b.in_grad and grad is not None and self._hook is None and grad.is_contiguous():
             if scale != 1.0:
                 grad.mul_(scale)
             b.grad = grad  # reduced in .grad: nothing to copy in or back

@@ -326,15 +326,13 @@ def test_stuck_callback_is_an_error_not_a_hang(api):
         assert future is not None and "dropped" in future, dropped
 
 
-def _dropped_on_one_rank(rank, world, hosts):
+def _dropped_on_one_rank(rank, world):
     """Rank 0 alone drops a call (its callback stuck on the worker, as in _stuck_callback)
     that every other rank runs. The drop takes part in the call as a rejected one: the other
     ranks fail it at once, naming rank 0, instead of pairing it with rank 0's next call
     (whose data they would silently reduce); then every rank's next call is the same call."""
     import threading
 
-    if hosts:
-        os.environ["RINGDP_HOST_ID"] = hosts[rank]
     import ringdp
 
     ringdp.init(timeout=3)
@@ -378,7 +376,7 @@ def test_call_dropped_on_one_rank_fails_on_every_rank():
     # (one host: across hosts the peers' gloo steps, whose timeout is the communicator's less
     # a margin, end before the drop does, which comes after the communicator's timeout)
     world = 2
-    res = values(run_ranks(_dropped_on_one_rank, world, "", env={"RINGDP_TIMEOUT_S": "3"}, timeout=120))
+    res = values(run_ranks(_dropped_on_one_rank, world, env={"RINGDP_TIMEOUT_S": "3"}, timeout=120))
     for rank, (err, took, small, nxt) in enumerate(res):
         assert err is not None, f"rank {rank}: the call rank 0 dropped returned {small}"
         assert err.startswith(f"rank {rank}:") and "dropped" in err, err
