@@ -194,8 +194,12 @@ class RingWork(dist.Work):
             return True  # (done when made, nothing to join: a synchronous call, _async)
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
         deadline = time.monotonic() + secs if secs > 0 else None
-        with self._waiting(secs if secs > 0 else None):
+        with self._waiting(secs if secs > 0 else None):  # (raises, naming the rank, after secs)
             done = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if not done and self._parts[-1]._future.done():
+                # the collective ended in time; the thread that ended it runs the copy-out,
+                # which completes this Work: the timeout bounds the collective, not that
+                done = self._done.wait()
         if not done:
             raise RingError(f"ringdp: a collective did not finish within {secs:g} s of Work.wait()")
         if self._exc is not None:

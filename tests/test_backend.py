@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -1228,6 +1229,23 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     # its future, made on demand, completes on the call's stream too
     assert work.get_future().value == ["out"] and work.get_future() is work.get_future()
     assert log[-1] == ("future", "caller"), log
+
+
+def test_ringwork_wait_timeout_bounds_the_collective_not_its_copy_out():
+    """Work.wait(timeout) bounds the collective: once its last part ended, the copy-out
+    that completes the Work (run by the thread that ended it) is waited for, never
+    reported as a collective that did not finish."""
+    from concurrent.futures import Future
+
+    from ringdp import backend
+    from ringdp.comm import Work
+
+    fut = Future()
+    work = backend.RingWork([Work(fut, ["out"])], ["out"], finalize=lambda: time.sleep(0.6))
+    threading.Timer(0.1, fut.set_result, (None,)).start()  # the collective ends at 0.1 s
+    t0 = time.monotonic()
+    assert work.wait(timeout=timedelta(seconds=0.3)) is True  # its copy-out ends at 0.7 s
+    assert time.monotonic() - t0 >= 0.6 and work.is_success()
 
 
 def _pending_after_failed_enqueue(rank, world):
