@@ -13,13 +13,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build(out_dir: Path, name: str, *sources: str) -> Path:
+def build(out_dir: Path, name: str, *sources: str, flags: tuple[str, ...] = ()) -> Path:
     """Compile `sources` (paths relative to the repository) into out_dir/name, with csrc on
-    the include path; skip the test where there is no C++ compiler."""
+    the include path and `flags` added; skip the test where there is no C++ compiler."""
     cxx = shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")
     if not cxx:
         pytest.skip(f"no C++ compiler for {name}")
     exe = out_dir / name
-    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", f"-I{ROOT / 'csrc'}",
+    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", *flags, f"-I{ROOT / 'csrc'}",
                     *(str(ROOT / s) for s in sources), "-o", str(exe)], check=True, timeout=300)
     return exe

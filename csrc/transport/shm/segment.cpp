@@ -42,7 +42,7 @@ void populate(char* p, size_t bytes, bool write) {
 
 Segment& Segment::operator=(Segment&& o) noexcept {
   if (this != &o) {
-    this->~Segment();
+    release();
     name_ = std::move(o.name_);
     base_ = o.base_;
     size_ = o.size_;
@@ -58,12 +58,16 @@ Segment& Segment::operator=(Segment&& o) noexcept {
   return *this;
 }
 
-Segment::~Segment() {
+Segment::~Segment() { release(); }
+
+void Segment::release() noexcept {
   unlink();
   if (base_) ::munmap(base_, size_);
   if (fd_ >= 0) ::close(fd_);
   base_ = nullptr;
+  size_ = 0;
   fd_ = -1;
+  owner_ = false;
   linked_ = false;
 }
 

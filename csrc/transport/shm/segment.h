@@ -34,6 +34,10 @@ class Segment {
   void decommit(size_t offset, size_t bytes);
 
  private:
+  // Unlink (if linked), unmap and close; the members are left empty, alive (the move
+  // assignment reuses them, so it never runs the destructor on a live object).
+  void release() noexcept;
+
   std::string name_;
   char* base_ = nullptr;
   size_t size_ = 0;
