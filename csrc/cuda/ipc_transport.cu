@@ -490,7 +490,7 @@ class IpcComm final : public Comm {
   cudaStream_t enter(uintptr_t stream, double timeout_s) {
     cudaStream_t caller = reinterpret_cast<cudaStream_t>(stream);
     const double t = timeout_s > 0 ? timeout_s : opt_.timeout_s;
-    timeout_ns_ = static_cast<uint64_t>(t * 1e9);
+    timeout_ns_ = timeout_ns(t);
     RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller), "cudaEventRecord on the caller's stream");
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
     ++call_;

@@ -115,6 +115,14 @@ inline ChannelChoice choose_channels(int requested, int share) {
   return c;
 }
 
+// A device wait's limit in nanoseconds (the kernels' FlagWait::timeout_ns) from a timeout in
+// seconds: infinity, or past what 64 bits of nanoseconds hold (585 years), is no limit. The
+// plain conversion of such a value is undefined (0 on x86: every wait timed out at once),
+// as the shared-memory transport's deadline once was.
+inline uint64_t timeout_ns(double seconds) {
+  return seconds >= 1.8e10 ? UINT64_MAX : static_cast<uint64_t>(seconds * 1e9);
+}
+
 // What one ring primitive does on this rank, in protocol terms.
 struct StepPlan {
   StepKind kind = StepKind::kSend;

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -585,6 +586,21 @@ void check_channels() {
   std::printf("protocol_sim: channel arithmetic ok (%zu cases)\n", sizeof(cases) / sizeof(cases[0]));
 }
 
+// A timeout in seconds as a device wait's limit (protocol.h timeout_ns): infinity and values
+// past 64 bits of nanoseconds are no limit, never 0 (every wait timed out at once).
+void check_timeouts() {
+  const struct {
+    double seconds;
+    uint64_t want;
+  } cases[] = {{300.0, 300000000000ull}, {0.5, 500000000ull}, {1e9, 1000000000000000000ull},
+               {2e10, UINT64_MAX}, {1e300, UINT64_MAX}, {std::numeric_limits<double>::infinity(), UINT64_MAX}};
+  for (const auto& c : cases)
+    if (timeout_ns(c.seconds) != c.want)
+      die("timeout_ns(" + std::to_string(c.seconds) + ") = " + std::to_string(timeout_ns(c.seconds)) + ", want " +
+          std::to_string(c.want));
+  std::printf("protocol_sim: timeouts ok (%zu cases)\n", sizeof(cases) / sizeof(cases[0]));
+}
+
 void print_config(const Config& c) {
   int mask = 0;
   for (int r = 0; r < c.world; ++r) mask |= c.registered[r] ? (1 << r) : 0;
@@ -625,6 +641,7 @@ int main(int argc, char** argv) {
     return ok ? 0 : 1;
   }
   check_channels();
+  check_timeouts();
   const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   int n_ok = 0;
   unsigned seed = 1;
