@@ -4,6 +4,7 @@ Rendezvous, and ringdp's stream as torch sees it. The transports themselves are 
 csrc/cuda (see docs/cuda.md). Only used when ringdp was built with CUDA."""
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import socket
@@ -159,18 +160,28 @@ class CudaEndpoint:
     def close(self, rendezvous) -> None:
         """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
         hierarchy's endpoints after this one, each with its own peers).
-        `rendezvous` None (the process group was destroyed): no barrier, local teardown."""
+        `rendezvous` None (the process group was destroyed): no barrier, local teardown.
+        A failed drain or barrier (a dead peer) tears the parts down locally, without
+        their barriers (each would wait its timeout for the same peer); every endpoint is
+        freed whatever another raised, and the first error is raised after."""
         ordered = self._ordered()
         parts, self._parts, self.hier = self._parts, [], None
+        first = None
         try:
             for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
                 ep.native.quiesce()
             if rendezvous is not None:
                 rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
-        finally:
-            self.native.destroy()
-            for ep, rdv in parts:
-                ep.close(rdv if rendezvous is not None else None)
+        except BaseException as e:  # noqa: BLE001 -- raised below, once everything is freed
+            first, rendezvous = e, None
+        for free in [self.native.destroy] + [functools.partial(ep.close, rdv if rendezvous is not None else None)
+                                             for ep, rdv in parts]:
+            try:
+                free()
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
 
 
 class _InHost:

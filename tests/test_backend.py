@@ -1382,6 +1382,7 @@ def test_cuda_endpoint_drains_nccl_first():
     then meets its peers and frees each; a failed hierarchical call poisons it: every NCCL
     endpoint aborted (CrossHost._fail calls _poison before the in-host adapter's rejection,
     which is queued behind them)."""
+    import ringdp
     from ringdp import cuda_comm
 
     log = []
@@ -1418,3 +1419,20 @@ def test_cuda_endpoint_drains_nccl_first():
     assert log[:4] == [("quiesce", "flat"), ("quiesce", "net"), ("quiesce", "ipc"), ("barrier", "group")], log
     assert ("destroy", "flat") in log and ("destroy", "ipc") in log and ("destroy", "net") in log
     assert log.index(("barrier", "host")) < log.index(("destroy", "ipc")), log
+    # a peer dead at close: the group's barrier fails; the parts are torn down locally (no
+    # barrier of their own, each a timeout more for the same peer), every one is freed
+    # whatever another raised, and the barrier's error is what close() raises
+    log.clear()
+
+    class DeadPeer(Rdv):
+        def barrier(self, key, what=None):
+            log.append(("barrier", self.name))
+            raise ringdp.RingError(f"rank 0: timed out waiting for rank 3 ({self.name})")
+
+    flat, ipc, net = ep("nccl", "flat"), ep("ipc", "ipc"), ep("nccl", "net")
+    flat._parts = [(ipc, DeadPeer("host")), (net, DeadPeer("local"))]
+    ipc.native.destroy = lambda: (log.append(("destroy", "ipc")), 1 / 0)
+    with pytest.raises(ringdp.RingError, match=r"rank 3 \(group\)"):
+        flat.close(DeadPeer("group"))
+    assert [e for e in log if e[0] == "barrier"] == [("barrier", "group")], log
+    assert {("destroy", "flat"), ("destroy", "ipc"), ("destroy", "net")} <= set(log), log
