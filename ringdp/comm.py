@@ -241,10 +241,12 @@ _SUPPORTED_DTYPES = frozenset(_C.supported_dtypes())
 
 
 def _group_key(group) -> str:
-    """The name of `group` in rendezvous keys, the same on every rank of the group."""
+    """The name of `group` in the communicator table and rendezvous keys: the same on every
+    rank of the group, and its own (torch's group name: two groups of the same ranks are two
+    groups, whose collectives must never pair with each other's)."""
     if group is None or group is dist.group.WORLD:
         return "world"
-    return "g" + "-".join(str(r) for r in dist.get_process_group_ranks(group))
+    return "g" + dist.distributed_c10d._get_process_group_name(group)
 
 
 # Communicators created per group key, so that a re-created one (after the group was
@@ -407,9 +409,16 @@ class Communicator:
         RINGDP_HOST_ID says: hosts simulated on one machine share its cores, and the spin
         policy must know)."""
         machine = _host_key(self.host)
+        agree = {"RINGDP_HIERARCHY": self.config.hierarchy, "RINGDP_TRANSPORT": self.config.transport}
         recs = [json.loads(r) for r in self.rendezvous.exchange(
-            "host", json.dumps([self.host_key, machine]), "the host records")]
-        return [h for h, _ in recs], sum(m == machine for _, m in recs)
+            "host", json.dumps([self.host_key, machine, agree]), "the host records")]
+        for name in agree:  # settings that choose the set-up's path: every rank must take the same
+            seen = [rec[2][name] for rec in recs]
+            if len(set(map(json.dumps, seen))) > 1:
+                raise RingError(f"rank {self.rank}: the group's ranks disagree on {name}: "
+                                + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(seen))
+                                + f". Set {name} alike on every rank (or on none)")
+        return [rec[0] for rec in recs], sum(rec[1] == machine for rec in recs)
 
     def _connect_shm(self, rdv: Rendezvous | None = None, rank_names: list[int] | None = None):
         """This rank's segment, connected to every peer's (module doc, step 3). `rdv`: the
@@ -1288,28 +1297,49 @@ def _on_stall(ref, report: str) -> None:
 
 
 _comms: dict[str, Communicator] = {}
-# Reentrant: a signal handler that calls destroy() (a graceful shutdown on torchrun's SIGTERM)
-# may run on a thread inside init(), which holds it while it waits for the peers.
+# The table's lock, held only to read or change it (never while a communicator is set up,
+# which waits for the peers). Reentrant: a signal handler that calls destroy() (a graceful
+# shutdown on torchrun's SIGTERM) may run on a thread that holds it.
 _comms_lock = threading.RLock()
+# One lock per group key, held while that group's communicator is set up: a second thread
+# asking for the same group waits for it, while set-ups of different groups (on threads of
+# their own, started in any order) go on side by side.
+_setup_locks: dict[str, threading.RLock] = {}
+
+
+def _check_timeout(c: Communicator, timeout) -> None:
+    """init(timeout=) on an existing communicator: the same timeout, or a clear error."""
+    if timeout is not None and policy.timeout_s(timeout, c.timeout) != c.timeout:
+        raise ValueError(
+            f"rank {c.rank}: ringdp.init(timeout={timeout!r}): this group's communicator exists already, "
+            f"with a timeout of {c.timeout:g} s (set by an earlier ringdp call on the group, which set it up). "
+            f"Call ringdp.init(group, timeout=...) before the group's first ringdp call, or pass timeout= to a call")
 
 
 @eager
 def init(group=None, timeout=None) -> Communicator:
     """Set ringdp up for `group` (default: the default process group). Collective. Optional:
-    every ringdp call initialises lazily. A communicator left from a destroyed group of the
-    same ranks is closed (locally) and replaced. A group of ringdp's backend: its own."""
+    every ringdp call initialises lazily. Communicators left from destroyed groups are closed
+    (locally) first. A group of ringdp's backend: its own."""
     _live_group(group)
     c = _backend_communicator(group)
     if c is not None:
+        _check_timeout(c, timeout)
         return c
     key = _group_key(group)
     with _comms_lock:
-        c = _comms.get(key)
-        if c is not None and not c.group_alive:
-            c.close()
-            c = None
-        if c is None:
-            c = Communicator(group, timeout)
+        setup = _setup_locks.setdefault(key, threading.RLock())
+    with setup:
+        with _comms_lock:
+            c = _comms.get(key)
+            if c is not None and c.group_alive:
+                _check_timeout(c, timeout)
+                return c
+            stale = [_comms.pop(k) for k, old in list(_comms.items()) if not old.group_alive]
+        for old in stale:  # (local: their groups are gone)
+            old.close()
+        c = Communicator(group, timeout)
+        with _comms_lock:
             _comms[key] = c
         return c
 

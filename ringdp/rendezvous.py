@@ -9,7 +9,7 @@ communicator's timeout.
 """
 from __future__ import annotations
 
-from datetime import timedelta
+import time
 
 import torch.distributed as dist
 
@@ -46,18 +46,27 @@ class Rendezvous:
         self._rounds[name] = n + 1
         return f"{name}/{n}"
 
+    _POLL_MAX_S = 0.02  # the longest pause between two looks at the store
+
     def _wait(self, what: str, keys: list[str]) -> None:
+        """Return once every key in `keys` is set; a RingError naming the missing ones after
+        the timeout. The store is polled (check), never waited on: a TCPStore client's wait
+        holds its connection, which every thread of the process shares, so that two groups
+        set up at once on two threads (in different orders on different ranks) would each
+        wait for the other's timeout. (What a signal handler raises while this sleeps, e.g.
+        on a SIGTERM during set-up, propagates as it is.)"""
         store = self.store
-        try:
-            store.wait(keys, timedelta(seconds=self.timeout_s))
-        except dist.DistError as e:  # DistStoreError on timeout; anything else (e.g. what a
-            # signal handler raised in the wait: a SIGTERM during set-up) propagates as it is
-            missing = [k for k in keys if not store.check([k])]
-            raise RingError(
-                f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "
-                f"{', '.join(missing) or 'peers'} ({e.__class__.__name__}); did every rank of the "
-                f"group call ringdp with the same group?"
-            ) from None
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0002
+        while not store.check(keys):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [k for k in keys if not store.check([k])]
+                raise RingError(
+                    f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "
+                    f"{', '.join(missing) or 'peers'}; did every rank of the group call ringdp with the same group?")
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, self._POLL_MAX_S)
 
     def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
         """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""

@@ -356,6 +356,30 @@ def test_setting_that_differs_between_ranks_is_a_ring_error(who):
         assert "disagree" in res[2][0] and "with the call check" in res[2][0], res[2][0]
 
 
+def case_hierarchy_differs(rank, world, hosts, who):
+    """The ranks in `who` set RINGDP_HIERARCHY=0: they would make the flat path's groups
+    while the others make the two-level ones, each waiting for the other's. The set-up
+    compares the setting first: a RingError on every rank naming it and the ranks' values."""
+    import ringdp
+
+    t0 = time.monotonic()
+    try:
+        _as_host(rank, hosts, hierarchy="0" if rank in who else "1", timeout=20)
+        return None, time.monotonic() - t0
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@pytest.mark.parametrize("who", [(3,), (0, 1)])
+def test_hierarchy_that_differs_between_ranks_is_a_ring_error(who):
+    res = values(run_ranks(case_hierarchy_differs, 4, list("aabb"), who, timeout=120))
+    for r, (msg, took) in enumerate(res):
+        assert msg is not None, f"rank {r}: no error although ranks {who} set RINGDP_HIERARCHY=0"
+        assert msg.startswith(f"rank {r}: the group's ranks disagree on RINGDP_HIERARCHY"), msg
+        assert all(f"rank {v}: {v not in who}" in msg for v in range(4)), msg
+        assert took < 10, (r, took, msg)
+
+
 def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp

@@ -131,16 +131,118 @@ def _subgroup(rank, world):
     ringdp.all_reduce(u, group=g2)
     v = torch.full((8,), float(rank))
     ringdp.all_reduce(v)
-    return first, after, u.tolist(), v.tolist()
+    held = sum(not c._closed for c in ringdp.comm._comms.values())
+    return first, after, u.tolist(), v.tolist(), held
 
 
 def test_destroyed_subgroup_is_a_clear_error():
-    for rank, (first, after, u, v) in enumerate(values(run_ranks(_subgroup, 2))):
+    for rank, (first, after, u, v, held) in enumerate(values(run_ranks(_subgroup, 2))):
+        assert held == 2, f"rank {rank}: {held} communicators held (the world's and the new group's; the destroyed one's released)"
         assert first == [3.0] * 8
         assert after is not None, f"rank {rank}: ringdp ran on a destroyed group"
         name, msg = after
         assert name == "RingError" and "destroyed" in msg and f"rank {rank}" in msg, after
         assert u == [30.0] * 8 and v == [1.0] * 8
+
+
+def _groups_of_the_same_ranks(rank, world):
+    """Two groups of the same ranks are two groups: each its own communicator, their
+    collectives never paired with each other's (rank 0 starts A's then B's, rank 1 B's then
+    A's, as torch allows: each group's own order agrees), and destroying one leaves the
+    other working. The ranks' group names, once each group is set up, say the same."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 1])
+    ca, cb = ringdp.init(a), ringdp.init(b)
+    out = {"distinct": ca is not cb}
+    for call in range(2):
+        xa = torch.arange(5, dtype=torch.float64) + rank + 10 * call  # A: 2i + 1 + 20 call
+        xb = torch.arange(5, dtype=torch.float64) * 100 + rank  # B: 200i + 1
+        order = [(xa, a), (xb, b)] if rank == 0 else [(xb, b), (xa, a)]
+        for w in [ringdp.all_reduce(t, group=g, async_op=True) for t, g in order]:
+            w.wait()
+        out[f"call{call}"] = (xa.tolist(), xb.tolist())
+    ringdp.destroy(b)
+    xa = torch.ones(3)
+    ringdp.all_reduce(xa, group=a)
+    out["a after b destroyed"] = xa.tolist()
+    return out
+
+
+def test_groups_of_the_same_ranks_are_apart():
+    for rank, out in enumerate(values(run_ranks(_groups_of_the_same_ranks, 2))):
+        assert out["distinct"], f"rank {rank}: two groups of the same ranks share a communicator"
+        for call in range(2):
+            xa, xb = out[f"call{call}"]
+            assert xa == [2.0 * i + 1 + 20 * call for i in range(5)], (rank, call, xa)
+            assert xb == [200.0 * i + 1 for i in range(5)], (rank, call, xb)
+        assert out["a after b destroyed"] == [2.0] * 3, out
+
+
+def _groups_set_up_on_two_threads(rank, world):
+    """Two threads per rank set up two groups (the default one and a subgroup) in opposite
+    orders on the two ranks: each set-up waits only for its own group's peers, never for
+    the other thread's (one table lock held across both would wait for the timeout)."""
+    import threading
+
+    import torch.distributed as dist
+
+    import ringdp
+
+    g = dist.new_group([0, 1])
+    res = {}
+
+    def use(name, group, delay):
+        time.sleep(delay)
+        t0 = time.monotonic()
+        try:
+            x = torch.full((4,), float(rank + 1))
+            ringdp.all_reduce(x, group=group)
+            res[name] = (x.tolist(), time.monotonic() - t0)
+        except Exception as e:  # noqa: BLE001 -- the test reports it
+            res[name] = (f"{type(e).__name__}: {e}", time.monotonic() - t0)
+
+    threads = [threading.Thread(target=use, args=("world", None, 0.0 if rank == 0 else 0.5)),
+               threading.Thread(target=use, args=("sub", g, 0.5 if rank == 0 else 0.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return res
+
+
+def test_groups_set_up_on_two_threads_in_opposite_orders():
+    res = values(run_ranks(_groups_set_up_on_two_threads, 2, env={"RINGDP_TIMEOUT_S": "20"}, timeout=120))
+    for rank, r in enumerate(res):
+        for name in ("world", "sub"):
+            got, took = r[name]
+            assert got == [3.0] * 4, (rank, name, got)
+            assert took < 10, (rank, name, took)
+
+
+def _init_timeout_after_set_up(rank, world):
+    """ringdp.init(timeout=) once the group's communicator exists: the same timeout is
+    fine, another one a clear error (it would be ignored)."""
+    import ringdp
+
+    ringdp.all_reduce(torch.ones(2))  # sets the default group up, default timeout
+    c = ringdp.get_communicator()
+    same = ringdp.init(timeout=c.timeout) is c
+    try:
+        ringdp.init(timeout=5)
+        other = None
+    except ValueError as e:
+        other = str(e)
+    return same, other, c.timeout
+
+
+def test_init_timeout_on_an_existing_communicator():
+    for rank, (same, other, timeout) in enumerate(values(run_ranks(_init_timeout_after_set_up, 2))):
+        assert same
+        assert other is not None, f"rank {rank}: init(timeout=5) silently ignored (timeout stays {timeout} s)"
+        assert other.startswith(f"rank {rank}: ringdp.init(timeout=5)") and f"{timeout:g} s" in other, other
 
 
 def _closed_cuda(rank, world):
