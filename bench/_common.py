@@ -9,6 +9,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +25,39 @@ def checkout_fallback() -> None:
     info's ringdp_source now says which ran)."""
     if str(REPO) not in sys.path:
         sys.path.append(str(REPO))
+
+
+def child_pythonpath() -> str:
+    """PYTHONPATH for a process a script starts that imports ringdp (cuda_probe.py's and
+    gpu_diag.py's ranks, netns_hosts.py's launchers): this one's PYTHONPATH first, this
+    checkout last, so that a ringdp on PYTHONPATH wins there too (checkout_fallback)."""
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join(parts + ([] if str(REPO) in parts else [str(REPO)]))
+
+
+def wait_all(procs: list, timeout: float, poll_s: float = 0.1) -> int:
+    """Wait for every process of `procs` (ranks a script started), `timeout` seconds at most
+    in all. Returns 0 if all exited 0, else the first failure seen: its exit status, or 124
+    for running past `timeout`. From then on none is left behind: the ones still running are
+    killed and reaped (a rank whose peer died would wait for it until its own timeout)."""
+    deadline, rc = time.monotonic() + timeout, 0
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [c for c in codes if c not in (None, 0)]
+        if failed or None not in codes:
+            rc = failed[0] if failed else 0
+            break
+        if time.monotonic() >= deadline:
+            rc = 124
+            break
+        time.sleep(poll_s)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=10)
+    return rc
 
 
 def cpu_model() -> str:

@@ -36,7 +36,10 @@ time(us) = mean time of one all_reduce, min(us) = fastest single iteration,
 algbw = S / time, busbw = algbw * 2(n-1)/n (GB = 1e9 bytes), #wrong = elements that differ
 from the closed-form expectation summed over all ranks, speedup = time of the baseline
 measured in the same run at the same size / time. algo = the algorithm ringdp ran
-(Communicator.algo_for(S, device, algo): on CUDA the transport's own one-shot threshold).
+(Communicator.algo_for(S, device, algo): on CUDA the transport's own one-shot threshold;
+"direct" where that is the ring and the tensor is registered on CPU, which runs direct
+instead: ran_as; path = the engine's own record of it). A forced series keeps the name of
+the algo= it passes (ringdp-reg:ring runs direct on CPU).
 
 Timing. Each (size, series) gets `warmup` untimed calls, then one timed batch of `iters`
 calls that starts right after a barrier on the gloo process group. Each rank stamps every
@@ -347,6 +350,13 @@ class Collective:
 
 
 # --------------------------------------------------------------------------- roofline
+def ran_as(algo: str, registered: bool, device: str = "cpu") -> str:
+    """What the engine runs for the algorithm `algo` that ringdp chose (algo_for): on CPU
+    the ring of a tensor registered on every rank runs direct instead (shm_comm.cpp
+    run_direct; module doc, bytes_factor)."""
+    return "direct" if algo == "ring" and registered and device == "cpu" else algo
+
+
 def bytes_factor(n: int, algo: str = "ring", registered: bool = False, dtype: str = "float32",
                  device: str = "cpu", transport: str = "shm") -> float:
     """Bytes each rank reads + writes for one all-reduce of S bytes, as a multiple of S
@@ -356,8 +366,8 @@ def bytes_factor(n: int, algo: str = "ring", registered: bool = False, dtype: st
     if algo == "oneshot":
         return n + 3.0
     w = 2 if dtype in HALF_TYPES else 1
-    if registered and device == "cpu":
-        return 2.0  # the direct all-reduce
+    if ran_as(algo, registered, device) == "direct":
+        return 2.0
     in_place = registered and device == "cuda" and transport == "ipc"
     if not in_place:
         return ((2 * w + 4) * n - 2 * w - 2) / n
@@ -501,9 +511,9 @@ class Caller:
         return out
 
     def algo(self, s: Series, nbytes: int) -> str:
-        """What runs for this size: "ring"/"oneshot" for ringdp, "-" for the baseline; across
-        hosts the path (CUDA: the path when the collectives take the hierarchy, else ringdp's
-        flat NCCL "ring")."""
+        """What runs for this size: "ring"/"oneshot"/"direct" (ran_as) for ringdp, "-" for the
+        baseline; across hosts the path (CUDA: the path when the collectives take the
+        hierarchy, else ringdp's flat NCCL "ring")."""
         if s.kind == "baseline":
             return "-"
         if self.cross_path is not None and self.device.type == "cuda":
@@ -513,7 +523,11 @@ class Caller:
         comm = ringdp.get_communicator(self.pg) if s.kind == "ringdp-pg" else self.comm
         if comm.cross_path is not None:
             return comm.cross_path
-        return comm.algo_for(nbytes, self.device.type, s.algo)
+        return self.ran_as(s, comm.algo_for(nbytes, self.device.type, s.algo))
+
+    def ran_as(self, s: Series, algo: str) -> str:
+        """What series s runs where ringdp chooses `algo` on one host (ran_as)."""
+        return ran_as(algo, s.kind == "ringdp-reg", self.device.type)
 
     def path(self, s: Series) -> str | None:
         """What the engine ran for this series' last call on this host's shared memory (the
@@ -780,9 +794,10 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
                         for z in sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)} - {0})
     memcpy_Bps = memcpy["one_rank_GBps"] * 1e9
     # a forced algorithm compared with another is measured only where ringdp runs it
-    plan = [(z, s) for z in sizes for s in series
-            if len(args.algos) == 1 or s.algo in ("auto", None) or s.kind == "baseline" or c.algo(s, z) == s.algo]
-    factors = {f"{algo}_{kind}": bytes_factor(n, algo, kind == "registered", args.dtype, c.device.type, c.transport)
+    plan = [(z, s) for z in sizes for s in series if len(args.algos) == 1 or s.algo in ("auto", None)
+            or s.kind == "baseline" or c.algo(s, z) == c.ran_as(s, s.algo)]
+    factors = {f"{ran_as(algo, kind == 'registered', c.device.type)}_{kind}":
+               bytes_factor(n, algo, kind == "registered", args.dtype, c.device.type, c.transport)
                for algo in ("ring", "oneshot") for kind in ("ordinary", "registered")}
     threshold = c.oneshot_max_bytes()
     info = machine_info(n, args.device)

@@ -8,7 +8,9 @@ quiet machine, since a 2-core box drifts from run to run. Per row (size and seri
 hidden size and mode) it takes each side's best run (the smallest time), and prints
 before, after and after/before; for all-reduce rows also the speedup over the baseline
 measured in the same run, which cancels most of the machine's drift. Rows present on one
-side only are left out. --json writes the table as JSON (for bench/results/).
+side only are left out. All files must agree on the collective, world size, dtype, op and
+device (recorded in the output's "facts"): a mix is refused, naming two files and the field.
+--json writes the table as JSON (for bench/results/).
 """
 from __future__ import annotations
 
@@ -17,19 +19,39 @@ import json
 import sys
 from pathlib import Path
 
+from report import world_of
 
-def _rows(path: Path) -> tuple[str, list[dict]]:
+FACTS = ("collective", "world", "dtype", "op", "device")  # what every compared file must share
+
+
+def _rows(path: Path) -> tuple[str, list[dict], dict]:
+    """kind, rows, {fact: value} (FACTS; None where the file has no such field)."""
     d = json.loads(path.read_text())
     rows = d.get("rows") or d.get("results") or []
     kind = "ddp_step" if rows and "mode" in rows[0] else "allreduce"
-    return kind, rows
+    args = d.get("args", {})
+    facts = {"collective": d.get("collective", "all_reduce") if kind == "allreduce" else None, "world": world_of(d),
+             "dtype": args.get("dtype"), "op": args.get("op"), "device": args.get("device")}
+    return kind, rows, facts
+
+
+def _same_facts(files: list[Path]) -> dict:
+    """The FACTS every file shares; SystemExit naming the first two files that differ and where."""
+    first, facts = files[0], _rows(files[0])[2]
+    for f in files[1:]:
+        other = _rows(f)[2]
+        for k in FACTS:
+            if other[k] != facts[k]:
+                raise SystemExit(f"{first} and {f} disagree on {k} ({facts[k]} vs {other[k]}): "
+                                 "compare runs of one configuration")
+    return facts
 
 
 def _best(files: list[Path]) -> tuple[str, dict]:
     """kind, {row key: {"time": best time, "speedup": best speedup over the baseline}}"""
     kinds, best = set(), {}
     for f in files:
-        kind, rows = _rows(f)
+        kind, rows, _ = _rows(f)
         kinds.add(kind)
         for r in rows:
             if kind == "allreduce":
@@ -50,6 +72,7 @@ def compare(before: list[Path], after: list[Path]) -> dict:
     ka, a = _best(after)
     if kb != ka:
         raise SystemExit(f"before is {kb}, after is {ka}: compare the same benchmark")
+    facts = _same_facts(before + after)
     unit = "us" if kb == "allreduce" else "ms"
     rows = []
     for key in sorted(set(b) & set(a), key=lambda k: (str(k[1]), k[0])):
@@ -59,7 +82,7 @@ def compare(before: list[Path], after: list[Path]) -> dict:
             row["speedup_before"], row["speedup_after"] = b[key]["speedup"], a[key]["speedup"]
         rows.append(row)
     machine = json.loads(after[0].read_text()).get("machine")
-    return {"benchmark": kb, "unit": unit, "machine": machine, "before": [str(p) for p in before],
+    return {"benchmark": kb, "unit": unit, "facts": facts, "machine": machine, "before": [str(p) for p in before],
             "after": [str(p) for p in after], "rows": rows}
 
 

@@ -250,24 +250,17 @@ def main():
     if a.rank >= 0:
         rank_main(a.rank, a.world, a.port, a)
         return
+    from _common import child_pythonpath, wait_all  # (bench/ is this script's directory)
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=child_pythonpath())
     args = ["--world", str(a.world), "--port", str(port), "--out", a.out, "--bytes", str(a.bytes), "--calls",
             str(a.calls), "--hidden", str(a.hidden), "--name", a.name]
     procs = [subprocess.Popen([sys.executable, __file__, "--rank", str(r)] + args, env=env) for r in range(a.world)]
-    rc = 0
-    for p in procs:
-        try:
-            rc = rc or p.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            rc = 124
-    sys.exit(rc)
+    sys.exit(wait_all(procs, timeout=240))
 
 
 if __name__ == "__main__":

@@ -115,7 +115,8 @@ def run(rank, world, args):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rnd >= args.warmup_rounds:
                 blocks[mode].append(t.item())
-    n_params = sum(p.numel() for p in models["gloo"][0].parameters()) * world  # sharded: local x world
+    # FSDP2's parameters are DTensors: numel() is the whole (unsharded) parameter's already
+    n_params = sum(p.numel() for p in models["gloo"][0].parameters())
     rows = [{"mode": m, "step_ms": statistics.median(blocks[m]), "best_ms": min(blocks[m]),
              "blocks_ms": blocks[m], "params": n_params} for m in MODES]
     same = max(abs(a - b) / max(abs(a), 1e-12) for a, b in zip(losses["gloo"], losses["ringdp"]))

@@ -125,13 +125,13 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     if a.rank >= 0:
         sys.exit(rank_main(a.rank, a.world, a.port, a.out, a.timeout_s, a.skip_cpu))
+    from _common import child_pythonpath  # (bench/ is this script's directory)
+
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONUNBUFFERED="1", RINGDP_TIMEOUT_S=str(a.timeout_s),
-               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    env = dict(os.environ, PYTHONUNBUFFERED="1", RINGDP_TIMEOUT_S=str(a.timeout_s), PYTHONPATH=child_pythonpath())
     gdb = shutil.which("cuda-gdb")
     wrap = [gdb, "-batch", "-ex", "set pagination off", "-ex", "run", "-ex", "bt 40", "-ex", "info threads",
             "-ex", "thread apply all bt 12", "--args"] if (a.gdb and gdb) else []

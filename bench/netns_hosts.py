@@ -33,8 +33,6 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 class Unavailable(RuntimeError):
     """This machine does not allow the namespaces (not root, a tool missing, a refused step)."""
@@ -137,8 +135,10 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2
     with `stream`: it went to stdout)."""
     import time
 
+    from _common import child_pythonpath  # (bench/ is this script's directory)
+
     base = {k: v for k, v in os.environ.items() if k != "RINGDP_HOST_ID"}
-    base["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
+    base["PYTHONPATH"] = child_pythonpath()
     procs, logs = [], []
     try:
         for k in range(2):

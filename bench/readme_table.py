@@ -8,7 +8,8 @@ allreduce_*.json and {reduce_scatter,all_gather,broadcast}_*.json (bench/allredu
 series, or, for a run with forced algorithms (--algo ring,oneshot), the median time per
 algorithm; then the summary (bench/report.py): speedups by size range, the issue's
 targets, the ring/one-shot crossover and suggested threshold. ddp_step*.json
-(bench/ddp_step.py): its rows. The world size is the one measured (machine.world_size).
+(bench/ddp_step.py): its rows. The world size is the one measured (machine.world_size). A
+file of a run that did not finish says INCOMPLETE after its name (and gets no targets).
 """
 from __future__ import annotations
 
@@ -19,14 +20,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import RESULTS_DIR as RESULTS  # noqa: E402
-from report import load, summary_lines, world_of  # noqa: E402
+from report import complete, load, summary_lines, world_of  # noqa: E402
 
 
 def fmt_size(b: int) -> str:
+    """A size in whole MiB or KiB, else in bytes (world 3's sizes, whole chunks: 4092 B)."""
     for unit, k in (("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if b >= k:
+        if b >= k and b % k == 0:
             return f"{b // k} {unit}"
     return f"{b} B"
+
+
+def title(path: Path, d: dict) -> str:
+    """The file's name, and INCOMPLETE for a run that stopped before its end (its targets are
+    not judged: report.targets)."""
+    return f"**{path.name}**" + ("" if complete(d) else " INCOMPLETE (the run did not finish)")
 
 
 def allreduce_table(path: Path, d: dict) -> str:
@@ -39,7 +47,7 @@ def allreduce_table(path: Path, d: dict) -> str:
     base = next((r["series"] for r in rows if r["kind"] == "baseline"), None)
     where = (f"{m['cpu_model']} ({m['cpu_cores']} cores)" if d["args"]["device"] == "cpu"
              else f"{m.get('gpu', 'GPU')}, {d.get('transport', 'cuda')}")
-    head = (f"**{path.name}**: world {world_of(d)}, {d['args']['dtype']}, {where}, torch {m['torch']}; "
+    head = (f"{title(path, d)}: world {world_of(d)}, {d['args']['dtype']}, {where}, torch {m['torch']}; "
             f"memcpy {d['memcpy']['one_rank_GBps']:.1f} GB/s; #wrong total {d['total_wrong']}\n\n")
     cols = ["size"] + ([f"{base} us", f"{base} busbw"] if base else [])
     cols += [c for s in series for c in (f"{s} us", f"{s} busbw") + ((f"{s} speedup",) if base else ())]
@@ -70,7 +78,7 @@ def threshold_table(path: Path, d: dict) -> str:
         by.setdefault(r["size"], {})[r["series"]] = r["median_us"]
         if r["series"] not in series:
             series.append(r["series"])
-    out = f"**{path.name}**: world {world_of(d)}, median us per call\n\n"
+    out = f"{title(path, d)}: world {world_of(d)}, median us per call\n\n"
     out += "| size | " + " | ".join(series) + " |\n|" + "---|" * (len(series) + 1) + "\n"
     for size in sorted(by):
         out += f"| {fmt_size(size)} | " + " | ".join(
@@ -79,7 +87,7 @@ def threshold_table(path: Path, d: dict) -> str:
 
 
 def ddp_table(path: Path, d: dict) -> str:
-    out = f"**{path.name}**\n\n"
+    out = f"{title(path, d)}\n\n"
     rows = d.get("rows") or d.get("results") or []
     if not rows:
         return out + "(no rows)\n"

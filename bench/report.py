@@ -11,7 +11,12 @@ Pure functions of a result file's JSON (no torch, no ringdp), used by bench/read
                            16-256 MiB, 4 KiB in <= 1/8 of gloo's time; world 4: faster than
                            gloo at every size; reduce_scatter and all_gather (--coll), world
                            2: >= 4x gloo's busbw at 16-256 MiB (issue 11); broadcast: none.
-                           {name: met} (empty when they do not apply)
+                           {name: met} (empty when they do not apply: a run that did not
+                           complete, or not on one host alone: single_host)
+    complete(doc)          whether the run finished (a file rewritten after every size says
+                           "complete": false until then; older files say nothing: complete)
+    single_host(doc)       whether the ranks ran on one host with nothing beside them (no
+                           --hosts, torchrun across hosts or bench/netns_hosts.py, no --busy)
     crossovers(runs)       sizes at which the faster of two ringdp series changes
     oneshot_suggestion(doc) with --algo ring,oneshot: up to which size one-shot beats the
                            ring (each tensor kind) and the ONESHOT_MAX_BYTES that follows
@@ -41,6 +46,17 @@ def world_of(doc: dict) -> int | None:
     """The world size of the process group that ran (older files: the --world argument)."""
     w = doc.get("machine", {}).get("world_size")
     return w if w is not None else doc.get("args", {}).get("world")
+
+
+def complete(doc: dict) -> bool:
+    return doc.get("complete") is not False
+
+
+def single_host(doc: dict) -> bool:
+    """What the issue's targets are about: one host's ranks alone (cross_path: the group
+    spans hosts; machine.network: what joins them; args.busy: processes competing for the cores)."""
+    return (doc.get("cross_path") is None and not doc.get("machine", {}).get("network")
+            and not doc.get("args", {}).get("busy"))
 
 
 def series_rows(rows: list[dict]) -> dict[str, list[dict]]:
@@ -85,7 +101,7 @@ def speedup_lines(doc: dict) -> list[str]:
 def targets(doc: dict) -> dict[str, bool]:
     args, rows = doc.get("args", {}), doc.get("rows", [])
     if (args.get("device") != "cpu" or args.get("dtype") != "float32" or baseline_name(doc) != "gloo"
-            or len(args.get("algos", [args.get("algo")])) != 1):
+            or len(args.get("algos", [args.get("algo")])) != 1 or not complete(doc) or not single_host(doc)):
         return {}
     by = series_rows(rows)
     t: dict[str, bool] = {}
@@ -151,12 +167,15 @@ def crossovers(runs: list[tuple[str, dict]]) -> list[str]:
 
 
 def oneshot_suggestion(doc: dict) -> dict | None:
-    """{"up_to": {kind: bytes}, "suggested": bytes, "capped": bool} from the mean times of
-    the forced ring and one-shot series; None unless both were measured."""
+    """{"up_to": {kind: bytes}, "against": {kind: what the forced ring ran}, "suggested":
+    bytes, "capped": bool} from the mean times of the forced ring and one-shot series (a
+    registered tensor's forced ring runs direct on CPU: its rows' algo); None unless both
+    were measured."""
     by = series_rows(doc.get("rows", []))
-    up_to, capped = {}, False
+    up_to, against, capped = {}, {}, False
     for kind in ("ringdp", "ringdp-reg"):
         ring = {r["size"]: r["time_us"] for r in by.get(f"{kind}:ring", [])}
+        against[kind] = next((r["algo"] for r in by.get(f"{kind}:ring", []) if r.get("algo") != "oneshot"), "ring")
         one = {r["size"]: r["time_us"] for r in by.get(f"{kind}:oneshot", [])}
         common = sorted(set(ring) & set(one))
         if not common:
@@ -170,7 +189,8 @@ def oneshot_suggestion(doc: dict) -> dict | None:
         capped = capped or best == common[-1]
     if not up_to:
         return None
-    return {"up_to": up_to, "suggested": min(up_to.values()), "capped": capped}
+    return {"up_to": up_to, "against": {k: against[k] for k in up_to}, "suggested": min(up_to.values()),
+            "capped": capped}
 
 
 def summary_lines(doc: dict) -> list[str]:
@@ -181,7 +201,9 @@ def summary_lines(doc: dict) -> list[str]:
     s = oneshot_suggestion(doc)
     if s:
         lines.append("one-shot beats the ring at every size up to "
-                     + ", ".join(f"{human_bytes(v)} ({k})" for k, v in s["up_to"].items())
+                     + ", ".join(f"{human_bytes(v)} ({k}" + ("" if s["against"][k] == "ring" else
+                                                          f": the forced ring runs {s['against'][k]}") + ")"
+                                 for k, v in s["up_to"].items())
                      + f"; suggested ONESHOT_MAX_BYTES = {s['suggested']}"
                      + (" (capped by the largest size measured one-shot)" if s["capped"] else ""))
     wrong = doc.get("total_wrong")

@@ -104,6 +104,43 @@ def test_summary_of_committed_results():
     assert report.oneshot_suggestion(w2) is None
 
 
+def test_targets_are_judged_on_complete_single_host_runs(tmp_path):
+    """The issue's targets are for a finished run of one host's ranks alone: none for a file
+    of a run that did not finish (its header says INCOMPLETE), nor across hosts (--hosts,
+    network namespaces), nor beside busy processes."""
+    import readme_table
+
+    w2 = report.load(RESULTS / "allreduce_cpu_w2_float32.json")
+    assert len(report.targets(w2)) == 3
+    for name in ("allreduce_cpu_w4_float32_hosts2.json", "allreduce_cpu_w4_float32_netns.json",
+                 "allreduce_cpu_w2_float32_netns_1x1.json", "allreduce_cpu_w2_float32_busy1.json"):
+        d = report.load(RESULTS / name)
+        assert report.targets(d) == {} and "target " not in readme_table.render(RESULTS / name), name
+        assert not report.single_host(d), name
+    assert report.complete(w2) and report.single_host(w2)
+    assert "target faster_than_gloo_every_size" in readme_table.render(RESULTS / "allreduce_cpu_w4_float32.json")
+    for d in (dict(w2, cross_path="flat"), dict(w2, args=dict(w2["args"], busy=2)),
+              dict(w2, machine=dict(w2["machine"], network="2 hosts")), dict(w2, complete=False)):
+        assert report.targets(d) == {}
+    p = tmp_path / "allreduce_cpu_w2_float32.json"
+    p.write_text(json.dumps(dict(w2, complete=False)))
+    text = readme_table.render(p)
+    assert text.startswith(f"**{p.name}** INCOMPLETE") and "target " not in text
+    assert "INCOMPLETE" not in readme_table.render(RESULTS / "allreduce_cpu_w2_float32.json")
+
+
+def test_readme_table_sizes_that_are_not_whole_units():
+    """World 3's sizes are whole chunks of 3 elements (4092 B, 67108860 B): labelled exactly,
+    not rounded down to a unit (3 KiB, 63 MiB)."""
+    import readme_table
+
+    assert [readme_table.fmt_size(b) for b in (512, 4096, 64 << 20, 1536, 4092, 67108860)] == [
+        "512 B", "4 KiB", "64 MiB", "1536 B", "4092 B", "67108860 B"]
+    text = readme_table.render(RESULTS / "reduce_scatter_cpu_w3_float32_hosts2.json")
+    assert "| 4092 B |" in text and "| 67108860 B |" in text
+    assert "| 3 KiB |" not in text and "| 63 MiB |" not in text
+
+
 # ------------------------------------------------------------------ gpu_check
 def test_gpu_check_syntax():
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0
@@ -329,6 +366,52 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
             assert parsed.get(k) == stored.get(k), (first, k, parsed.get(k), stored.get(k))
 
 
+def _close(text: str, value: float) -> bool:
+    """Whether `text` (a number as README prints it) is `value` rounded to its decimals."""
+    decimals = len(text.split(".")[1]) if "." in text else 0
+    return abs(float(text) - value) <= 0.5 * 10 ** -decimals + 1e-9
+
+
+def test_readme_figures_match_their_files():
+    """Figures README quotes from the committed files, recomputed from them: the registered
+    / ordinary speed at 64 KiB-4 MiB (world 2), the H100 copy bandwidths, FSDP2's parameter
+    count, and the spin learner's best runs (the compare files keep each side's best)."""
+    import re
+
+    from torch import nn
+
+    text = " ".join((ROOT / "README.md").read_text().split())
+    rows = report.load(RESULTS / "allreduce_cpu_w2_float32.json")["rows"]
+    t = {(r["size"], r["series"]): r["time_us"] for r in rows}
+    ratios = [t[z, "ringdp"] / t[z, "ringdp-reg"] for z in (64 << 10, 256 << 10, 1 << 20, 4 << 20)]
+    lo, hi = re.search(r"and ([\d.]+)-([\d.]+)x the ordinary ones from 64 KiB to 4 MiB", text).groups()
+    assert _close(lo, min(ratios)) and _close(hi, max(ratios)), (lo, hi, ratios)
+
+    copies = [report.load(f)["memcpy"]["one_rank_GBps"] / 1e3 for f in RESULTS.glob("allreduce_cuda_*_H100.json")]
+    copies.append(report.load(RESULTS / "gpu_check_bench_H100.json")["copy_GBps"] / 1e3)
+    lo, hi = re.search(r"copy bandwidth ([\d.]+)-([\d.]+) TB/s", text).groups()
+    assert _close(lo, min(copies)) and _close(hi, max(copies)), (lo, hi, copies)
+
+    args = report.load(RESULTS / "fsdp_step_cpu_w2.json")["args"]
+    d = args["d_model"]
+    model = nn.Sequential(*[nn.TransformerEncoderLayer(d, 8, 4 * d) for _ in range(args["layers"])])
+    (m,) = re.search(r"`fsdp_step_cpu_w2.json`, ([\d.]+)M parameters", text).groups()
+    assert _close(m, sum(p.numel() for p in model.parameters()) / 1e6), m
+
+    lines = (ROOT / "README.md").read_text().splitlines()
+    head = lines.index("| beside the ranks | 1 MiB | 4 MiB | 16 MiB | 64 MiB |")
+    sizes = (1 << 20, 4 << 20, 16 << 20, 64 << 20)
+    for busy, line in enumerate(lines[head + 2:head + 5]):
+        best = {r["key"][0]: r for r in report.load(RESULTS / f"compare_spin_learner_allreduce_cpu_w2_busy{busy}.json")[
+            "rows"] if r["key"][1] == "ringdp"}
+        for z, cell in zip(sizes, line.strip("|").split("|")[1:]):
+            before, after, unit, ratio = re.search(r"([\d.]+) -> ([\d.]+) (us|ms) \(([\d.]+)\)", cell).groups()
+            scale = 1e3 if unit == "ms" else 1.0
+            r = best[z]
+            assert _close(before, r["before_us"] / scale) and _close(after, r["after_us"] / scale), (busy, z, cell)
+            assert _close(ratio, r["after_over_before"]), (busy, z, cell)
+
+
 def test_compare_takes_each_sides_best_run(tmp_path):
     """bench/compare.py: per row the smallest time of each side, after/before, and the
     speedup over the baseline of the same run; rows on one side only are left out."""
@@ -361,16 +444,81 @@ def test_compare_takes_each_sides_best_run(tmp_path):
         compare.compare(before, [ddp])
 
 
-@pytest.mark.parametrize("script", ["allreduce", "ddp_step", "fsdp_step", "train"])
-def test_bench_scripts_take_the_ringdp_on_pythonpath(tmp_path, script):
+def test_compare_refuses_files_of_different_configurations(tmp_path):
+    """bench/compare.py: files that disagree on the collective, world size, dtype or op are
+    not compared (their rows share (size, series) keys): an error naming both files and the
+    field; files that agree give the facts they share."""
+    import re
+
+    import compare
+
+    def write(name, coll="all_reduce", world=2, dtype="float32", op="sum"):
+        p = tmp_path / name
+        p.write_text(json.dumps({"collective": coll, "machine": {"world_size": world},
+                                 "args": {"dtype": dtype, "op": op, "device": "cpu"},
+                                 "rows": [{"size": 4096, "series": "ringdp", "time_us": 10.0, "speedup": 2.0}]}))
+        return p
+
+    ar = write("ar.json")
+    for name, kw, field in (("rs.json", {"coll": "reduce_scatter", "world": 4}, "collective"),
+                            ("w4.json", {"world": 4}, "world"), ("bf16.json", {"dtype": "bfloat16"}, "dtype"),
+                            ("max.json", {"op": "max"}, "op")):
+        other = write(name, **kw)
+        with pytest.raises(SystemExit, match=f"{re.escape(str(ar))} and {re.escape(str(other))} disagree on {field}"):
+            compare.compare([ar], [other])
+        with pytest.raises(SystemExit, match=f"disagree on {field}"):
+            compare.compare([ar, other], [ar])
+    c = compare.compare([ar], [write("ar2.json")])
+    assert c["facts"] == {"collective": "all_reduce", "world": 2, "dtype": "float32", "op": "sum", "device": "cpu"}
+    assert len(c["rows"]) == 1
+
+
+class _Started(Exception):
+    """Raised by a stand-in for subprocess.Popen once it has the child's environment."""
+
+
+def _child_env(script: str, tmp_path, monkeypatch) -> dict:
+    """The environment the launcher `script` (cuda_probe, gpu_diag, netns_hosts) gives the
+    first process it starts; none is started (they need a GPU or root)."""
+    import importlib.util
+
+    seen = {}
+
+    def popen(*args, **kw):
+        seen.update(kw["env"])
+        raise _Started
+
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", BENCH / f"{script}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with monkeypatch.context() as m, pytest.raises(_Started):
+        m.setattr(subprocess, "Popen", popen)
+        if script == "netns_hosts":  # its launchers (torchrun on each host)
+            mod.launch({"prefix": [[], []], "addr": ["127.0.0.1"] * 2}, ["job.py"], 1)
+        else:  # the ranks
+            m.setattr(sys, "argv", [f"{script}.py", "--world", "1", "--out", str(tmp_path / "out")])
+            mod.main()
+    return seen
+
+
+@pytest.mark.parametrize("script", ["allreduce", "ddp_step", "fsdp_step", "train", "cuda_probe", "gpu_diag",
+                                    "netns_hosts"])
+def test_bench_scripts_take_the_ringdp_on_pythonpath(tmp_path, script, monkeypatch):
     """A/B runs put the code before on PYTHONPATH: every bench script must then import that
     ringdp, not the checkout it lives in (ddp_step, fsdp_step and train put the checkout
-    first, so both sides of such an A/B ran the same code)."""
+    first, so both sides of such an A/B ran the same code); the launchers (cuda_probe,
+    gpu_diag, netns_hosts) hand their processes a PYTHONPATH with the checkout last (they
+    put it first)."""
     fake = tmp_path / "before" / "ringdp"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("")
     code = (f"import runpy, sys; runpy.run_path({str(ROOT / 'bench' / (script + '.py'))!r}, run_name='bench'); "
             "import ringdp; print('RINGDP', ringdp.__file__)")
     env = dict(os.environ, PYTHONPATH=str(tmp_path / "before"))
+    if script in ("cuda_probe", "gpu_diag", "netns_hosts"):
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / "before"))
+        env = _child_env(script, tmp_path, monkeypatch)
+        assert env["PYTHONPATH"].split(os.pathsep) == [str(tmp_path / "before"), str(ROOT)], env["PYTHONPATH"]
+        code = "import ringdp; print('RINGDP', ringdp.__file__)"  # (what the child imports)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert f"RINGDP {fake / '__init__.py'}" in r.stdout, (r.stdout, r.stderr[-2000:])

@@ -49,11 +49,13 @@ def test_bench_smoke(tmp_path):
     assert src["commit"] == (head.stdout.strip() if head.returncode == 0 else None), src
     assert payload["memcpy"]["one_rank_GBps"] > 0
     assert payload["transport"] == "shm" and payload["complete"] is True
-    assert {r["algo"] for r in rows if r["kind"] != "baseline"} <= {"ring", "oneshot"}
-    # what the engine ran (flight record): registered tensors go direct past one-shot's sizes
-    paths = {(r["series"], r["path"]) for r in rows if r["algo"] == "ring"}
-    assert paths == {("ringdp", "ring_staged"), ("ringdp-reg", "direct")}, paths
+    # the algo column says what the engine ran (flight record): registered tensors go direct
+    # past one-shot's sizes, and the roofline factor is named so
+    ran = {(r["series"], r["algo"], r["path"]) for r in rows if r["kind"] != "baseline" and r["algo"] != "oneshot"}
+    assert ran == {("ringdp", "ring", "ring_staged"), ("ringdp-reg", "direct", "direct")}, ran
     assert {r["path"] for r in rows if r["algo"] == "oneshot"} <= {"oneshot"}
+    assert set(payload["roofline"]["bytes_per_rank_over_S"]) == {"ring_ordinary", "direct_registered",
+                                                                 "oneshot_ordinary", "oneshot_registered"}
     assert all(r["path"] is None for r in rows if r["kind"] == "baseline")
     assert (tmp_path / "allreduce_cpu_w2_float32.png").stat().st_size > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["allreduce_cpu_w2_float32.json",
@@ -117,7 +119,8 @@ def test_busy_process_ends_with_its_parent():
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_forced_algorithms(tmp_path):
-    """--algo ring,oneshot: one series per forced algorithm, labelled with what ran."""
+    """--algo ring,oneshot: one series per forced algorithm (named by its algo=), its algo
+    column what ran: the flight record's path (registered tensors' ring runs direct)."""
     cmd = [sys.executable, str(BENCH), "--world", "2", "-b", "1K", "-e", "4K", "--algo", "ring,oneshot",
            "--no-baseline", "--iters", "2", "--warmup", "1", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
@@ -126,7 +129,9 @@ def test_bench_forced_algorithms(tmp_path):
     rows = payload["rows"]
     assert {r["series"] for r in rows} == {"ringdp:ring", "ringdp:oneshot", "ringdp-reg:ring", "ringdp-reg:oneshot"}
     for r in rows:
-        assert r["algo"] == r["series"].split(":")[1] and r["wrong"] == 0 and r["speedup"] is None
+        want = "direct" if r["series"] == "ringdp-reg:ring" else r["series"].split(":")[1]
+        assert r["algo"] == want and r["wrong"] == 0 and r["speedup"] is None, r
+        assert r["path"] == {"ring": "ring_staged"}.get(want, want), r
     assert "summary" not in payload  # summaries are bench/report.py's (readme_table.py prints them)
 
 
@@ -241,3 +246,46 @@ def test_bench_hosts_rejects_what_needs_one_host():
         proc = subprocess.run([sys.executable, str(BENCH), "--hosts", "2", *extra], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and why in proc.stderr, (extra, proc.stderr)
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_fsdp_step_counts_the_unsharded_parameters(tmp_path):
+    """bench/fsdp_step.py's params is the model's parameter count, not world times it
+    (FSDP2's DTensor parameters count the whole tensor already)."""
+    import os
+
+    from torch import nn
+
+    cmd = [sys.executable, str(REPO / "bench" / "fsdp_step.py"), "--world", "2", "--d-model", "16", "--layers", "2",
+           "--batch", "1", "--seq", "4", "--iters", "1", "--warmup", "0", "--rounds", "1", "--warmup-rounds", "0",
+           "--out-dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    model = nn.Sequential(*[nn.TransformerEncoderLayer(16, 8, 64, dropout=0.0, batch_first=True) for _ in range(2)])
+    want = sum(p.numel() for p in model.parameters())
+    rows = json.loads((tmp_path / "fsdp_step_cpu_w2.json").read_text())["rows"]
+    assert [r["params"] for r in rows] == [want] * 3, (want, rows)
+
+
+def test_wait_all_leaves_no_rank_behind():
+    """bench/_common.wait_all (bench/cuda_probe.py's ranks): the first failure's status, and
+    the ranks still running then are killed and reaped, not left waiting for a dead peer;
+    124 past the timeout (all killed); 0 when every one exits 0."""
+    import time
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from _common import wait_all
+
+    def start(code):
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    procs = [start("import time; time.sleep(60)"), start("import sys, time; time.sleep(0.5); sys.exit(3)"),
+             start("import sys, time; time.sleep(3); sys.exit(5)"), start("import time; time.sleep(60)")]
+    t0 = time.monotonic()
+    assert wait_all(procs, timeout=120) == 3  # the first failure, not the later one
+    assert time.monotonic() - t0 < 30
+    assert all(p.returncode is not None and not _alive(p.pid) for p in procs), [p.returncode for p in procs]
+    hung = start("import time; time.sleep(60)")
+    assert wait_all([start("pass"), hung], timeout=1) == 124 and hung.returncode is not None
+    assert wait_all([start("pass"), start("pass")], timeout=60) == 0
