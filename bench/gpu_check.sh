@@ -288,6 +288,7 @@ priority)
   cuda_test 60 "test_cuda_two_hosts[leaders]"
   cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
   cuda_test 45 "test_ipc_peer_killed[during]"
+  cuda_test 60 test_nccl_peer_killed
   ;;
 # ------------------------------------------------------------------ smoke
 smoke)

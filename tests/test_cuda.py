@@ -862,13 +862,16 @@ def test_ipc_large(world):
     _assert_matrix(run_ranks(_large, world, (1 << 26) + 5, env=env, timeout=900))
 
 
-def _cuda_peer_killed(rank, world, when, victims=None):
+def _cuda_peer_killed(rank, world, when, victims=None, destroy=False):
+    """The survivor's RingError and how long it took; with `destroy`, how long
+    ringdp.destroy() took after it (it must not wait on the dead peer)."""
     import signal
     import threading
     import time
 
     import ringdp
 
+    _nccl_env(rank)
     _setup(rank)
     t = torch.ones(1 << 22, device="cuda")
     ringdp.all_reduce(t)  # one good call first
@@ -886,7 +889,15 @@ def _cuda_peer_killed(rank, world, when, victims=None):
             ringdp.synchronize()
         return None
     except ringdp.RingError as e:
-        return str(e), time.monotonic() - t0
+        failed = str(e), time.monotonic() - t0
+    if not destroy:
+        return failed
+    t1 = time.monotonic()
+    try:
+        ringdp.destroy()
+    except Exception:  # noqa: BLE001 -- a failed teardown is fine here: returning is what counts
+        pass
+    return (*failed, time.monotonic() - t1)
 
 
 @needs_cuda
@@ -903,6 +914,24 @@ def test_ipc_peer_killed(when):
     msg, took = value
     assert "rank 0" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
+
+
+@needs_cuda
+def test_nccl_peer_killed():
+    """The NCCL transport, a SIGKILLed peer: the survivor gets a RingError naming its rank
+    within the timeout (its bounded stream wait aborts the communicator), and
+    ringdp.destroy() afterwards returns at once: a communicator that failed is aborted,
+    never destroyed (ncclCommDestroy would wait with the work stuck on the dead peer)."""
+    _skip_without_nccl()
+    env = {"RINGDP_TRANSPORT": "nccl", "RINGDP_TIMEOUT_S": "10", "RINGDP_TEST_NCCL_HOSTID": "1"}
+    res = run_ranks(_cuda_peer_killed, 2, "during", None, True, env=env, allow_missing=(1,), timeout=240)
+    status, value = res[0]
+    assert status == "ok", value
+    assert value is not None, "the survivor never noticed its peer died"
+    msg, took, destroy_took = value
+    assert "rank 0" in msg, msg
+    assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
+    assert destroy_took < 10, f"ringdp.destroy() took {destroy_took:.1f} s after the failure"
 
 
 def _memory_cycles(rank, world):

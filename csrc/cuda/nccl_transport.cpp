@@ -260,6 +260,7 @@ class NcclComm final : public Comm {
       ncclResult_t r = ncclSuccess;
       if (api_.CommGetAsyncError(comm_, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
         fatal_ = cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
+        abort_comm();  // (NCCL: a communicator with an error is aborted; destroying it may hang)
         throw RingError(fatal_);
       }
     }
@@ -282,21 +283,21 @@ class NcclComm final : public Comm {
 
   void abort(const std::string& reason) override {
     if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason);
-    if (comm_) {
-      DeviceGuard g(device_);
-      (void)api_.CommAbort(comm_);  // makes NCCL kernels still in flight return
-      comm_ = nullptr;
-    }
+    abort_comm();
   }
 
   void quiesce() override {
     if (quiesced_) return;
     quiesced_ = true;
+    bool drained = true;
     try {
       wait_stream("shutdown");
     } catch (...) {
+      drained = false;
     }
-    if (comm_) {
+    if (!drained || !fatal_.empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
+      abort_comm();
+    } else if (comm_) {
       DeviceGuard g(device_);
       (void)api_.CommDestroy(comm_);
       comm_ = nullptr;
@@ -445,8 +446,17 @@ class NcclComm final : public Comm {
     } catch (...) {
       if (fatal_.empty())
         fatal_ = cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now");
+      abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
       throw;
     }
+  }
+
+  // ncclCommAbort: NCCL kernels still in flight return; the communicator is gone (fatal_ says why).
+  void abort_comm() {
+    if (!comm_) return;
+    DeviceGuard g(device_);
+    (void)api_.CommAbort(comm_);
+    comm_ = nullptr;
   }
 
   // A device-to-device copy on ringdp's stream (nothing when dst == src).
