@@ -58,7 +58,7 @@ class Rendezvous:
         store = self.store
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0002
-        while not store.check(keys):
+        while not self._check(store, keys, what):
             left = deadline - time.monotonic()
             if left <= 0:
                 missing = [k for k in keys if not store.check([k])]
@@ -67,6 +67,13 @@ class Rendezvous:
                     f"{', '.join(missing) or 'peers'}; did every rank of the group call ringdp with the same group?")
             time.sleep(min(pause, left))
             pause = min(2 * pause, self._POLL_MAX_S)
+
+    def _check(self, store, keys: list[str], what: str) -> bool:
+        try:
+            return store.check(keys)
+        except dist.DistError as e:  # the store is gone: its host (rank 0 under torchrun) died
+            raise RingError(f"rank {self.rank}: lost the store while waiting for {what} ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}); the rank that hosts it may have died") from None
 
     def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
         """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""

@@ -215,7 +215,9 @@ def test_sigterm_during_setup_chains_to_python_handler():
     assert seen["name"] and NAME.match(seen["name"]), seen
     assert seen["after"] is False  # unlinked at the signal, while the rank still waited
     assert restored  # Python's handler is SIGTERM's disposition again
-    assert res[1] and seen["name"] in res[1] and "No such file" in res[1], res[1]  # the peer could not map it
+    # the peer fails with a RingError: it could not map the segment, or (rank 0 gone before it
+    # got there: its wait sleeps, so the handler runs at once) it lost rank 0's store
+    assert res[1] and ((seen["name"] in res[1] and "No such file" in res[1]) or "lost the store" in res[1]), res[1]
     assert seen["name"] not in _shm()
 
 
