@@ -288,6 +288,46 @@ def test_cuda_work_semantics(transport):
         assert out["future_result"] == want, f"rank {r}: get_future(): {out['future_result']} != {want}"
 
 
+def _registered_freed_in_flight(rank, world):
+    """A registered tensor dropped while its all-reduce still waits on ringdp's stream (behind
+    a busy GPU; the call returned once enqueued): the next ringdp.empty() must not hand its
+    block out before the collective is done (the caching allocator's record_stream does not
+    cover ringdp's arena: IpcComm::free defers the block to an event on ringdp's stream). The
+    new tensor, filled at once on a stream that does not wait for the collective, keeps its
+    values: the collective's result is not written into it."""
+    import ringdp
+
+    _setup(rank)
+    n = 1 << 18
+    warm = ringdp.empty(n, device="cuda")
+    warm.fill_(1.0)
+    ringdp.all_reduce(warm)  # sets the CUDA endpoint up
+    del warm
+    torch.cuda.synchronize()
+    t = ringdp.empty(n, device="cuda")
+    t.fill_(float(rank + 1))
+    torch.cuda._sleep(500_000_000)  # the collective waits behind this on ringdp's stream
+    ringdp.all_reduce(t)  # (inline: enqueued when it returns; the current stream joins ringdp's)
+    old = t.data_ptr()
+    del t
+    u = ringdp.empty(n, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # not ordered after the collective
+        u.fill_(100.0 + rank)
+    torch.cuda.synchronize()
+    ringdp.synchronize()
+    return u.data_ptr() == old, (u.min().item(), u.max().item())
+
+
+@needs_cuda
+def test_registered_tensor_freed_in_flight():
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "60", "RINGDP_CUDA_ARENA_MB": "16"}
+    for r, (same_block, (lo, hi)) in enumerate(values(run_ranks(_registered_freed_in_flight, 2, env=env, timeout=240))):
+        assert (lo, hi) == (100.0 + r, 100.0 + r), (
+            f"rank {r}: a new registered tensor got {lo}..{hi} instead of {100 + r} (its block was "
+            f"handed out while the collective of a dropped tensor still used it; same block: {same_block})")
+
+
 def _stream_order_entry(rank, world, transport):
     _nccl_env(rank)
     return _stream_order(rank, world)

@@ -383,13 +383,17 @@ class IpcComm final : public Comm {
     if (!base_ || destroyed_)
       throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": alloc on a destroyed communicator"));
     const size_t want = round_up(std::max<size_t>(bytes, 1), kArenaAlign);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second < want) continue;
-      const size_t off = it->first, have = it->second;
-      free_.erase(it);
-      if (have > want) free_[off + want] = have - want;
-      used_[off] = want;
-      return reinterpret_cast<uintptr_t>(base_ + lay_.arena_off() + off);
+    for (int pass = 0; pass < 2; ++pass) {
+      reclaim_locked(/*wait=*/pass == 1);  // blocks freed while ringdp's stream still used them
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->second < want) continue;
+        const size_t off = it->first, have = it->second;
+        free_.erase(it);
+        if (have > want) free_[off + want] = have - want;
+        used_[off] = want;
+        return reinterpret_cast<uintptr_t>(base_ + lay_.arena_off() + off);
+      }
+      if (deferred_.empty()) break;
     }
     size_t avail = 0;
     for (auto& f : free_) avail = std::max(avail, f.second);
@@ -405,8 +409,49 @@ class IpcComm final : public Comm {
     const size_t off = static_cast<size_t>(reinterpret_cast<const char*>(ptr) - arena);
     auto it = used_.find(off);
     if (it == used_.end()) return;  // not ours (or freed twice): ignore, never corrupt the list
-    size_t start = off, len = it->second;
+    const size_t len = it->second;
     used_.erase(it);
+    // A collective queued on ringdp's stream may still read or write the block (an async call
+    // whose tensor was dropped before anything joined it; the caching allocator's
+    // record_stream does not cover memory it did not allocate): it is reused only once an
+    // event recorded there now has completed (reclaim_locked).
+    cudaEvent_t done = nullptr;
+    if (stream_ && !destroyed_) {
+      DeviceGuard g(device_);
+      if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) == cudaSuccess &&
+          cudaEventRecord(done, stream_) == cudaSuccess) {
+        deferred_.push_back({off, len, done});
+        return;
+      }
+      if (done) (void)cudaEventDestroy(done);
+      (void)cudaGetLastError();
+    }
+    give_back_locked(off, len);
+    if (region_free_pending_ && used_.empty()) free_region_locked();
+  }
+
+  // Return the blocks freed (free) whose event on ringdp's stream has completed to the free
+  // list; with `wait`, wait for those events first (alloc found no block otherwise).
+  void reclaim_locked(bool wait) {
+    if (deferred_.empty()) return;
+    DeviceGuard g(device_);
+    size_t kept = 0;
+    for (Deferred& d : deferred_) {
+      if (wait) (void)cudaEventSynchronize(d.done);
+      if (cudaEventQuery(d.done) == cudaErrorNotReady) {
+        deferred_[kept++] = d;
+        continue;
+      }
+      (void)cudaEventDestroy(d.done);
+      give_back_locked(d.off, d.len);
+    }
+    deferred_.resize(kept);
+    (void)cudaGetLastError();
+  }
+
+  // Put [off, off+len) of the arena back on the free list, merged with its free neighbours.
+  void give_back_locked(size_t off, size_t len) {
+    size_t start = off;
     auto next = free_.lower_bound(start);
     if (next != free_.end() && next->first == start + len) {
       len += next->second;
@@ -421,7 +466,6 @@ class IpcComm final : public Comm {
       }
     }
     free_[start] = len;
-    if (region_free_pending_ && used_.empty()) free_region_locked();
   }
 
   bool is_registered(uintptr_t ptr, size_t bytes) const override {
@@ -596,6 +640,8 @@ class IpcComm final : public Comm {
   void free_region_locked() {
     if (base_) {
       DeviceGuard g(device_);
+      for (Deferred& d : deferred_) (void)cudaEventDestroy(d.done);  // (the stream was drained: quiesce)
+      deferred_.clear();
       (void)cudaFree(base_);
       (void)cudaGetLastError();
     }
@@ -752,6 +798,11 @@ class IpcComm final : public Comm {
   mutable std::mutex mu_;
   std::map<size_t, size_t> free_;  // arena offset -> bytes
   std::map<size_t, size_t> used_;
+  struct Deferred {
+    size_t off, len;
+    cudaEvent_t done;  // recorded on ringdp's stream when the block was freed
+  };
+  std::vector<Deferred> deferred_;  // freed blocks not yet reusable (free, reclaim_locked)
   bool region_free_pending_ = false;
 };
 
