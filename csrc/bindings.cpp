@@ -60,6 +60,27 @@ std::vector<at::ScalarType> supported_dtypes() {
   return v;
 }
 
+// The bytes of a registered tensor of `sizes` and `st` (ringdp.empty, CPU and CUDA): every
+// product checked, so that a size whose byte count does not fit (2^62 float32 elements
+// wrapped to 0 bytes: a tensor that claimed 2^62 elements on a 4 KiB block) is a ValueError
+// naming the shape and the dtype, as is a negative dimension. At most 2^63 - 1 bytes
+// (torch's sizes, strides and storage offsets are int64).
+size_t registered_bytes(const std::vector<int64_t>& sizes, at::ScalarType st) {
+  auto refuse = [&](const char* why) {
+    std::string shape = "(";
+    for (size_t i = 0; i < sizes.size(); ++i) shape += (i ? ", " : "") + std::to_string(sizes[i]);
+    shape += sizes.size() == 1 ? ",)" : ")";
+    return py::value_error(std::string("ringdp.empty: size ") + shape + " of " +
+                           py::str(py::cast(st)).cast<std::string>() + why);
+  };
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(st));
+  for (int64_t s : sizes)
+    if (s < 0) throw refuse(": a dimension is negative");
+  for (int64_t s : sizes)
+    if (__builtin_mul_overflow(bytes, s, &bytes)) throw refuse(": its byte count is past 2^63 - 1");
+  return static_cast<size_t>(bytes);
+}
+
 // A Python callable as a C++ callback that may run on any thread (it takes the GIL; not
 // once the interpreter is finalizing). Errors it raises are reported as unraisable.
 std::function<void(const std::string&)> python_callback(py::function f, const char* what) {
@@ -205,13 +226,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            })
       .def("empty", [](std::shared_ptr<ShmComm> c, std::vector<int64_t> sizes, at::ScalarType st) {
         to_dtype(st);  // TypeError for a dtype ringdp does not reduce
-        int64_t numel = 1;
-        for (int64_t s : sizes) {
-          if (s < 0) throw py::value_error("ringdp.empty: negative dimension");
-          numel *= s;
-        }
-        const size_t bytes = static_cast<size_t>(numel) * c10::elementSize(st);
-        const size_t off = c->arena_alloc(bytes);
+        const size_t off = c->arena_alloc(registered_bytes(sizes, st));
         void* p = c->arena_base() + off;
         // The deleter keeps the communicator (and so the mapping) alive until the last
         // tensor sharing this storage is gone.
@@ -301,12 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("empty",
              [](std::shared_ptr<Comm> c, std::vector<int64_t> sizes, at::ScalarType st) {
                to_dtype(st);  // TypeError for a dtype ringdp does not reduce
-               int64_t numel = 1;
-               for (int64_t s : sizes) {
-                 if (s < 0) throw py::value_error("ringdp.empty: negative dimension");
-                 numel *= s;
-               }
-               const uintptr_t p = c->alloc(static_cast<size_t>(numel) * c10::elementSize(st));
+               const uintptr_t p = c->alloc(registered_bytes(sizes, st));
                // The deleter keeps the communicator (and its IPC region) alive.
                return torch::from_blob(
                    reinterpret_cast<void*>(p), sizes, [c, p](void*) { c->free(p); },

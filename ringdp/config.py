@@ -84,8 +84,11 @@ class Config:
 
 
 # ---------------------------------------------------------------------------------- parsers
-def _number(kind: type, minimum: float, strict: bool = False, what: str | None = None):
-    """A parser of `kind` (int or float) values >= minimum (> minimum when strict)."""
+def _number(kind: type, minimum: float, strict: bool = False, what: str | None = None,
+            maximum: float | None = None, multiple: int = 1, infinite: bool = False):
+    """A parser of `kind` (int or float) values >= minimum (> minimum when strict), at most
+    `maximum` (None: no bound; the bounds: policy.py "limits of the RINGDP_* values"), a
+    multiple of `multiple`, and finite unless `infinite` (a timeout: _seconds)."""
     def parse(name: str, raw: str):
         try:
             v = kind(raw)
@@ -97,26 +100,45 @@ def _number(kind: type, minimum: float, strict: bool = False, what: str | None =
         if v < minimum or (strict and v == minimum):
             bound = what or ("must be positive" if strict and minimum == 0 else f"must be >= {minimum:g}")
             raise ValueError(f"{name}={raw!r}: {bound}")
+        most = "" if maximum is None else f"at most {maximum:g}" if isinstance(maximum, float) else f"at most {maximum}"
+        if v == float("inf") and not infinite:
+            raise ValueError(f"{name}={raw!r}: must be finite" + (most and f", {most}"))
+        if maximum is not None and v > maximum:
+            raise ValueError(f"{name}={raw!r}: must be {most}")
+        if multiple > 1 and v % multiple:
+            raise ValueError(f"{name}={raw!r}: must be a multiple of {multiple}")
         return v
 
     return parse
 
 
 _nonneg_int = _number(int, 0)
+_int_or_never = _number(int, -1, what="expected a byte count, or -1 for never")
+_buffer_bytes = _number(int, 0, maximum=policy.MAX_BUFFER_BYTES)  # 0: the default (CUDA), or no one-shot (shm)
+_slot_bytes = _number(int, policy.SLOT_MIN_BYTES, maximum=policy.MAX_BUFFER_BYTES, multiple=policy.SLOT_ALIGN_BYTES,
+                      what=f"must be at least {policy.SLOT_MIN_BYTES}, a multiple of {policy.SLOT_ALIGN_BYTES}")
+_slots = _number(int, 0, maximum=policy.MAX_SLOTS)  # 0: the transport's default
 
 
 def _power_of_two(name: str, raw: str) -> int:
     """An int >= 2 that is a power of two (RINGDP_FIFO_SLOTS: a link's slot is its 32-bit
     slice counter modulo the slots, in order across the counter's wrap only then)."""
-    v = _number(int, 2)(name, raw)
+    v = _number(int, 2, maximum=policy.MAX_SLOTS)(name, raw)
     if v & (v - 1):
         raise ValueError(f"{name}={raw!r}: must be a power of two (2, 4, 8, ...)")
     return v
 
 
-_int_or_never = _number(int, -1, what="expected a byte count, or -1 for never")
-_positive_float = _number(float, 0, strict=True)
-_nonneg_float = _number(float, 0)
+def _seconds(strict: bool) -> Callable[[str, str], float]:
+    """Seconds (RINGDP_TIMEOUT_S: positive; RINGDP_STALL_WARN_S: 0 is never): above
+    policy.MAX_TIMEOUT_S that bound, infinity included (policy.timeout_s, the one rule)."""
+    number = _number(float, 0, strict=strict, infinite=True)
+
+    def parse(name: str, raw: str) -> float:
+        v = number(name, raw)
+        return policy.timeout_s(v, None) if v > 0 else v
+
+    return parse
 
 
 def _bool(name: str, raw: str) -> bool:
@@ -143,27 +165,27 @@ def _text(name: str, raw: str) -> str:
 
 
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
-    "RINGDP_TIMEOUT_S": ("timeout_s", _positive_float),
-    "RINGDP_STALL_WARN_S": ("stall_warn_s", _nonneg_float),
+    "RINGDP_TIMEOUT_S": ("timeout_s", _seconds(strict=True)),
+    "RINGDP_STALL_WARN_S": ("stall_warn_s", _seconds(strict=False)),
     "RINGDP_ALGO": ("algo", _choice(ALGOS)),
     "RINGDP_ONESHOT_MAX_BYTES": ("oneshot_max_bytes", _nonneg_int),
-    "RINGDP_ONESHOT_BYTES": ("oneshot_bytes", _nonneg_int),
-    "RINGDP_SLOT_BYTES": ("slot_bytes", _nonneg_int),
+    "RINGDP_ONESHOT_BYTES": ("oneshot_bytes", _buffer_bytes),
+    "RINGDP_SLOT_BYTES": ("slot_bytes", _slot_bytes),
     "RINGDP_FIFO_SLOTS": ("fifo_slots", _power_of_two),
-    "RINGDP_ARENA_GB": ("arena_gb", _positive_float),
-    "RINGDP_SPIN_US": ("spin_us", _nonneg_float),
+    "RINGDP_ARENA_GB": ("arena_gb", _number(float, 0, strict=True, maximum=policy.MAX_ARENA_GB)),
+    "RINGDP_SPIN_US": ("spin_us", _number(float, 0, maximum=policy.MAX_SPIN_US)),
     "RINGDP_INLINE_ASYNC_MAX_BYTES": ("inline_async_max_bytes", _nonneg_int),
     "RINGDP_HOST_ID": ("host_id", _text),
     "RINGDP_HIERARCHY": ("hierarchy", _bool),
     "RINGDP_HIER_PIECE_BYTES": ("hier_piece_bytes", _number(int, 1)),
     "RINGDP_TRANSPORT": ("transport", _choice(TRANSPORTS)),
-    "RINGDP_CUDA_SLOT_BYTES": ("cuda_slot_bytes", _nonneg_int),
-    "RINGDP_CUDA_SLOTS": ("cuda_slots", _nonneg_int),
-    "RINGDP_CUDA_CHANNELS": ("cuda_channels", _nonneg_int),
-    "RINGDP_CUDA_ONESHOT_BYTES": ("cuda_oneshot_bytes", _nonneg_int),
+    "RINGDP_CUDA_SLOT_BYTES": ("cuda_slot_bytes", _buffer_bytes),
+    "RINGDP_CUDA_SLOTS": ("cuda_slots", _slots),
+    "RINGDP_CUDA_CHANNELS": ("cuda_channels", _slots),
+    "RINGDP_CUDA_ONESHOT_BYTES": ("cuda_oneshot_bytes", _buffer_bytes),
     "RINGDP_CUDA_ONESHOT_MAX_BYTES": ("cuda_oneshot_max_bytes", _nonneg_int),
     "RINGDP_CUDA_REGISTERED": ("cuda_registered", _bool),
-    "RINGDP_CUDA_ARENA_MB": ("cuda_arena_mb", _nonneg_float),
+    "RINGDP_CUDA_ARENA_MB": ("cuda_arena_mb", _number(float, 0, maximum=policy.MAX_ARENA_GB << 10)),
     "RINGDP_NCCL_LIBRARY": ("nccl_library", _text),
     "RINGDP_NCCL_HOSTID_PER_RANK": ("nccl_hostid_per_rank", _bool),
     "RINGDP_DDP_IN_GRAD_MIN_BYTES": ("ddp_in_grad_min_bytes", _int_or_never),

@@ -9,7 +9,9 @@ functions are the decisions, each made in one place for every transport:
 * spin_ns, timeout_s: how long to spin before sleeping, how long to wait for peers;
 * inline_async: which asynchronous collectives run on the calling thread;
 * cross_host_path, two_level_piece_bytes: the CPU all-reduce across hosts and its pieces;
-* cross_host_timeout: how long a cross-host step waits, within the call's timeout.
+* cross_host_timeout: how long a cross-host step waits, within the call's timeout;
+* the limits of the RINGDP_* values (MAX_TIMEOUT_S, MAX_BUFFER_BYTES, ...), which config.py
+  applies.
 
 ONESHOT_MAX_BYTES comes from `python bench/allreduce.py --algo ring,oneshot` on the 2-core CI
 machine (world 2 and 4, float32); see README.md "Choosing the algorithm".
@@ -68,6 +70,48 @@ SPIN_NS = 50_000
 SPIN_NS_OVERSUBSCRIBED = 2_000
 
 
+# ---- limits of the RINGDP_* values ----------------------------------------------------------
+# config.py refuses a value outside them, with a ValueError naming the variable (none is
+# finite-only by accident: inf and 1e30 were accepted and broke later, as a raw OverflowError,
+# a pybind TypeError or a SIGSEGV); the C++ side checks its own arithmetic as well
+# (csrc/transport/shm/layout.h Geometry::make, csrc/bindings.cpp registered_bytes).
+#
+# Timeouts (RINGDP_TIMEOUT_S, init's and a call's timeout=; RINGDP_STALL_WARN_S): above
+# this they are this, infinity included: "no practical limit" (115.7 days). Every consumer
+# takes it with room to spare, where 1e10 s did not: threading waits (destroy() joins the
+# worker and takes the lock for the timeout) stop at threading.TIMEOUT_MAX, 9.2e9 s on Linux
+# (OverflowError past it); datetime.timedelta (the store's waits, the gloo groups across
+# hosts) at 999999999 days, 8.6e13 s ("int too large to convert to C int" at 1e15, inf not
+# convertible at all); gloo and c10d turn their timedelta into milliseconds and their waits
+# add it in nanoseconds to the steady clock (int64: 9.2e9 s, less the uptime). The C++
+# transports take any value (infinity: no deadline; csrc/transport/shm/shm_comm.cpp
+# begin_call, csrc/cuda/protocol.h timeout_ns). 1e7 s stays ~900x under the tightest limit,
+# so sums and shares of it (deadlines, cross_host_timeout) stay in range.
+MAX_TIMEOUT_S = 1e7
+# RINGDP_SLOT_BYTES: csrc/transport/shm/shm_comm.cpp's rule (a slot holds whole cache lines
+# and at least a page).
+SLOT_MIN_BYTES = 4096
+SLOT_ALIGN_BYTES = 64
+# One buffer ringdp sizes from a variable: a FIFO slot or a one-shot buffer (RINGDP_SLOT_BYTES,
+# RINGDP_ONESHOT_BYTES; RINGDP_CUDA_SLOT_BYTES, RINGDP_CUDA_ONESHOT_BYTES), 1 GiB: 4096x the
+# shared-memory defaults, 64x the largest CUDA one. Each rank reserves and touches its FIFO
+# (slots x slot bytes) and two one-shot buffers when it sets up (in /dev/shm; on the GPU).
+MAX_BUFFER_BYTES = 1 << 30
+# Slots per connection (RINGDP_FIFO_SLOTS, RINGDP_CUDA_SLOTS) and RINGDP_CUDA_CHANNELS (C
+# ints there; the transport clamps channels to 64 anyway): 1024, 128x the defaults.
+MAX_SLOTS = 1 << 10
+# RINGDP_ARENA_GB (and RINGDP_CUDA_ARENA_MB, the same bound in MiB): 64 TiB, half of the
+# x86-64 user address space (128 TiB): the arena is reserved address space, and every rank
+# maps every peer's segment, so a larger one can never be mapped. With the bounds above the
+# whole segment (4 KiB + slots x slot bytes + 2 x one-shot bytes + arena) stays under 2^47
+# bytes: its size cannot wrap in 64 bits.
+MAX_ARENA_GB = 1 << 16
+# RINGDP_SPIN_US: 1 s. The spin is a busy core before a futex sleep that wakes within
+# microseconds; past a second it buys nothing (C++ holds it as int64 nanoseconds added to the
+# clock: it must stay far below 9.2e18 ns).
+MAX_SPIN_US = 1e6
+
+
 def choose_algo(nbytes: int, forced: str, threshold: int, capacity: int) -> str:
     """The algorithm of one all-reduce of `nbytes`: `forced` (auto, ring, oneshot) as the
     caller asked; `threshold`: the largest message `auto` sends one-shot; `capacity`: the
@@ -114,15 +158,18 @@ def cuda_hierarchical(cross_path: str | None, cfg) -> bool:
 
 
 def timeout_s(timeout, default: float) -> float:
-    """Seconds to wait for peers: `timeout` (seconds or a timedelta), else `default`."""
+    """Seconds to wait for peers: `timeout` (seconds or a timedelta), else `default`, at
+    most MAX_TIMEOUT_S (a longer one, infinity included, is that bound: no practical limit).
+    The one rule of every timeout a user gives: RINGDP_TIMEOUT_S (config.py), init's and
+    each call's timeout= (comm.py). NaN, zero and negative values are a ValueError."""
     if timeout is None:
-        return default
+        timeout = default
     if hasattr(timeout, "total_seconds"):
         timeout = timeout.total_seconds()
     timeout = float(timeout)
-    if not timeout > 0:
+    if not timeout > 0:  # (NaN too)
         raise ValueError(f"timeout must be positive, got {timeout}")
-    return timeout
+    return min(timeout, MAX_TIMEOUT_S)
 
 
 def spin_ns(machine_ranks: int, cfg, compute_threads: int = 0) -> int:

@@ -448,9 +448,10 @@ def test_destroy_in_a_callback_fails_the_queued_calls():
 
 
 def _no_deadline(rank, world):
-    """timeout=inf (or one past what the clock can add) waits without a deadline: a late peer
-    is met (before, the deadline's conversion overflowed into the past: 'timed out after inf
-    s' as soon as a wait slept, and the communicator was poisoned)."""
+    """timeout=inf (or one past what the clock can add) is policy.MAX_TIMEOUT_S, no practical
+    limit: a late peer is met (before, the deadline's conversion overflowed into the past:
+    'timed out after inf s' as soon as a wait slept, and the communicator was poisoned; the
+    shared-memory transport still takes such a value as no deadline)."""
     import ringdp
 
     ringdp.all_reduce(torch.ones(1))
@@ -800,3 +801,95 @@ def test_first_calls_from_two_threads_start_one_worker():
                                               timeout=120)):
         assert done == [0, 1] and workers == 1, (done, workers)
         assert all(x == [3.0] * (1 << 16) for x in ts)
+
+
+# ---- values past what the consumers hold: huge timeouts, sizes that overflow ------------------
+def _huge_timeout(rank, world, how):
+    """A timeout past what threading, timedelta or gloo take (RINGDP_TIMEOUT_S set by the
+    caller, init's or a call's timeout=): the collectives work and destroy() is clean (before:
+    an OverflowError in set-up, or from destroy() with the shared-memory endpoint kept)."""
+    import ringdp
+
+    if how == "hosts":  # one rank per simulated host: the cross-host step (gloo) gets the timeout too
+        os.environ["RINGDP_HOST_ID"] = f"host{rank}"
+    c = ringdp.init(timeout=float("inf") if how == "init" else None)
+    t = torch.full((1000,), float(rank + 1))
+    ringdp.all_reduce(t, timeout=float("inf") if how in ("call", "hosts") else None)
+    u = torch.ones(10)
+    ringdp.all_reduce(u, async_op=True, timeout=1e15 if how != "env" else None).wait()
+    shm = c._shm if how != "hosts" else True
+    ringdp.destroy()
+    return float(t[0]), float(u[0]), c.timeout, shm is not None, c._shm is None
+
+
+@pytest.mark.parametrize("how,env", [("env", "inf"), ("env", "1e15"), ("env", "1e10"), ("init", "30"),
+                                     ("call", "30"), ("hosts", "30")])
+def test_huge_timeouts_work_and_destroy_cleanly(how, env):
+    from ringdp import policy
+
+    for rank, (t, u, timeout, had_shm, released) in enumerate(
+            values(run_ranks(_huge_timeout, 2, how, env={"RINGDP_TIMEOUT_S": env}, timeout=120))):
+        assert (t, u) == (3.0, 2.0), (rank, t, u)
+        assert timeout == (30.0 if how in ("call", "hosts") else policy.MAX_TIMEOUT_S), timeout
+        assert had_shm and released, rank
+
+
+def _shm_geometry_overflow(rank, world):
+    """The shared-memory layout checks its own arithmetic (behind the parser's limits): a
+    configuration whose segment size wraps in 64 bits is a RingError, not a small segment
+    that the ring then writes past (SIGSEGV)."""
+    import uuid
+
+    from ringdp import _C
+
+    errs = []
+    for field, value in [("slot_bytes", 1 << 61), ("fifo_slots", 1 << 62), ("oneshot_bytes", 1 << 63),
+                         ("oneshot_bytes", (1 << 64) - 1), ("arena_bytes", (1 << 64) - 1)]:
+        c = _C.ShmConfig()
+        c.rank, c.world, c.name, c.host = 0, 1, _C.shm_segment_name(uuid.uuid4().hex[:12], 0), "h"
+        setattr(c, field, value)
+        try:
+            _C.ShmComm(c)
+            errs.append(None)
+        except _C.RingError as e:
+            errs.append(str(e))
+    return errs
+
+
+def test_shm_geometry_overflow_is_a_ring_error():
+    before = _shm_names()
+    errs = values(run_ranks(_shm_geometry_overflow, 1, timeout=120))[0]
+    for e in errs:
+        assert e is not None and "does not fit" in e, errs
+    assert not (_shm_names() - before)
+
+
+def _empty_too_large(rank, world):
+    """ringdp.empty of a size whose byte count does not fit: a ValueError naming the shape and
+    the dtype (before: 2^62 float32 elements wrapped to 0 bytes, a tensor claiming 2^62
+    elements on a 4 KiB block, written through by zero_())."""
+    import ringdp
+
+    ringdp.init()
+    out = []
+    for size, dtype in [((2 ** 62,), torch.float32), ((2 ** 33, 2 ** 31), torch.float32),
+                        ((2 ** 61, 2), torch.float64), ((-1, 4), torch.float32)]:
+        try:
+            t = ringdp.empty(*size, dtype=dtype)
+            out.append(("made", tuple(t.shape)))
+        except ValueError as e:
+            out.append(("ValueError", str(e)))
+        except Exception as e:  # noqa: BLE001
+            out.append((type(e).__name__, str(e)))
+    ok = ringdp.zeros(4)  # the arena still works
+    ok += 1
+    return out, ok.tolist()
+
+
+def test_empty_of_a_size_that_overflows_is_a_value_error():
+    out, ok = values(run_ranks(_empty_too_large, 1, timeout=120))[0]
+    assert ok == [1.0] * 4
+    for (kind, msg), shape, dtype in zip(out, ["(4611686018427387904,)", "(8589934592, 2147483648)",
+                                                "(2305843009213693952, 2)", "(-1, 4)"],
+                                         ["torch.float32", "torch.float32", "torch.float64", "torch.float32"]):
+        assert kind == "ValueError" and shape in msg and dtype in msg, (kind, msg)

@@ -240,3 +240,81 @@ def test_policy_is_torch_free():
     mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert mods <= {"os", "__future__"}, mods
+
+
+def test_timeouts_above_the_bound_are_clamped():
+    """Every timeout a user gives (RINGDP_TIMEOUT_S, a call's or init's timeout=, seconds or
+    a timedelta) above policy.MAX_TIMEOUT_S is MAX_TIMEOUT_S, infinity included: no practical
+    limit, yet a value every consumer of a timeout takes (threading waits, timedeltas,
+    gloo's and the store's waits). Before, inf, 1e10 and 1e15 passed through and broke
+    set-up or destroy() with an OverflowError. NaN, zero and negative values are refused."""
+    import threading
+    from datetime import timedelta
+
+    cap = policy.MAX_TIMEOUT_S
+    assert 30 * 86400 <= cap <= threading.TIMEOUT_MAX / 100  # over a month; far below every consumer's limit
+    for big in (float("inf"), 1e300, 1e15, 1e10, cap, timedelta(days=999_999_999)):
+        assert policy.timeout_s(big, 300.0) == cap, big
+    assert policy.timeout_s(None, float("inf")) == cap  # a default (a Config made directly) too
+    assert policy.timeout_s(2.5, 300.0) == 2.5 and policy.timeout_s(None, 7.0) == 7.0
+    assert policy.timeout_s(timedelta(seconds=90), 300.0) == 90.0
+    for bad in (0, -1.0, float("nan"), float("-inf"), timedelta(0)):
+        with pytest.raises(ValueError, match="timeout must be positive"):
+            policy.timeout_s(bad, 300.0)
+    for raw in ("inf", "Infinity", "1e15", "1e10", str(cap)):
+        assert Config.from_env({"RINGDP_TIMEOUT_S": raw}).timeout_s == cap, raw
+    # what the consumers do with the bound: a timedelta (the store's waits, gloo), a
+    # threading wait (destroy(): the worker's join, the lock), a cross-host step's share
+    assert timedelta(seconds=cap).total_seconds() == cap
+    assert timedelta(seconds=policy.cross_host_timeout(cap)) < timedelta(seconds=cap)
+    lock = threading.Lock()
+    assert lock.acquire(timeout=cap)
+    lock.release()
+    t = threading.Thread(target=lambda: None)
+    t.start()
+    t.join(timeout=cap)
+
+
+@pytest.mark.parametrize("name,raw,match", [
+    # byte sizes whose arithmetic wrapped (SIGSEGV on every rank before)
+    ("RINGDP_ONESHOT_BYTES", str(1 << 63), "must be at most"),
+    ("RINGDP_SLOT_BYTES", str(1 << 61), "must be at most"),
+    ("RINGDP_FIFO_SLOTS", str(1 << 62), "must be at most"),
+    # the C++ side's own rule, now the parser's, naming the variable
+    ("RINGDP_SLOT_BYTES", "1000", "must be at least 4096, a multiple of 64"),
+    ("RINGDP_SLOT_BYTES", "4100", "must be a multiple of 64"),
+    ("RINGDP_SLOT_BYTES", "0", "must be at least 4096"),
+    # raw OverflowError / pybind TypeError before
+    ("RINGDP_SPIN_US", "inf", "must be finite"),
+    ("RINGDP_SPIN_US", "1e30", "must be at most"),
+    ("RINGDP_ARENA_GB", "inf", "must be finite"),
+    ("RINGDP_ARENA_GB", "1e12", "must be at most"),
+    ("RINGDP_CUDA_ARENA_MB", "inf", "must be finite"),
+    ("RINGDP_CUDA_SLOT_BYTES", str(1 << 61), "must be at most"),
+    ("RINGDP_CUDA_ONESHOT_BYTES", str(1 << 64), "must be at most"),
+    ("RINGDP_CUDA_SLOTS", str(1 << 40), "must be at most"),
+    ("RINGDP_CUDA_CHANNELS", str(1 << 40), "must be at most"),
+    ("RINGDP_STALL_WARN_S", "nan", "not a number"),
+])
+def test_sizes_are_bounded_by_the_parser(name, raw, match):
+    """Sizes the shared-memory layout, the C++ fields or the machine cannot hold are refused
+    when read, with the variable named (policy.py "Limits of the RINGDP_* values")."""
+    with pytest.raises(ValueError, match=f"{name}={raw!r}: {match}"):
+        Config.from_env({name: raw})
+
+
+def test_size_limits_themselves_are_accepted():
+    cfg = Config.from_env({
+        "RINGDP_ONESHOT_BYTES": str(policy.MAX_BUFFER_BYTES), "RINGDP_SLOT_BYTES": str(policy.MAX_BUFFER_BYTES),
+        "RINGDP_FIFO_SLOTS": str(policy.MAX_SLOTS), "RINGDP_ARENA_GB": str(policy.MAX_ARENA_GB),
+        "RINGDP_SPIN_US": str(policy.MAX_SPIN_US), "RINGDP_CUDA_ARENA_MB": str(policy.MAX_ARENA_GB << 10),
+        "RINGDP_STALL_WARN_S": "inf"})
+    assert (cfg.oneshot_bytes, cfg.slot_bytes, cfg.fifo_slots) == (policy.MAX_BUFFER_BYTES,) * 2 + (policy.MAX_SLOTS,)
+    assert cfg.arena_gb == policy.MAX_ARENA_GB and cfg.spin_us == policy.MAX_SPIN_US
+    assert cfg.stall_warn_s == policy.MAX_TIMEOUT_S  # a stall report after the timeout: never
+    assert Config.from_env({"RINGDP_SLOT_BYTES": str(policy.SLOT_MIN_BYTES)}).slot_bytes == 4096
+    assert Config.from_env({"RINGDP_SLOT_BYTES": "4160"}).slot_bytes == 4160
+    # the whole shared-memory segment at the limits still fits in 64 bits, and in the
+    # x86-64 user address space (128 TiB): the layout's arithmetic cannot wrap
+    fixed = 4096 + policy.MAX_SLOTS * policy.MAX_BUFFER_BYTES + 2 * policy.MAX_BUFFER_BYTES
+    assert fixed + (policy.MAX_ARENA_GB << 30) < 1 << 47

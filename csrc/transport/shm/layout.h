@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../../common/error.h"
 #include "../../common/types.h"
 
 namespace ringdp {
@@ -107,16 +108,47 @@ static_assert(std::is_trivially_copyable<Blob>::value, "a blob travels as raw by
 
 inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
+// The most a segment may span: ftruncate and fallocate take a signed 64-bit off_t. (The
+// RINGDP_* limits keep it far below: ringdp/policy.py MAX_BUFFER_BYTES, MAX_ARENA_GB.)
+constexpr uint64_t kMaxSegmentBytes = static_cast<uint64_t>(INT64_MAX);
+// The arena starts on a 2 MiB boundary (a huge page).
+constexpr size_t kFixedAlign = size_t(1) << 21;
+
 struct Geometry {
   size_t fifo_slots;
   size_t slot_bytes;
   size_t oneshot_bytes;
   size_t arena_bytes;
+  // The layout of `slots` FIFO slots of `slot_bytes`, two one-shot buffers of `oneshot_bytes`
+  // (rounded up to a cache line) and an arena of `arena_bytes` (rounded up to `arena_align`),
+  // every sum and product checked: a configuration whose segment does not fit in 64 bits
+  // (8 slots x 2^61 bytes wrapped to 0) would be a small segment that the ring then writes
+  // past. RingError, naming the sizes.
+  static Geometry make(size_t slots, size_t slot_bytes, size_t oneshot_bytes, size_t arena_bytes,
+                       size_t arena_align) {
+    size_t fifo = 0, oneshot = 0, arena = 0, fixed = 0, total = 0;
+    bool bad = __builtin_mul_overflow(slots, slot_bytes, &fifo);
+    bad |= __builtin_add_overflow(oneshot_bytes, kCacheLine - 1, &oneshot);
+    oneshot = oneshot / kCacheLine * kCacheLine;
+    bad |= __builtin_add_overflow(arena_bytes, arena_align - 1, &arena);
+    arena = arena / arena_align * arena_align;
+    bad |= __builtin_mul_overflow(oneshot, size_t(2), &fixed);  // fixed_bytes(), step by step
+    bad |= __builtin_add_overflow(fixed, fifo, &fixed);
+    bad |= __builtin_add_overflow(fixed, kControlBytes + kFixedAlign - 1, &fixed);
+    fixed = fixed / kFixedAlign * kFixedAlign;
+    bad |= __builtin_add_overflow(fixed, arena, &total);
+    if (bad || total > kMaxSegmentBytes)
+      throw RingError(cat("the shared-memory layout does not fit in 64 bits: ", slots, " FIFO slots x ",
+                          slot_bytes, " bytes (RINGDP_FIFO_SLOTS, RINGDP_SLOT_BYTES), 2 x ", oneshot_bytes,
+                          " one-shot bytes (RINGDP_ONESHOT_BYTES), an arena of ", arena_bytes,
+                          " bytes (RINGDP_ARENA_GB)"));
+    return Geometry{slots, slot_bytes, oneshot, arena};
+  }
   size_t fifo_offset() const { return kControlBytes; }
   size_t oneshot_offset(int parity) const {
     return fifo_offset() + fifo_slots * slot_bytes + static_cast<size_t>(parity) * oneshot_bytes;
   }
-  size_t fixed_bytes() const { return align_up(oneshot_offset(2), 1 << 21); }
+  size_t fixed_bytes() const { return align_up(oneshot_offset(2), kFixedAlign); }
   size_t arena_offset() const { return fixed_bytes(); }
   size_t total_bytes() const { return arena_offset() + arena_bytes; }
 };

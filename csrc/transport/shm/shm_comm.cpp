@@ -102,10 +102,15 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
   if (cfg_.fifo_slots < 2 || (cfg_.fifo_slots & (cfg_.fifo_slots - 1)) != 0)
     throw RingError("fifo_slots must be a power of two, at least 2");
   if (cfg_.slot_bytes < 4096 || cfg_.slot_bytes % 64 != 0)
-    throw RingError("slot_bytes must be a multiple of 64 and at least 4096");
-  cfg_.oneshot_bytes = shm::align_up(cfg_.oneshot_bytes, 64);
-  cfg_.arena_bytes = shm::align_up(cfg_.arena_bytes, kArenaAlign);
-  geo_ = shm::Geometry{cfg_.fifo_slots, cfg_.slot_bytes, cfg_.oneshot_bytes, cfg_.arena_bytes};
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": slot_bytes ", cfg_.slot_bytes,
+                        " (RINGDP_SLOT_BYTES) must be a multiple of 64 and at least 4096"));
+  try {
+    geo_ = shm::Geometry::make(cfg_.fifo_slots, cfg_.slot_bytes, cfg_.oneshot_bytes, cfg_.arena_bytes, kArenaAlign);
+  } catch (const RingError& e) {
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", e.what()));
+  }
+  cfg_.oneshot_bytes = geo_.oneshot_bytes;  // (rounded up: a cache line, the arena's alignment)
+  cfg_.arena_bytes = geo_.arena_bytes;
   wait_policy_.spin_ns.store(cfg_.spin_ns, std::memory_order_relaxed);
 
   segs_.resize(static_cast<size_t>(cfg_.world));
@@ -695,9 +700,10 @@ void ShmComm::run_ring(const Call& c) {
 // ---- registered-memory arena ---------------------------------------------------------------
 
 size_t ShmComm::arena_alloc(size_t bytes) {
-  const size_t need = shm::align_up(bytes ? bytes : 1, kArenaAlign);
+  // (more than the arena: refused before rounding up, which would wrap near 2^64)
+  const size_t need = bytes <= geo_.arena_bytes ? shm::align_up(bytes ? bytes : 1, kArenaAlign) : 0;
   std::lock_guard<std::mutex> g(arena_mu_);
-  for (auto it = free_.begin(); it != free_.end(); ++it) {
+  for (auto it = free_.begin(); need && it != free_.end(); ++it) {
     if (it->second < need) continue;
     const size_t off = it->first;
     const size_t left = it->second - need;
