@@ -24,6 +24,13 @@ Routing (``ProcessGroupRingdp``):
     them (``Communicator.reduce_scatter_tensor``/``all_gather_into_tensor``/``broadcast``);
     until then reduce_scatter is an all-reduce of the whole input (its own chunk copied
     out) and all-gather/broadcast run on the inner gloo group (exact copies).
+    A non-contiguous CPU tensor runs there too, through a contiguous copy copied back
+    (_staged): the ranks' routing never depends on their tensors' layouts (one rank's
+    strided view on gloo and another's contiguous tensor on ringdp waited for each other
+    until the timeout), and gloo, which mishandles some layouts (a strided broadcast), never
+    sees them. allreduce and broadcast of a list of several tensors are c10d's multi-tensor
+    forms, one logical tensor over every entry of every rank (broadcast: the root's
+    opts.rootTensor): the inner group's, whatever the dtype.
   * a group whose ranks are on several hosts: its CPU collectives above run on the
     communicator's hierarchical paths (README "Across hosts", ringdp/hosts.py: two-level,
     leaders on uneven hosts, flat gloo with RINGDP_HIERARCHY=0 or one rank per host; its
@@ -47,7 +54,8 @@ Routing (``ProcessGroupRingdp``):
 
 Work objects (``RingWork``) behave as torch's: wait() (re-raises the failure),
 is_completed(), is_success(), exception(), get_future() (a torch.futures.Future of the
-output tensors; DDP's comm hooks use it). Every call returns a Work. One that c10d marks
+output tensors; DDP's comm hooks use it; a CUDA Work is completed once the GPU ran it, as
+NCCL's). Every call returns a Work. One that c10d marks
 synchronous (asyncOp=False: dist.all_reduce(..., async_op=False) and the other Python calls
 without async_op, which wait on the Work at once) runs as ringdp's own synchronous calls do,
 inline on the calling thread when nothing is queued (_async); the others, and every call
@@ -57,20 +65,30 @@ One communicator per group: the backend creates it from the store/rank/size torc
 and ``ringdp.get_communicator(group)`` (so ``ringdp.all_reduce`` and ``RingDDP``) returns
 that one for the group. Failures (mismatch, dead peer, timeout) are ringdp's RingError,
 naming the rank, within the group's timeout (or the call's own, when its c10d options set one).
+
+Group-level calls torch makes: set_timeout (torch's _set_pg_timeout, so dist.breakpoint(),
+routed here by register()) sets the communicator's and the inner groups' timeouts;
+_start_coalescing/_end_coalescing (torch's _coalescing_manager(device=...)) give a Work of
+every call made in the block; abort() returns at once (queued calls fail, the one in flight
+ends in its timeout), where shutdown() (destroy_process_group) waits for the queued calls.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+# c10d's options classes, from where they all are (torch 2.13's torch.distributed lacks AllgatherOptions)
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOptions, AllreduceOptions,
+                                        BarrierOptions, BroadcastOptions, ReduceScatterOptions)
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from . import _types
-from ._eager import eager_methods
+from . import _types, policy
+from ._eager import eager, eager_methods
 from ._native import _C
 from .comm import Communicator, HelpingFuture, RingError, _completed
 
@@ -168,17 +186,28 @@ class RingWork(dist.Work):
         if self._done is not _DONE:
             self._done.set()
         if tf is not None:  # (no parts: get_future makes it, complete)
-            # a CUDA-aware future records its event on the current stream: ringdp's, where the
-            # collective ran (after a copy-out, the call's stream, where the copy ran)
-            self._settle(tf, cuda[-1][0].stream if cuda and not finalized else None)
+            # a CUDA-aware future records its event on the current stream: ringdp's, after it
+            # waited for the collectives (after a copy-out, the call's stream, where the copy ran)
+            self._settle(tf, cuda if cuda and not finalized else None)
 
-    def _settle(self, tf, ringdp_stream=None) -> None:
+    def _settle(self, tf, cuda=None) -> None:
         """Complete the torch future `tf` with this Work's outcome: its failure, or the
-        outputs, set on ringdp's stream (`ringdp_stream`) or else on the call's."""
+        outputs, set on ringdp's stream or else on the call's. `cuda`: the CUDA parts'
+        (endpoint, done event); ringdp's stream first waits on each event, recorded after its
+        collective: a call made on ringdp's worker (a callback) ran on the stream current
+        there, and a hierarchical one on the hierarchy's stream, neither of which ringdp's
+        stream had waited for (comm._run_cuda)."""
         if self._exc is not None:
             tf.set_exception(self._exc)
             return
-        with torch.cuda.stream(ringdp_stream) if ringdp_stream is not None else self._on_call_stream():
+        if cuda:
+            stream = cuda[-1][0].stream
+            for _endpoint, done in cuda:
+                stream.wait_event(done)
+            on = torch.cuda.stream(stream)
+        else:
+            on = self._on_call_stream()
+        with on:
             tf.set_result(self._outputs)
 
     def _on_call_stream(self):
@@ -193,6 +222,7 @@ class RingWork(dist.Work):
         if self._done is _DONE and self._exc is None and self._finished is None:
             return True  # (done when made, nothing to join: a synchronous call, _async)
         secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        secs = min(secs, policy.MAX_TIMEOUT_S)  # (threading's waits stop at 9.2e9 s; inf too)
         deadline = time.monotonic() + secs if secs > 0 else None
         with self._waiting(secs if secs > 0 else None):  # (raises, naming the rank, after secs)
             done = self._done.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
@@ -213,10 +243,18 @@ class RingWork(dist.Work):
         return True
 
     def is_completed(self):
-        return self._done.is_set()
+        """Done, and on CUDA finished on the GPU too (as torch's NCCL Work and comm.Work
+        answer: the end event queried), not just enqueued."""
+        if not self._done.is_set():
+            return False
+        if self._exc is not None:
+            return True
+        if self._finished is not None:  # (after the copy-out, or a call done inline, on the call's stream)
+            return self._finished.query()
+        return all(w.is_completed() for w in self._parts if w._cuda is not None)
 
     def is_success(self):
-        return self._done.is_set() and self._exc is None
+        return self._exc is None and self.is_completed()
 
     def exception(self):
         return self._exc
@@ -324,6 +362,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         self._nccl_lock = threading.Lock()
         self._comm = Communicator(timeout=timeout.total_seconds(), backend=self)
         self._adopt = _Adopter(self._comm)
+        self._coalescing = None  # torch's _coalescing_manager(device=...) block: its Works (_Coalescing)
 
     # -- what the communicator asks of its backend (ringdp/comm.py) ----------------------
     def _ringdp_store(self):
@@ -397,9 +436,44 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             self._comm.close()
             self._gloo = None
             self._nccl = None
+            _recording(self, None)
 
     def abort(self):
-        self.shutdown()
+        """torch's abort (_abort_process_group): returns at once, as gloo's does, where
+        shutdown() (destroy_process_group) waits up to the timeout for the calls queued on
+        ringdp's worker. The communicator is closed without that wait (close(wait=False)):
+        the calls still queued fail with a RingError as the worker comes to them, without
+        running; a call in flight (in the ring, waiting for its peers) ends in its own timeout
+        (as a gloo call in flight does), and the endpoints are released when it ends; new
+        calls raise at once."""
+        if self._shut:
+            return
+        self._shut = True
+        self._comm.close(wait=False)
+        self._gloo = None
+        self._nccl = None
+        _recording(self, None)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """The group's timeout from now on (torch's ProcessGroup.set_timeout; torch's
+        _set_pg_timeout, which dist.breakpoint() calls on every group, reaches it through
+        register()): the communicator's, for the calls made after this, and its inner gloo
+        (and nccl) group's; across hosts, its cross-host gloo groups' too
+        (policy.cross_host_timeout of it). A call already made keeps its own."""
+        secs = policy.timeout_s(timeout, None)
+        comm = self._comm
+        comm.config = comm.config.replace(timeout_s=secs)
+        comm.timeout = comm.rendezvous.timeout_s = secs
+        self._timeout = timedelta(seconds=secs)
+        for g in (self._gloo, self._nccl):
+            if g is not None:
+                g._set_default_timeout(self._timeout)
+        across = comm.across
+        if across is not None:
+            cross = timedelta(seconds=policy.cross_host_timeout(secs))
+            for g in (across.cross, across.checker, across.whole):
+                if isinstance(g, ProcessGroupGloo):
+                    g._set_default_timeout(cross)
 
     # -- inner groups ---------------------------------------------------------------------
     def _inner(self, tensors):
@@ -434,13 +508,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             if kind == _RedOpType.AVG and not all(t.dtype.is_floating_point for t in tensors):
                 return False
         for t in tensors:
-            if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES or not t.is_contiguous():
+            if t.layout != torch.strided or t.dtype not in _SUPPORTED_DTYPES:
                 return False
-            if t.is_cpu:
+            if t.is_cpu:  # (a non-contiguous one runs through a contiguous copy: _staged)
                 if self._comm.shm is None and self._comm.across is None:
                     return False  # a closed communicator: gloo (which says so)
             elif t.is_cuda:
-                if not self._use_ringdp_cuda():
+                if not t.is_contiguous() or not self._use_ringdp_cuda():
                     return False
                 ep = self._comm._cuda  # one device per endpoint: tensors elsewhere go to nccl
                 if ep is not None and t.device != ep.device:
@@ -450,33 +524,41 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         return True
 
     # -- all-reduce -----------------------------------------------------------------------
-    def _all_reduce(self, t, reduce_op, timeout=None, async_op=True):
+    def _all_reduce(self, t, reduce_op, timeout=None, async_op=True, adopt=True):
         kind, factor = _op_of(reduce_op)
         if factor is not None:
             t.mul_(factor)  # (before see(): a move it queues must not race this write)
             code = _types.SUM
         else:
             code = _NATIVE_OPS[kind]
-        self._adopt.see(t)
+        if adopt:  # (not a temporary of ours: _staged)
+            self._adopt.see(t)
         return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=async_op, timeout=timeout)
+
+    def _all_reduce_each(self, tensors, reduce_op, opts):
+        """Each of `tensors` all-reduced on its own (non-contiguous ones through a copy)."""
+        run, copy_back = _staged(tensors)
+        timeout, async_op = _timeout_s(opts), _async(opts)
+        return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t) for r, t in zip(run, tensors)],
+                        tensors, copy_back, cuda_devices=_devices(tensors))
 
     def allreduce(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        opts = _options(opts, dist.AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
-        if not self._native(tensors, opts.reduceOp):
-            return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, dist.AllreduceOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts), _async(opts)) for t in tensors],
-                        tensors, cuda_devices=_devices(tensors))
+        opts = _options(opts, AllreduceOptions, "reduceOp")  # allreduce(tensors, op) too
+        # several tensors: c10d's multi-tensor form, one logical tensor reduced over every
+        # entry of every rank (gloo's; nccl refuses it): the inner group's
+        if len(tensors) != 1 or not self._native(tensors, opts.reduceOp):
+            return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, AllreduceOptions))
+        return self._all_reduce_each(tensors, opts.reduceOp, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if opts is None:
-            opts = dist.AllreduceCoalescedOptions()
+            opts = AllreduceCoalescedOptions()
         if not self._native(tensors, opts.reduceOp):
             return self._inner(tensors).allreduce_coalesced(tensors,
-                                                            _premultiplied(tensors, opts, dist.AllreduceCoalescedOptions))
-        return RingWork([self._all_reduce(t, opts.reduceOp, _timeout_s(opts), _async(opts)) for t in tensors],
-                        tensors, cuda_devices=_devices(tensors))
+                                                            _premultiplied(tensors, opts, AllreduceCoalescedOptions))
+        return self._all_reduce_each(tensors, opts.reduceOp, opts)
 
     # -- reduce-scatter -------------------------------------------------------------------
     def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None, async_op=True):
@@ -505,18 +587,21 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
     def _reduce_scatter_base(self, output, input, opts=None):
         if opts is None:
-            opts = dist.ReduceScatterOptions()
+            opts = ReduceScatterOptions()
         if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
             if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
                 input = input.clone()
             return self._inner([input])._reduce_scatter_base(output, input,
-                                                              _premultiplied([input], opts, dist.ReduceScatterOptions))
-        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp, keep=True, timeout=_timeout_s(opts),
+                                                              _premultiplied([input], opts, ReduceScatterOptions))
+        # a contiguous input: a view of it (kept: copied before a PREMUL_SUM's multiply); another: a copy
+        keep = input.is_contiguous()
+        flat = input.reshape(-1) if keep else input.contiguous().view(-1)
+        return self._reduce_scatter_flat(output, flat, opts.reduceOp, keep=keep, timeout=_timeout_s(opts),
                                          async_op=_async(opts))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
-            opts = dist.ReduceScatterOptions()
+            opts = ReduceScatterOptions()
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return _chain(works, outputs)
 
@@ -524,10 +609,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if isinstance(output_tensors, torch.Tensor):
             output_tensors, input_tensor_lists = [output_tensors], [input_tensor_lists]
         if opts is None:
-            opts = dist.ReduceScatterOptions()
+            opts = ReduceScatterOptions()
         out, ins = output_tensors[0], input_tensor_lists[0]
         if (len(output_tensors) != 1 or len(ins) != self._size_
                 or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
+            if _op_of(opts.reduceOp)[1] is not None and not out.is_cuda:  # (premultiplied copies, never the inputs)
+                input_tensor_lists = [[t.clone() for t in ts] for ts in input_tensor_lists]
+                opts = _premultiplied([t for ts in input_tensor_lists for t in ts], opts, ReduceScatterOptions)
             return self._inner([out]).reduce_scatter(output_tensors, input_tensor_lists, opts)
         flat = torch.cat([t.reshape(-1) for t in ins])
         return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts),
@@ -536,63 +624,74 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     # -- all-gather -----------------------------------------------------------------------
     def _allgather_base(self, output, input, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         native = getattr(self._comm, "all_gather_into_tensor", None)
         if (native is None or not self._native([output, input])
                 or output.numel() != input.numel() * self._size_):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
             return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
-        return RingWork([native(output, input, async_op=_async(opts), timeout=_timeout_s(opts))], [output],
-                        cuda_devices=_devices([output]))
+        (out,), copy_back = _staged([output])
+        return RingWork([native(out, input.contiguous(), async_op=_async(opts), timeout=_timeout_s(opts))], [output],
+                        copy_back, cuda_devices=_devices([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         return _chain([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         if isinstance(input_tensors, torch.Tensor):
             output_tensors, input_tensors = [output_tensors], [input_tensors]
         if opts is None:
-            opts = dist.AllgatherOptions()
+            opts = AllgatherOptions()
         native = getattr(self._comm, "all_gather_into_tensor", None)
         outs, inp = output_tensors[0], input_tensors[0]
         if (native is None or len(input_tensors) != 1 or len(outs) != self._size_
-                or not self._native([inp, *outs]) or any(o.shape != inp.shape for o in outs)):
+                or not self._native([inp, *outs]) or any(o.shape != inp.shape or o.dtype != outs[0].dtype for o in outs)):
             # (its future's value as the native one's, the output lists, not gloo's first list)
             return _Chain([self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)], output_tensors)
-        flat = torch.empty((self._size_ * inp.numel(),), dtype=inp.dtype, device=inp.device)
+        # (of the outputs' dtype: one other than the input's is refused, as gloo refuses it, never cast)
+        flat = torch.empty((self._size_ * inp.numel(),), dtype=outs[0].dtype, device=inp.device)
 
         def copy_out():
             for r, o in enumerate(outs):
                 o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
 
-        return RingWork([native(flat, inp.reshape(-1), async_op=_async(opts), timeout=_timeout_s(opts))],
+        return RingWork([native(flat, inp.contiguous().view(-1), async_op=_async(opts), timeout=_timeout_s(opts))],
                         output_tensors, copy_out, cuda_devices=_devices([inp]))
 
     # -- broadcast, barrier ---------------------------------------------------------------
     def broadcast(self, tensors, opts=None):
         if isinstance(tensors, torch.Tensor):
             tensors = [tensors]
-        opts = _options(opts, dist.BroadcastOptions, "rootRank")  # broadcast(tensors, root) too
+        opts = _options(opts, BroadcastOptions, "rootRank")  # broadcast(tensors, root) too
         native = getattr(self._comm, "broadcast", None)
-        if native is None or not self._native(tensors):
+        # several tensors: c10d's multi-tensor form (the root's opts.rootTensor into every
+        # entry of every rank: gloo's; nccl refuses it): the inner group's
+        if native is None or len(tensors) != 1 or not self._native(tensors):
             return self._inner(tensors).broadcast(tensors, opts)
-        return RingWork([native(t, opts.rootRank, async_op=_async(opts), timeout=_timeout_s(opts)) for t in tensors],
-                        tensors, cuda_devices=_devices(tensors))
+        (run,), copy_back = _staged(tensors)
+        return RingWork([native(run, opts.rootRank, async_op=_async(opts), timeout=_timeout_s(opts))],
+                        tensors, copy_back, cuda_devices=_devices(tensors))
 
-    # torch's _coalescing_manager(device=...): the ops inside ran as they came; the Work it
-    # waits for completes after every ringdp collective issued so far (one ordered worker)
+    # torch's _coalescing_manager(device=...): the calls inside the block run as they come;
+    # the Work it takes instead of theirs (the fast path's too, made after the block) is all
+    # of them (_Coalescing: this thread's calls between start and end, recorded by
+    # _recording), so that cm.wait() waits for each, the inner groups' included, and raises
+    # their failure
     def _start_coalescing(self, device):
-        pass
+        _recording(self, _Coalescing())
 
     def _end_coalescing(self, device):
-        return RingWork([self._comm._submit(lambda: None, async_op=True)], [])
+        rec = self._coalescing
+        _recording(self, None)
+        works = rec.works if rec is not None else []
+        return _chain(works, []) if works else RingWork([None], [])
 
     def barrier(self, opts=None):
         """Every rank's ringdp collectives issued before it have run (an all-reduce of one
         element behind them), and so have its gloo ones (gloo's barrier)."""
-        opts = opts if opts is not None else dist.BarrierOptions()
+        opts = opts if opts is not None else BarrierOptions()
         t = torch.zeros(1)
         w = self._comm.all_reduce(t, async_op=_async(opts))
         g = self._gloo.barrier(opts)
@@ -640,6 +739,37 @@ def _devices(tensors):
     return devs or None
 
 
+def _staged(tensors):
+    """(the tensors a collective runs on, the copy-out or None): a non-contiguous CPU tensor
+    runs through a contiguous copy of it, copied back when the collective ends (RingWork's
+    finalize); the others as they are. So the ranks' routing never depends on their layouts,
+    and no layout reaches gloo, which mishandles some (a strided broadcast)."""
+    run, back = [], []
+    for t in tensors:
+        if t.is_contiguous() or t.is_cuda:
+            run.append(t)
+        else:
+            c = t.contiguous()
+            run.append(c)
+            back.append((t, c))
+    if not back:
+        return run, None
+    return run, lambda: [t.copy_(c) for t, c in back]
+
+
+@contextlib.contextmanager
+def _waiting_for(works, timeout=None):
+    """The waiting contexts of `works` (RingWork's and _Chain's: on ringdp's worker thread,
+    it runs the queued calls up to theirs), one after another; an inner group's Work has
+    none (its calls do not wait for ringdp's worker)."""
+    with contextlib.ExitStack() as stack:
+        for w in works:
+            waiting = getattr(w, "_waiting", None)
+            if waiting is not None:
+                stack.enter_context(waiting(timeout))
+        yield
+
+
 class _Chain(dist.Work):
     """Several Works (ringdp's or an inner group's) as one: done when all are."""
 
@@ -647,9 +777,10 @@ class _Chain(dist.Work):
         super().__init__()
         self._works = works
         self._outputs = outputs
-        futs = [w.get_future() for w in works]
-        self._tf = torch.futures.collect_all(futs).then(lambda f: (f.value(), [x.wait() for x in futs],
-                                                                   self._outputs)[-1]) if futs else None
+        self._tf = _chain_future(works, outputs) if works else None
+
+    def _waiting(self, timeout=None):
+        return _waiting_for(self._works, timeout)
 
     def wait(self, timeout=timedelta(0)):
         for w in self._works:
@@ -684,15 +815,30 @@ class _Chain(dist.Work):
         return self._outputs
 
 
+def _chain_future(works, outputs):
+    """_Chain's future: the outputs once every part's future completed, or the first
+    failure, itself (a RingError stays one). A HelpingFuture: its wait() on ringdp's worker
+    thread (a callback) runs the parts' queued calls there instead of waiting for itself.
+    (CUDA: as before, a future without devices; the callback's stream joins each part's.)"""
+    futs = [w.get_future() for w in works]
+    tf = HelpingFuture(functools.partial(_waiting_for, works))
+
+    def done(_all):
+        _completed(tf)  # (lets the parts go: the parts' futures hold this callback until they complete)
+        try:
+            for f in futs:
+                f.wait()
+        except BaseException as e:  # noqa: BLE001 -- handed to the waiter
+            tf.set_exception(e)
+            return
+        tf.set_result(outputs)
+
+    torch.futures.collect_all(futs).add_done_callback(done)
+    return tf
+
+
 def _chain(works, outputs):
     return works[0] if len(works) == 1 else _Chain(works, outputs)
-
-
-# torch 2.13's ProcessGroup names for the single-tensor forms
-ProcessGroupRingdp.reduce_scatter_single = ProcessGroupRingdp._reduce_scatter_base
-ProcessGroupRingdp.all_gather_single = ProcessGroupRingdp._allgather_base
-ProcessGroupRingdp.reduce_scatter_single_coalesced = ProcessGroupRingdp.reduce_scatter_tensor_coalesced
-ProcessGroupRingdp.all_gather_single_coalesced = ProcessGroupRingdp.allgather_into_tensor_coalesced
 
 
 # Everything else goes to the inner group of the tensors' device (gloo for CPU).
@@ -724,10 +870,72 @@ for _name in ("send", "recv", "recv_anysource", "alltoall", "alltoall_base", "ga
 ProcessGroupRingdp.all_to_all_single = _delegate("all_to_all_single", "alltoall_base")
 
 
+# torch 2.13's ProcessGroup names for the single-tensor forms
+ProcessGroupRingdp.reduce_scatter_single = ProcessGroupRingdp._reduce_scatter_base
+ProcessGroupRingdp.all_gather_single = ProcessGroupRingdp._allgather_base
+ProcessGroupRingdp.reduce_scatter_single_coalesced = ProcessGroupRingdp.reduce_scatter_tensor_coalesced
+ProcessGroupRingdp.all_gather_single_coalesced = ProcessGroupRingdp.allgather_into_tensor_coalesced
+
+
+# ----------------------------------------------------- torch's _coalescing_manager(device=...)
+_COLLECTIVES = ("allreduce", "allreduce_coalesced", "_reduce_scatter_base", "reduce_scatter_single",
+                "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced", "reduce_scatter",
+                "_allgather_base", "all_gather_single", "allgather_into_tensor_coalesced",
+                "all_gather_single_coalesced", "allgather", "broadcast", "barrier", "send", "recv", "recv_anysource",
+                "alltoall", "alltoall_base", "all_to_all_single", "gather", "scatter", "reduce",
+                "allgather_coalesced")  # the group's methods that return a Work
+
+
+class _Coalescing:
+    """The Works of the calls one thread makes on the group between _start_coalescing and
+    _end_coalescing (the outermost call's: a method that calls another records one Work).
+    Recorded by the group's collectives replaced on the instance meanwhile (_recording):
+    nothing is paid outside a block. A block that raised never ends (torch skips
+    _end_coalescing): the next start replaces it, and until then the Works that completed
+    well are let go as more come, so that none accumulate."""
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.works = []
+        self.depth = 0
+        self.prune_at = 64
+
+    def add(self, work) -> None:
+        self.works.append(work)
+        if len(self.works) >= self.prune_at:
+            self.works = [w for w in self.works if not (w.is_completed() and w.is_success())]
+            self.prune_at = 2 * max(len(self.works), 32)
+
+
+@eager
+def _record(rec, method, *args, **kwargs):
+    """`method(*args, **kwargs)` (a bound collective of the group), its Work recorded in `rec`
+    when it is this thread's outermost call."""
+    if rec.depth or rec.thread != threading.get_ident():
+        return method(*args, **kwargs)
+    rec.depth += 1
+    try:
+        work = method(*args, **kwargs)
+    finally:
+        rec.depth -= 1
+    rec.add(work)
+    return work
+
+
+def _recording(pg, rec) -> None:
+    """Record `pg`'s calls in `rec` (None: stop): its collectives replaced on the instance."""
+    pg._coalescing = rec
+    for name in _COLLECTIVES:
+        if rec is None:
+            pg.__dict__.pop(name, None)
+        else:
+            setattr(pg, name, functools.partial(_record, rec, getattr(type(pg), name).__get__(pg)))
+
+
 def _monitored_barrier(self, timeout=None, wait_all_ranks=False):
     if timeout is None:
         timeout = self._timeout
-    return self._gloo.monitored_barrier(timeout, wait_all_ranks)
+    return self._inner([]).monitored_barrier(timeout, wait_all_ranks)  # (a RingError once shut down)
 
 
 ProcessGroupRingdp.monitored_barrier = _monitored_barrier
@@ -738,9 +946,26 @@ def _create(store, rank, size, timeout):
 
 
 def register():
-    """Register the backend "ringdp" (devices cpu and cuda); ``import ringdp`` does it."""
+    """Register the backend "ringdp" (devices cpu and cuda); ``import ringdp`` does it. Also
+    routes torch's _set_pg_timeout (dist.breakpoint() calls it on every group) to
+    ProcessGroupRingdp.set_timeout for a ringdp group: torch's own sets only gloo and NCCL
+    backends (a ringdp group kept its timeout, and the ranks waiting for a debugged one
+    failed in it)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create, devices=["cpu", "cuda"])
+    c10d = dist.distributed_c10d
+    if not getattr(c10d._set_pg_timeout, "_ringdp", False):
+        torch_set_pg_timeout = c10d._set_pg_timeout
+
+        @functools.wraps(torch_set_pg_timeout)
+        def _set_pg_timeout(timeout, group=None):
+            pg = c10d._get_default_group() if group is None else group
+            if isinstance(pg, ProcessGroupRingdp):
+                return pg.set_timeout(timeout)
+            return torch_set_pg_timeout(timeout, group)
+
+        _set_pg_timeout._ringdp = True
+        c10d._set_pg_timeout = _set_pg_timeout
 
 
 # under torch.compile: what c10d calls runs eagerly (ringdp/_eager.py)

@@ -231,7 +231,12 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     if exc is not None:
         tf.set_exception(exc)
     elif cuda is not None:
-        with torch.cuda.stream(cuda[0].stream):  # the future's event: on ringdp's stream
+        # the future's event: on ringdp's stream, after it waited for the collective's end (its
+        # `done` event: recorded on ringdp's stream, or, for a call made on the worker, on the
+        # stream current there, which a hierarchical call's own stream joined, not ringdp's)
+        stream, done = cuda[0].stream, cuda[1]
+        stream.wait_event(done)
+        with torch.cuda.stream(stream):
             tf.set_result(list(outputs))
     else:
         tf.set_result(list(outputs))
@@ -1223,18 +1228,22 @@ class Communicator:
             return None
 
     # ---- teardown -----------------------------------------------------------------------
-    def close(self):
+    def close(self, wait: bool = True):
         """Stop the worker and release the endpoints. Collective while the group is alive
-        (the CUDA endpoint's teardown barrier); local once the group was destroyed."""
+        (the CUDA endpoint's teardown barrier); local once the group was destroyed.
+        wait=False (the backend's abort()): returns at once, waiting for nothing; the calls
+        still queued fail unrun as the worker comes to them, and a call in flight keeps the
+        endpoints until it ends (its own timeout), then releases them (_locked)."""
         with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
             if self._closed:
                 return
             self._closed = True
             if self._worker is not None:
                 self._queue.put(None)
-        deadline = time.monotonic() + self.timeout  # (one wait in all: the worker's call, then the lock)
-        if self._worker is not None and self._worker is not threading.current_thread():
-            self._worker.join(timeout=self.timeout)  # (from a callback on it: it stops after the callback)
+        limit = self.timeout if wait else 0.0
+        deadline = time.monotonic() + limit  # (one wait in all: the worker's call, then the lock)
+        if wait and self._worker is not None and self._worker is not threading.current_thread():
+            self._worker.join(timeout=limit)  # (from a callback on it: it stops after the callback)
         # An inline call in flight on another thread (past _take_inline's check before the
         # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
         # still running at the deadline (its own timeout may be longer) keeps its endpoints,
@@ -1254,7 +1263,7 @@ class Communicator:
                     self._release_endpoints()
                 finally:
                     self._lock.release()
-            elif not mine:
+            elif not mine and wait:
                 log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
                             "endpoints are released when it ends", self.rank, self.timeout)
         finally:  # (a failed CUDA teardown too)

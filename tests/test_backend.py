@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from _dist import cyclic_garbage, run_ranks, values
+from _dist import CASE_TIMEOUT_S, cyclic_garbage, run_ranks, values
 from _fake_cuda import fake_cuda, on_stream
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
@@ -1164,6 +1164,412 @@ def test_spans_hosts_falls_back_to_gloo(pool):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
 
 
+# ================================================================ group calls as torch makes them
+def _pg_of(g):
+    return dist.distributed_c10d._get_default_group() if g is dist.group.WORLD else g
+
+
+def case_methods_without_options(rank, world):
+    """The group's methods called without their options argument (c10d's Python bindings
+    make it optional; AllgatherOptions is not in torch.distributed in torch 2.13), against
+    values computed here from the rank numbers."""
+    g = ringdp_group()
+    pg = _pg_of(g)
+    s = float(sum(r + 1 for r in range(world)))
+    ranks = torch.arange(world, dtype=torch.float32)
+    out = {}
+    o = torch.empty(2 * world)
+    pg._allgather_base(o, torch.full((2,), float(rank))).wait()
+    out["_allgather_base"] = (o, ranks.repeat_interleave(2))
+    o = torch.empty(3 * world)
+    pg.all_gather_single(o, torch.full((3,), rank + 0.5)).wait()
+    out["all_gather_single"] = (o, ranks.repeat_interleave(3) + 0.5)
+    lst = [torch.empty(3) for _ in range(world)]
+    pg.allgather([lst], [torch.full((3,), rank + 1.0)]).wait()
+    out["allgather"] = (torch.stack(lst), (ranks + 1)[:, None].expand(world, 3))
+    lst = [torch.empty(2, dtype=torch.int8) for _ in range(world)]  # (the short form; int8: gloo's)
+    pg.allgather(lst, torch.full((2,), rank, dtype=torch.int8)).wait()
+    out["allgather int8"] = (torch.stack(lst), ranks.to(torch.int8)[:, None].expand(world, 2))
+    o1, o2 = torch.empty(world), torch.empty(2 * world)
+    pg.allgather_into_tensor_coalesced([o1, o2], [torch.full((1,), float(rank)), torch.full((2,), -1.0 - rank)]).wait()
+    out["allgather_into_tensor_coalesced"] = (torch.cat([o1, o2]), torch.cat([ranks, (-1 - ranks).repeat_interleave(2)]))
+    t = torch.full((4,), rank + 1.0)
+    pg.allreduce([t]).wait()
+    out["allreduce"] = (t, torch.full((4,), s))
+    a, b = torch.full((2,), rank + 1.0), torch.full((5,), 3.0 * rank)
+    pg.allreduce_coalesced([a, b]).wait()
+    out["allreduce_coalesced"] = (torch.cat([a, b]), torch.cat([torch.full((2,), s), torch.full((5,), 3.0 * sum(range(world)))]))
+    o = torch.empty(2)
+    pg._reduce_scatter_base(o, torch.arange(2.0 * world) * (rank + 1)).wait()
+    out["_reduce_scatter_base"] = (o, torch.arange(2.0 * rank, 2.0 * rank + 2) * s)
+    o = torch.empty(2)
+    pg.reduce_scatter([o], [list((torch.arange(2.0 * world) + rank).chunk(world))]).wait()
+    out["reduce_scatter"] = (o, torch.arange(2.0 * rank, 2.0 * rank + 2) * world + sum(range(world)))
+    b = torch.full((3,), rank + 7.0)
+    pg.broadcast([b]).wait()
+    out["broadcast"] = (b, torch.full((3,), 7.0))
+    pg.barrier().wait()
+    drop(g)
+    return out
+
+
+def test_group_methods_without_options(pool):
+    for r, out in enumerate(pool.run(case_methods_without_options)):
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+def case_multi_tensor_lists(rank, world):
+    """allreduce / broadcast of a list of several tensors through the group object: c10d's
+    multi-tensor forms, as gloo runs them whatever the dtype (one logical tensor over every
+    entry of every rank; broadcast: the root's opts.rootTensor); sizes that differ: gloo's
+    refusal on every rank."""
+    g = ringdp_group()
+    pg = _pg_of(g)
+    out = {}
+    s = sum(r + 1 for r in range(world))
+    for dtype in (torch.float32, torch.int8):
+        a, b = torch.full((3,), rank + 1, dtype=dtype), torch.full((3,), 10 * (rank + 1), dtype=dtype)
+        pg.allreduce([a, b]).wait()
+        out[f"allreduce {dtype}"] = (torch.stack([a, b]), torch.full((2, 3), 11 * s, dtype=dtype))
+        a, b = torch.full((2,), rank + 1, dtype=dtype), torch.full((2,), 10 * (rank + 1), dtype=dtype)
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = world - 1, 1
+        pg.broadcast([a, b], opts).wait()
+        out[f"broadcast {dtype}"] = (torch.stack([a, b]), torch.full((2, 2), 10 * world, dtype=dtype))
+    try:
+        pg.allreduce([torch.ones(3), torch.ones(4)]).wait()
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    out["after"] = (t, torch.full((2,), float(world)))
+    drop(g)
+    return out, refused
+
+
+def test_multi_tensor_lists_are_gloos(pool):
+    for r, (out, refused) in enumerate(pool.run(case_multi_tensor_lists)):
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+        assert refused is not None and "invalid tensor size" in refused, (r, refused)
+
+
+def case_coalescing_with_device(rank, world):
+    """torch's _coalescing_manager(device=...) waits on the group's _end_coalescing Work
+    instead of the calls' own: it covers every call of the block (the fast path's, made
+    after it, too), so cm.wait() raises a failure and waits for the inner gloo group's calls
+    (int8 here, with the last rank 1 s late), as does the synchronous block."""
+    from ringdp import RingError  # (registers the backend)
+
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=20))
+    cpu = torch.device("cpu")
+    s = sum(r + 1 for r in range(world))
+    out = {}
+    a, b = torch.full((3,), rank + 1.0), torch.full((5,), 2.0 * rank)
+    with dist._coalescing_manager(group=g, device=cpu, async_ops=True) as cm:
+        dist.all_reduce(a, group=g)
+        dist.all_reduce(b, group=g)
+    cm.wait()
+    out["values"] = (torch.cat([a, b]), torch.cat([torch.full((3,), float(s)), torch.full((5,), 2.0 * sum(range(world)))]))
+    o = torch.empty(2 * world)
+    with dist._coalescing_manager(group=g, device=cpu, async_ops=True) as cm:
+        dist.all_gather_into_tensor(o, torch.full((2,), float(rank)), group=g)
+    cm.wait()
+    out["all_gather"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(2))
+    bad = torch.ones(3 if rank == 0 else 4)  # a size mismatch inside the block
+    try:
+        with dist._coalescing_manager(group=g, device=cpu, async_ops=True) as cm:
+            dist.all_reduce(bad, group=g)
+        cm.wait()
+        mismatch = None
+    except RingError as e:
+        mismatch = str(e)
+    for async_ops in (True, False):
+        c = torch.full((1000,), rank + 1, dtype=torch.int8)
+        if rank == world - 1:
+            time.sleep(1)
+        with dist._coalescing_manager(group=g, device=cpu, async_ops=async_ops) as cm:
+            dist.all_reduce(c, group=g)
+        if async_ops:
+            cm.wait()
+        out[f"int8 async_ops={async_ops}"] = (c.clone(), torch.full((1000,), s, dtype=torch.int8))
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    out["after"] = (t, torch.full((2,), float(world)))
+    recording = (getattr(g, "_coalescing", None), [n for n in ("allreduce", "allreduce_coalesced") if n in vars(g)])
+    dist.destroy_process_group(g)
+    return out, mismatch, recording
+
+
+def test_coalescing_manager_with_device(pool):
+    for r, (out, mismatch, recording) in enumerate(pool.run(case_coalescing_with_device)):
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+        assert mismatch is not None and f"rank {1 - r}" in mismatch, (r, mismatch)
+        assert recording == (None, []), (r, recording)  # (nothing records after the blocks)
+
+
+def case_set_pg_timeout(rank, world):
+    """torch's _set_pg_timeout (dist.breakpoint() calls it on every group) on a ringdp group
+    made with a 2 s timeout: 60 s from then on, for ringdp's calls and the inner gloo
+    group's (rank 0 comes 3.5 s late to a barrier, then the last rank to an int8 all-reduce,
+    gloo's). A gloo group still gets torch's own."""
+    import ringdp
+
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=2))
+    c10d = dist.distributed_c10d
+    c10d._set_pg_timeout(timedelta(seconds=60), g)
+    c10d._set_pg_timeout(timedelta(seconds=80))  # (the pool's default group: gloo)
+    out = {"ringdp": ringdp.get_communicator(g).timeout, "inner gloo": g._gloo.options._timeout.total_seconds(),
+           "gloo": c10d._get_default_group()._get_backend(torch.device("cpu")).options._timeout.total_seconds()}
+    c10d._set_pg_timeout(timedelta(seconds=CASE_TIMEOUT_S))  # (back to the pool's)
+    for name, late in (("barrier", 0), ("int8", world - 1)):
+        if rank == late:
+            time.sleep(3.5)
+        try:
+            if name == "barrier":
+                dist.barrier(group=g)
+            else:
+                c = torch.full((4,), rank + 1, dtype=torch.int8)
+                dist.all_reduce(c, group=g)
+                assert c.tolist() == [sum(r + 1 for r in range(world))] * 4, c
+            out[name] = "ok"
+        except Exception as e:  # noqa: BLE001
+            out[name] = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_set_pg_timeout_reaches_the_group(pool):
+    for r, out in enumerate(pool.run(case_set_pg_timeout)):
+        assert out == {"ringdp": 60.0, "inner gloo": 60.0, "gloo": 80.0, "barrier": "ok", "int8": "ok"}, (r, out)
+
+
+def case_chain_future(rank, world):
+    """A _Chain's future (reduce_scatter_tensor_coalesced of two tensors): a part's failure
+    is the future's own error (a RingError, not wrapped); waited for in a callback on
+    ringdp's worker thread (a then() of a call still running there, rank 0's: the last
+    rank comes late), it runs the chain's queued calls there instead of waiting for itself."""
+    import ringdp  # noqa: F401 -- registers the backend
+    import threading
+
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=10))
+    out = {}
+    n = 2 if rank == 0 else 3  # a size mismatch in the second part
+    w = g.reduce_scatter_tensor_coalesced([torch.empty(2), torch.empty(n)], [torch.ones(2 * world), torch.ones(n * world)])
+    try:
+        w.get_future().wait()
+        out["failure"] = None
+    except Exception as e:  # noqa: BLE001
+        out["failure"] = (type(e).__name__, str(e))
+    if rank == world - 1:
+        time.sleep(0.5)
+    head = dist.all_reduce(torch.ones(1 << 18), group=g, async_op=True)
+    outs = [torch.empty(2), torch.empty(3)]
+    tail = g.reduce_scatter_tensor_coalesced(outs, [torch.arange(2.0 * world) * (rank + 1), torch.arange(3.0 * world) + rank])
+    where = []
+
+    def callback(f):
+        where.append(threading.current_thread().name)
+        return tail.get_future().wait()
+
+    fut = head.get_future().then(callback)
+    box = {}
+
+    def waiter():
+        try:
+            box["value"] = fut.wait()
+        except Exception as e:  # noqa: BLE001
+            box["error"] = repr(e)
+
+    thread = threading.Thread(target=waiter, daemon=True)
+    thread.start()
+    thread.join(20)
+    s = sum(r + 1 for r in range(world))
+    want = [torch.arange(2.0 * rank, 2.0 * rank + 2) * s, torch.arange(3.0 * rank, 3.0 * rank + 3) * world + sum(range(world))]
+    out["chain"] = (type(tail).__name__, box, want, where)
+    drop(g)
+    return out
+
+
+def test_chain_future(pool):
+    for r, out in enumerate(pool.run(case_chain_future)):
+        kind, message = out["failure"]
+        assert kind == "RingError" and f"rank {1 - r}" in message, out["failure"]
+        kind, box, want, where = out["chain"]
+        assert kind == "_Chain" and "value" in box, (r, box)
+        for got, w in zip(box["value"], want):
+            torch.testing.assert_close(got, w, rtol=0, atol=0)
+        if r == 0:
+            assert where and where[0].startswith("ringdp-worker"), where
+
+
+class _CountingGroup:
+    """A stand-in for an inner group: what is asked of it, counted."""
+
+    def __init__(self, inner):
+        self.inner, self.asked = inner, []
+
+    def __getattr__(self, name):
+        self.asked.append(name)
+        return getattr(self.inner, name)
+
+
+def case_non_contiguous(rank, world):
+    """Non-contiguous CPU tensors (strided views, transposes, channels_last) run natively
+    through contiguous copies, never on the inner gloo group: the values are right (gloo's
+    broadcast of a strided view is not) and a rank whose tensor is contiguous pairs with
+    one whose tensor is not (it waited for gloo until the timeout)."""
+    import ringdp  # noqa: F401 -- registers the backend
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=10))
+    inner, g._gloo = g._gloo, _CountingGroup(g._gloo)
+    s = float(sum(r + 1 for r in range(world)))
+    ranks = torch.arange(world, dtype=torch.float32)
+    out = {}
+    try:
+        v = torch.arange(8.0).reshape(2, 4)[:, ::2] + 100 * rank
+        dist.broadcast(v, dist.get_global_rank(g, world - 1), group=g)
+        out["broadcast strided"] = (v, torch.arange(8.0).reshape(2, 4)[:, ::2] + 100 * (world - 1))
+        base = torch.arange(6.0).reshape(2, 3) * (rank + 1)
+        t = base.clone() if rank == 0 else base.t().contiguous().t()  # contiguous on rank 0 only
+        dist.all_reduce(t, group=g)
+        out["all_reduce mixed layouts"] = (t, torch.arange(6.0).reshape(2, 3) * s)
+        cl = (torch.arange(16.0).reshape(1, 4, 2, 2) * (rank + 1)).to(memory_format=torch.channels_last)
+        dist.all_reduce(cl, op=dist.ReduceOp.AVG, group=g)
+        out["all_reduce channels_last AVG"] = (cl, torch.arange(16.0).reshape(1, 4, 2, 2) * s / world)
+        t = (torch.arange(6.0).reshape(3, 2) * (rank + 1)).t()
+        dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["all_reduce PREMUL_SUM"] = (t, torch.arange(6.0).reshape(3, 2).t() * s / 2)
+        a, b = torch.full((3,), rank + 1.0), (torch.arange(4.0).reshape(2, 2) + rank).t()
+        dist.all_reduce_coalesced([a, b], group=g)
+        out["all_reduce_coalesced"] = (torch.cat([a, b.reshape(-1)]),
+                                       torch.cat([torch.full((3,), s), (torch.arange(4.0).reshape(2, 2) * world
+                                                                        + sum(range(world))).t().reshape(-1)]))
+        o = torch.empty(2, 2 * world).t()  # a strided output
+        dist.all_gather_into_tensor(o, (torch.arange(4.0).reshape(2, 2) + 10 * rank).t(), group=g)
+        out["all_gather_into_tensor"] = (o, torch.cat([(torch.arange(4.0).reshape(2, 2) + 10 * r).t() for r in range(world)]))
+        lst = [torch.empty(2, 2) for _ in range(world)]
+        dist.all_gather(lst, (torch.arange(8.0).reshape(2, 4) + 10 * rank)[:, ::2], group=g)
+        out["all_gather"] = (torch.stack(lst), torch.stack([(torch.arange(8.0).reshape(2, 4) + 10 * r)[:, ::2]
+                                                            for r in range(world)]))
+        o = torch.empty(2)
+        inp = (torch.arange(2.0 * world).reshape(world, 2) * (rank + 1)).t().contiguous().t()
+        dist.reduce_scatter_tensor(o, inp, op=dist.ReduceOp.AVG, group=g)
+        out["reduce_scatter_tensor"] = (o, torch.arange(2.0 * rank, 2.0 * rank + 2) * s / world)
+        ins = list((torch.arange(4.0 * world).reshape(4, world) * (rank + 1)).t())  # strided rows
+        kept = [x.clone() for x in ins]
+        o = torch.empty(4)
+        dist.reduce_scatter(o, ins, op=dist._make_nccl_premul_sum(0.5), group=g)
+        out["reduce_scatter PREMUL_SUM"] = (o, torch.arange(4.0 * world).reshape(4, world).t()[rank] * s / 2)
+        out["inputs untouched"] = (torch.stack(ins), torch.stack(kept))
+    finally:
+        counted, g._gloo = g._gloo.asked, inner
+    drop(g)
+    return out, counted
+
+
+def test_non_contiguous_tensors_run_natively(pool):
+    for r, (out, counted) in enumerate(pool.run(case_non_contiguous)):
+        assert counted == [], (r, counted)
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+def case_abort(rank, world):
+    """torch's _abort_process_group on a ringdp group whose peer never joins its call: it
+    returns at once (gloo's does; it waited up to the timeout for the calls queued on
+    ringdp's worker); the queued call fails unrun, the one in flight in its timeout, a new
+    one at once. The other ranks destroy their group after."""
+    from ringdp import RingError  # (registers the backend)
+
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=5))
+    t = torch.ones(4)
+    dist.all_reduce(t, group=g)
+    if rank != 0:
+        time.sleep(9)
+        dist.destroy_process_group(g)
+        return None
+    out = {}
+    flight = dist.all_reduce(torch.ones(1 << 16), group=g, async_op=True)  # in the ring, waiting for its peers
+    queued = torch.full((8,), 3.0)
+    later = dist.all_reduce(queued, group=g, async_op=True)  # behind it on the worker
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    dist.distributed_c10d._abort_process_group(g)
+    out["abort s"] = time.monotonic() - t0
+    for name, work in (("queued", later), ("in flight", flight)):
+        try:
+            work.wait()
+            out[name] = None
+        except RingError as e:
+            out[name] = str(e)
+    out["queued tensor"] = queued.tolist()
+    t0 = time.monotonic()
+    try:
+        g.allreduce([torch.ones(2)]).wait()
+        out["new call"] = None
+    except RingError as e:
+        out["new call"] = (str(e), time.monotonic() - t0)
+    return out
+
+
+def test_abort_returns_at_once(pool):
+    out = pool.run(case_abort)[0]
+    assert out["abort s"] < 1.0, out
+    assert out["queued"] is not None and out["in flight"] is not None, out
+    assert "timed out" in out["in flight"] and "rank 1" in out["in flight"], out
+    assert out["queued tensor"] == [3.0] * 8, out  # (never run)
+    assert out["new call"] is not None and out["new call"][1] < 1.0, out
+
+
+def case_after_destroy(rank, world):
+    """After destroy_process_group, the group's own monitored_barrier raises ringdp's
+    RingError, as its other calls do."""
+    from ringdp import RingError  # (registers the backend)
+
+    g = dist.new_group(backend="cpu:ringdp")
+    dist.destroy_process_group(g)
+    out = {}
+    for name, call in (("monitored_barrier", lambda: g.monitored_barrier(timedelta(seconds=2))),
+                       ("allreduce", lambda: g.allreduce([torch.ones(2)]).wait())):
+        try:
+            call()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001
+            out[name] = type(e).__name__
+    return out
+
+
+def test_calls_after_destroy_raise_ring_error(pool):
+    for out in pool.run(case_after_destroy):
+        assert out == {"monitored_barrier": "RingError", "allreduce": "RingError"}, out
+
+
+def case_allgather_dtypes(rank, world):
+    """The list allgather with outputs of another dtype than the input: refused (as gloo
+    refuses it; it cast the values), on every rank, and the group goes on."""
+    g = ringdp_group()
+    pg = _pg_of(g)
+    lst = [torch.empty(2, dtype=torch.float64) for _ in range(world)]
+    try:
+        pg.allgather([lst], [torch.full((2,), rank + 0.25)]).wait()
+        refused = None
+    except (TypeError, RuntimeError) as e:
+        refused = str(e)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=g)
+    drop(g)
+    return refused, t.tolist()
+
+
+def test_allgather_of_another_dtype_is_refused(pool):
+    for refused, after in pool.run(case_allgather_dtypes):
+        assert refused is not None and "dtype" in refused, refused
+        assert after == [2.0, 2.0]
+
+
 # ================================================================ CUDA glue, on the CPU
 def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     """RingWork's CUDA copy-out (the list all_gather / reduce_scatter) runs on the stream
@@ -1204,6 +1610,7 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
     monkeypatch.setattr(torch.cuda, "stream", on)
+    Event.query = lambda self: True  # (the GPU ran it: is_completed() asks)
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(backend, "HelpingFuture", TorchFuture)
     part = Part()
@@ -1436,3 +1843,83 @@ def test_cuda_endpoint_drains_nccl_first():
         flat.close(DeadPeer("group"))
     assert [e for e in log if e[0] == "barrier"] == [("barrier", "group")], log
     assert {("destroy", "flat"), ("destroy", "ipc"), ("destroy", "net")} <= set(log), log
+
+
+def _cuda_fakes(monkeypatch, log, current, finished=True):
+    """The fakes of test_ringwork_copy_out_on_the_calls_stream, installed: (Stream, Event,
+    the events' GPU state: gpu[0], what query() answers)."""
+    from ringdp import backend, comm
+
+    Stream, Event = fake_cuda(log, current)
+    gpu = [finished]
+    Event.query = lambda self: gpu[0]
+
+    class TorchFuture:  # the CUDA-aware future: set_result records its event on the current stream
+        def __init__(self, waiting, devices=None):
+            self.value = None
+
+        def set_result(self, v):
+            log.append(("future", current[0]))
+            self.value = v
+
+        def set_exception(self, e):
+            self.value = e
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
+    monkeypatch.setattr(torch.cuda, "stream", on_stream(current))
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(backend, "HelpingFuture", TorchFuture)
+    monkeypatch.setattr(comm, "HelpingFuture", TorchFuture)
+    return Stream, Event, gpu
+
+
+def test_cuda_future_is_set_after_the_collective(monkeypatch):
+    """A CUDA Work's future (comm.Work's and the backend's RingWork's) completes on ringdp's
+    stream after that stream waited on each collective's `done` event: a call made on
+    ringdp's worker (a callback) recorded it on the stream current there, and a hierarchical
+    one ran on the hierarchy's stream, neither of which ringdp's stream had waited for, so
+    a waiter on the future was not ordered after the collective."""
+    from concurrent.futures import Future
+
+    from ringdp import backend
+    from ringdp.comm import Work
+
+    log, current = [], ["pool"]
+    Stream, Event, _gpu = _cuda_fakes(monkeypatch, log, current)
+    me = threading.current_thread().name
+    ep = type("Ep", (), {"stream": Stream("ringdp"), "device": "cuda:0", "check": lambda self: None})()
+    done = Event()  # recorded on "pool" after the collective (comm._run_cuda, inline on the worker)
+    fut = Future()
+    work = Work(fut, ["out"], (ep, done))
+    work.get_future()
+    fut.set_result(None)
+    assert log == [("wait", "ringdp", done.name, me), ("future", "ringdp")], log
+    log.clear()
+    parts = [Work(Future(), ["out"], (ep, Event())) for _ in range(2)]
+    ring = backend.RingWork(parts, ["out"], cuda_devices=["cuda:0"])
+    for p in parts:
+        p._future.set_result(None)
+    assert log == [("wait", "ringdp", parts[0]._cuda[1].name, me), ("wait", "ringdp", parts[1]._cuda[1].name, me),
+                   ("future", "ringdp")], log
+    assert ring.get_future().value == ["out"]
+
+
+def test_ringwork_cuda_completed_once_the_gpu_ran_it(monkeypatch):
+    """RingWork.is_completed() of a CUDA call asks the GPU (its parts' `done` events, or the
+    event after its copy-out), as comm.Work and torch's NCCL Work do: enqueued is not done."""
+    from concurrent.futures import Future
+
+    from ringdp import backend
+    from ringdp.comm import Work
+
+    log, current = [], ["caller"]
+    Stream, Event, gpu = _cuda_fakes(monkeypatch, log, current, finished=False)
+    ep = type("Ep", (), {"stream": Stream("ringdp"), "device": "cuda:0", "check": lambda self: None})()
+    for finalize in (None, lambda: None):  # (the copy-out: its own event, on the call's stream)
+        gpu[0] = False
+        part = Work(Future(), ["out"], (ep, Event()))
+        ring = backend.RingWork([part], ["out"], finalize=finalize, cuda_devices=["cuda:0"])
+        part._future.set_result(None)  # enqueued on ringdp's stream; the GPU has not run it
+        assert (part.is_completed(), ring.is_completed(), ring.is_success()) == (False, False, False), finalize
+        gpu[0] = True
+        assert (part.is_completed(), ring.is_completed(), ring.is_success()) == (True, True, True), finalize
