@@ -1,5 +1,5 @@
 """Frameworks that start the process group themselves, on a ringdp group (issue 11: "Lightning
-or Accelerate"). Skipped where the framework is not installed (CI installs none of them)."""
+or Accelerate"). Skipped where the framework is not installed (.ci/run installs both, pinned)."""
 import os
 import subprocess
 import sys
