@@ -21,7 +21,8 @@ Diagnosis: a collective that has waited RINGDP_STALL_WARN_S (default 60 s) for a
 a stall report once (logger "ringdp": which ranks have not entered it; every rank's last
 finished and current call); a timeout's RingError carries the same. Each communicator keeps
 its last calls (the flight record, ``Communicator.flight_record()``), written to
-RINGDP_TRACE's folder as ``ringdp_flight.rank<r>.json`` on a stall or a failed collective.
+RINGDP_TRACE's folder as ``ringdp_flight.rank<r>.json`` (r: the global rank; a group other
+than the world adds its name: ``.rank<r>.g<name>.json``) on a stall or a failed collective.
 
 Collectives: all_reduce, reduce_scatter_tensor, all_gather_into_tensor and broadcast, on CPU
 tensors (the shared-memory transport, or hierarchically across hosts) and on CUDA tensors (the
@@ -1210,15 +1211,22 @@ class Communicator:
 
     def dump_flight_record(self, reason: str, report: str = "") -> str | None:
         """Write the flight record, with `reason` and `report`, to RINGDP_TRACE's folder as
-        ringdp_flight.rank<r>.json; returns the path (None when RINGDP_TRACE is not set).
-        Never raises: a diagnosis must not hide the failure it describes."""
+        ringdp_flight.rank<r>.json, r the global rank, with the group's name for a group other
+        than the world (ringdp_flight.rank<r>.g<name>.json: config.trace_path, the one rule);
+        returns the path (None when RINGDP_TRACE is not set). Never raises: a diagnosis must
+        not hide the failure it describes."""
         if not self.config.trace:
             return None
         try:
-            path = trace_path(self.config.trace, self.rank).parent / f"ringdp_flight.rank{self.rank}.json"
+            pg = self._pg()
+            if pg is None or not dist.is_initialized():
+                raise RuntimeError("its process group is gone")
+            global_rank, group = dist.get_rank(), (None if _is_world(pg) else _group_key(pg))
+            path = trace_path(self.config.trace, global_rank, group, kind="flight")
             path.parent.mkdir(parents=True, exist_ok=True)
-            doc = {"rank": self.rank, "world": self.world, "host": self.host, "pid": os.getpid(),
-                   "time": time.time(), "reason": reason, "report": report, "calls": self.flight_record()}
+            doc = {"rank": self.rank, "world": self.world, "global_rank": global_rank, "group": group,
+                   "host": self.host, "pid": os.getpid(), "time": time.time(), "reason": reason,
+                   "report": report, "calls": self.flight_record()}
             tmp = path.with_name(path.name + f".tmp{os.getpid()}")
             tmp.write_text(json.dumps(doc, indent=1))
             os.replace(tmp, path)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import string
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,10 @@ class Config:
     # -- RingDDP ---------------------------------------------------------------------------
     ddp_in_grad_min_bytes: int = policy.IN_GRAD_MIN_BYTES  # RINGDP_DDP_IN_GRAD_MIN_BYTES (-1: never)
     ddp_overlap: bool = True  # RINGDP_DDP_OVERLAP
-    trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes; its
-    # folder also receives each rank's flight record on a stall or a failed collective
-    trace_steps: int = 1000  # RINGDP_TRACE_STEPS: steps with events (later ones: summary only)
+    trace: str | None = None  # RINGDP_TRACE: Chrome trace path of RingDDP's backward passes (trace_path;
+    # unset or empty: off; any other value is a path, "0" too: the folder ./0); its folder also
+    # receives each rank's flight record on a stall or a failed collective
+    trace_steps: int = 1000  # RINGDP_TRACE_STEPS: steps with events and per-step rows (later: in the means only)
     # -- the torch.distributed backend -----------------------------------------------------
     backend_adopt_min_bytes: int = -1  # RINGDP_BACKEND_ADOPT_MIN_BYTES: all-reduced CPU tensors this
     # large, seen a second time, move into registered memory in place (-1: never; ringdp/backend.py)
@@ -164,6 +166,32 @@ def _text(name: str, raw: str) -> str:
     return raw
 
 
+def _check_trace_fields(what: str, raw: str) -> bool:
+    """Whether the trace path `raw` has the field {rank}, its only possible field: a
+    ValueError that starts with `what` (the variable or argument and its value) otherwise."""
+    hint = "{rank} (the global rank) is the only field; write {{ and }} for literal braces"
+    try:
+        fields = [f for _, f, _, _ in string.Formatter().parse(raw) if f is not None]
+    except ValueError as e:
+        raise ValueError(f"{what}: a lone brace ({e}): {hint}") from None
+    bad = next((f for f in fields if f != "rank"), None)
+    if bad is not None:
+        raise ValueError(f"{what}: unknown field {{{bad}}}: {hint}")
+    try:
+        raw.format(rank=0)
+    except (ValueError, TypeError) as e:  # a format spec an int does not take
+        raise ValueError(f"{what}: {e}: {hint}") from None
+    return bool(fields)
+
+
+def _trace(name: str, raw: str) -> str:
+    """RINGDP_TRACE: a path (a folder, a .json file, or a pattern with {rank}), checked when
+    it is read so that a bad field fails there, naming the variable."""
+    if "{" in raw or "}" in raw:
+        _check_trace_fields(f"{name}={raw!r}", raw)
+    return raw
+
+
 _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_TIMEOUT_S": ("timeout_s", _seconds(strict=True)),
     "RINGDP_STALL_WARN_S": ("stall_warn_s", _seconds(strict=False)),
@@ -190,7 +218,7 @@ _VARIABLES: dict[str, tuple[str, Callable[[str, str], object]]] = {
     "RINGDP_NCCL_HOSTID_PER_RANK": ("nccl_hostid_per_rank", _bool),
     "RINGDP_DDP_IN_GRAD_MIN_BYTES": ("ddp_in_grad_min_bytes", _int_or_never),
     "RINGDP_DDP_OVERLAP": ("ddp_overlap", _bool),
-    "RINGDP_TRACE": ("trace", _text),
+    "RINGDP_TRACE": ("trace", _trace),
     "RINGDP_TRACE_STEPS": ("trace_steps", _nonneg_int),
     "RINGDP_BACKEND_ADOPT_MIN_BYTES": ("backend_adopt_min_bytes", _int_or_never),
 }
@@ -209,17 +237,37 @@ def _warn_unknown(env: Mapping[str, str]) -> None:
                           stacklevel=3)
 
 
-def trace_path(path: str | os.PathLike, rank: int) -> Path:
-    """Where rank `rank` writes its trace for RINGDP_TRACE=`path` (ringdp/trace.py): a path
-    with ``{rank}`` is formatted, a ``.json`` path gets ``.rank<r>`` before the suffix, any
-    other path is a folder. Its folder also receives the rank's flight record (comm.py)."""
+def trace_path(path: str | os.PathLike, rank: int, group: str | None = None, kind: str = "trace") -> Path:
+    """Where a process writes its file of `kind` for RINGDP_TRACE=`path` (or RingDDP(trace=path)):
+    the one naming rule of these files. `kind` "trace": RingDDP's Chrome trace (ringdp/trace.py);
+    "flight": a communicator's flight record (comm.py), in the trace's folder.
+
+    `rank` is the process's global rank (torch.distributed.get_rank()), which no other process
+    of the job has; `group` names the process group when it is not the world (comm.py's group
+    key, e.g. "g3"; None for the world), so that one process's files for two groups differ too.
+
+    Trace: a path with ``{rank}`` (the only field) is formatted, a ``.json`` path gets
+    ``.rank<r>`` before the suffix, any other path is a folder (``ringdp_trace.rank<r>.json``
+    in it); a group adds ``.<group>`` before the suffix. Flight record:
+    ``ringdp_flight.rank<r>[.<group>].json`` in the trace file's folder. Any other field, or a
+    lone brace, is a ValueError naming RINGDP_TRACE (``{{`` and ``}}`` are literal braces)."""
     s = os.fspath(path)
-    if "{rank}" in s:
-        return Path(s.format(rank=rank))
-    p = Path(s)
-    if p.suffix == ".json":
-        return p.with_name(f"{p.stem}.rank{rank}.json")
-    return p / f"ringdp_trace.rank{rank}.json"
+    if kind not in ("trace", "flight"):
+        raise ValueError(f"trace_path: kind must be 'trace' or 'flight', got {kind!r}")
+    tag = "" if group is None else f".{group}"
+    pattern = False
+    if "{" in s or "}" in s:
+        pattern = _check_trace_fields(f"the trace path {s!r} (RINGDP_TRACE, or RingDDP(trace=))", s)
+        s = s.format(rank=rank)  # (without the field: only literal braces, {{ and }})
+    if pattern:
+        p = Path(s)
+    elif Path(s).suffix == ".json":
+        p = Path(s).with_name(f"{Path(s).stem}.rank{rank}.json")
+    else:
+        p = Path(s) / f"ringdp_trace.rank{rank}.json"
+    if kind == "flight":
+        return p.parent / f"ringdp_flight.rank{rank}{tag}.json"
+    return p.with_name(f"{p.stem}{tag}{p.suffix}") if tag else p
 
 
 def variables() -> dict[str, str]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import pickle
+import warnings
 from typing import Callable
 
 import torch
@@ -24,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
 
-from .comm import RingError, get_communicator, init
-from .config import Config
+from .comm import RingError, _group_key, _is_world, get_communicator, init
+from .config import Config, trace_path
 from .buckets import GradBucket, Observer, assign_buckets, now_us
 from .reducer import Reducer
 
@@ -47,55 +48,109 @@ class RingDDP(nn.Module, Joinable):
     the buckets (see :mod:`ringdp.reducer`); a sparse gradient for any other parameter
     raises a RuntimeError naming it.
 
-    Args:
+    Args (torch's, in torch's order, positional as there; then RingDDP's own, keyword-only):
         module: the model (already on its device); the same model on every rank.
         device_ids: for a single-device CUDA module, ``[device]`` (inputs are moved there);
             None for CPU modules.
         output_device: accepted for compatibility (single-device modules only).
-        broadcast_buffers: broadcast the module's buffers from rank 0 before each forward.
+        dim: accepted for compatibility (torch DDP uses it only in its scatter()/gather()).
+        broadcast_buffers: as torch's (None, the default, is True): True broadcasts the
+            module's buffers from rank 0 at construction and before each forward; False does
+            neither (rank-local buffers stay as they are).
+        init_sync: check that every rank holds the same model and broadcast rank 0's
+            parameters (and buffers, per broadcast_buffers / forward_sync_buffers) at
+            construction (default True); False does neither: the ranks must already agree.
         process_group: the group to average over (default: the default group).
         bucket_cap_mb: bucket size in MiB; None means 25 MiB with a 1 MiB first bucket, a
             number means that cap for every bucket.
         find_unused_parameters: find, after each forward, the parameters that do not take
             part in the loss, and mark them ready (their gradient is zero in the average;
             a parameter unused on every rank keeps ``.grad`` None).
+        check_reduction: deprecated in torch and ignored there (a FutureWarning), as here.
         gradient_as_bucket_view: make ``.grad`` views into the buckets (saves a copy in and
             a copy out per step and the gradients' memory).
         static_graph: the set of used parameters is the same every iteration: it is found
             once, in the first iteration, and reused.
+        delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+            device_mesh, skip_all_reduce_unused_params, bucket_cap_mb_list: not supported:
+            anything but the default raises NotImplementedError naming the argument.
+        batched_grad_copy: accepted (a kernel-count optimisation of torch's reducer; the
+            result is the same).
+        forward_sync_buffers: as torch's: broadcast the buffers before each forward (None:
+            broadcast_buffers decides); given, buffers are broadcast at construction too.
         trace: a path for a Chrome trace of this rank's backward passes (default: the
             ``RINGDP_TRACE`` environment variable); see :mod:`ringdp.trace`.
         overlap: start each bucket's all-reduce as soon as it is complete (default; else
             all of them at the end of backward, to measure what overlap brings). The
             environment variable ``RINGDP_DDP_OVERLAP=0`` sets the default to False.
+
+    Parameters and buffers named in ``module._ddp_params_and_buffers_to_ignore`` (set by
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) are left alone
+    as torch DDP leaves them: not in the model check, not broadcast, not averaged (their
+    gradients stay local).
     """
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None, broadcast_buffers: bool = True,
-                 process_group=None, bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *, trace=None,
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim=0, broadcast_buffers=None,
+                 init_sync=True, process_group=None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None, mixed_precision=None,
+                 device_mesh=None, skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: bool | None = None, *, trace=None,
                  overlap: bool | None = None):
         super().__init__()
         Joinable.__init__(self)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("RingDDP needs torch.distributed to be initialised first: call "
                                "torch.distributed.init_process_group(...) (torchrun sets its environment)")
+        for name, value, default in (("delay_all_reduce_named_params", delay_all_reduce_named_params, None),
+                                     ("param_to_hook_all_reduce", param_to_hook_all_reduce, None),
+                                     ("mixed_precision", mixed_precision, None), ("device_mesh", device_mesh, None),
+                                     ("skip_all_reduce_unused_params", skip_all_reduce_unused_params, False),
+                                     ("bucket_cap_mb_list", bucket_cap_mb_list, None)):
+            if (value is not None) if default is None else bool(value):
+                raise NotImplementedError(
+                    f"RingDDP does not support {name} (got {value!r}); leave it at its default ({default!r})"
+                    + ("; pass process_group=device_mesh.get_group(0) instead" if name == "device_mesh" else ""))
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument of DistributedDataParallel (and RingDDP) is deprecated "
+                          "and has no effect", FutureWarning, stacklevel=2)
+        if broadcast_buffers is not None and forward_sync_buffers is not None:
+            warnings.warn("RingDDP: both broadcast_buffers and forward_sync_buffers given: forward_sync_buffers "
+                          "decides (as in torch's DistributedDataParallel)", FutureWarning, stacklevel=2)
+        # as torch DDP: forward_sync_buffers, when given, decides the forward sync and buffers
+        # are synchronised at construction; else broadcast_buffers (None: True) decides both
+        if forward_sync_buffers is not None:
+            self.forward_sync_buffers, init_sync_buffers = bool(forward_sync_buffers), True
+        else:
+            self.forward_sync_buffers = init_sync_buffers = broadcast_buffers is None or bool(broadcast_buffers)
         cfg = Config.from_env()
+        trace = cfg.trace if trace is None else trace
+        if trace:
+            trace_path(trace, 0)  # a bad pattern fails here, before any collective
         self.module = module
         self.process_group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.broadcast_buffers = broadcast_buffers
+        self.dim = dim
+        self.init_sync = bool(init_sync)
+        self.batched_grad_copy = batched_grad_copy
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        # as torch DDP: names (named_parameters / named_buffers) that it leaves alone
+        self.parameters_to_ignore: set[str] = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
         if not named:
-            raise RuntimeError("RingDDP: the module has no parameter that requires a gradient")
+            raise RuntimeError("RingDDP: the module has no parameter that requires a gradient"
+                               + (" (other than those in module._ddp_params_and_buffers_to_ignore)"
+                                  if self.parameters_to_ignore else ""))
         self._sparse_ids = _sparse_grad_params(module)
         devices = {p.device for _, p in named}
         if len(devices) > 1 and device_ids:
@@ -113,15 +168,18 @@ class RingDDP(nn.Module, Joinable):
         # start-up: ringdp communicator (collective), same model everywhere, rank 0's state
         if self.world_size > 1:
             init(process_group)
-        self._verify_same_model()
-        self._broadcast_state(src=0)
+        if self.init_sync:
+            self._verify_same_model()
+            self._broadcast_state(src=0, buffers=init_sync_buffers)
 
-        trace = cfg.trace if trace is None else trace
         self._trace = None
         if trace:
             from .trace import DDPTrace
 
-            self._trace = DDPTrace(trace, self.rank, self.world_size, max_event_steps=cfg.trace_steps)
+            # files are named by the global rank (and a group other than the world): config.trace_path
+            group = None if _is_world(process_group) else _group_key(process_group)
+            self._trace = DDPTrace(trace, dist.get_rank(), self.world_size, max_event_steps=cfg.trace_steps,
+                                   group=group)
         if bucket_cap_mb is None:
             cap, first = DEFAULT_BUCKET_CAP_MB * _MiB, DEFAULT_FIRST_BUCKET_MB * _MiB
         else:
@@ -138,6 +196,15 @@ class RingDDP(nn.Module, Joinable):
         self._join_hook: _RingJoinHook | None = None
 
     # ------------------------------------------------------------------ properties
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast before each forward (torch's name; forward_sync_buffers)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
     @property
     def join_device(self) -> torch.device:
         return self._device
@@ -165,9 +232,11 @@ class RingDDP(nn.Module, Joinable):
         return dist.get_global_rank(self.process_group, group_rank)
 
     def _signature(self) -> list[tuple]:
+        ignore = self.parameters_to_ignore
         sig = [("parameter", n, tuple(p.shape), str(p.dtype), bool(p.requires_grad), id(p) in self._sparse_ids)
-               for n, p in self.module.named_parameters()]
-        sig += [("buffer", n, tuple(b.shape), str(b.dtype), False, False) for n, b in self.module.named_buffers()]
+               for n, p in self.module.named_parameters() if n not in ignore]
+        sig += [("buffer", n, tuple(b.shape), str(b.dtype), False, False)
+                for n, b in self.module.named_buffers() if n not in ignore]
         return sig
 
     def _verify_same_model(self) -> None:
@@ -230,11 +299,17 @@ class RingDDP(nn.Module, Joinable):
                             o += c.numel()
                     chunk, size = [], 0
 
-    def _broadcast_state(self, src: int) -> None:
-        self._broadcast_tensors(list(self.module.parameters()) + list(self.module.buffers()), src)
+    def _broadcast_state(self, src: int, buffers: bool) -> None:
+        """Rank `src`'s parameters (and buffers if `buffers`), but those to ignore."""
+        params = [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
+        self._broadcast_tensors(params + (self._buffers_to_sync() if buffers else []), src)
 
     def _sync_buffers(self, src: int) -> None:
-        self._broadcast_tensors(list(self.module.buffers()), src)
+        self._broadcast_tensors(self._buffers_to_sync(), src)
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        # looked up at each sync: a module may re-assign its buffers (as torch DDP does it)
+        return [b for n, b in self.module.named_buffers() if n not in self.parameters_to_ignore]
 
     # ------------------------------------------------------------------ forward
     def forward(self, *inputs, **kwargs):
@@ -365,7 +440,7 @@ class _RingJoinHook(JoinHook):
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
         src = int(t.item())
         if src >= 0:
-            ddp._broadcast_state(src)
+            ddp._broadcast_state(src, buffers=ddp.forward_sync_buffers)  # as torch's _sync_final_model
         ddp.reducer.set_divisor(ddp.world_size, 0)
         ddp._join_config = _JoinConfig.construct_disabled_join_config()
 

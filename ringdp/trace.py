@@ -1,10 +1,13 @@
 """Timeline of RingDDP's backward passes: a Chrome-trace JSON per rank and a summary.
 
 Enable with ``RINGDP_TRACE=path`` (or ``RingDDP(..., trace=path)``): a :class:`DDPTrace`
-observes the RingDDP's Reducer (ringdp/reducer.py) and feeds a :class:`Tracer`. The path may contain
+observes the RingDDP's Reducer (ringdp/reducer.py) and feeds a :class:`Tracer`. Files are
+named by the global rank (``config.trace_path``, the one rule): the path may contain
 ``{rank}``; otherwise ``.rank<r>`` is inserted before a ``.json`` suffix, and a path without
-that suffix is taken as a directory. Open the file in chrome://tracing or
-https://ui.perfetto.dev. Each rank is one process with two rows:
+that suffix is taken as a directory; a RingDDP over a process group other than the world adds
+the group's name (``t.rank3.g1.json``). The file is written by ``RingDDP.flush_trace()``, when
+the RingDDP is freed, and at exit. Open it in chrome://tracing or https://ui.perfetto.dev.
+Each rank is one process with two rows:
 
 * ``autograd``: forward, backward (from the gradient of the output until autograd
   finished), then ``finalize`` (the end-of-backward callback), made of ``wait bucket i``
@@ -15,11 +18,13 @@ https://ui.perfetto.dev. Each rank is one process with two rows:
   the previous bucket's all-reduce finished, since one worker runs them in order) until
   it finished; the submission time is in the event's args.
 
-Events are kept for the first ``RINGDP_TRACE_STEPS`` (default 1000) backward passes; later
-ones only enter the summary. The summary (``RingDDP.trace_summary()``, the ``ringdp_summary`` key of the file, or
-``python -m ringdp.trace FILE...``) gives per step and on average: backward time,
-communication time, exposed communication (time backward() waited after autograd was
-done) and the overlap fraction, 1 - exposed / communication.
+Events and per-step rows are kept for the first ``RINGDP_TRACE_STEPS`` (default 1000)
+backward passes; later ones only enter the running means, so memory and the file stay
+bounded however long the run. The summary (``RingDDP.trace_summary()``, the
+``ringdp_summary`` key of the file, or ``python -m ringdp.trace FILE...``) gives per step
+(``per_step``: those first steps) and on average over every step but the first (``steps``
+counts them all): backward time, communication time, exposed communication (time backward()
+waited after autograd was done) and the overlap fraction, 1 - exposed / communication.
 """
 from __future__ import annotations
 
@@ -73,37 +78,75 @@ def step_summary(step: dict) -> dict:
     }
 
 
-def aggregate(steps: list[dict], skip_first: int = 1) -> dict:
-    """Mean over steps of step_summary() figures; the first `skip_first` steps (bucket
-    rebuild, first touch of memory) are left out when there are more steps than that."""
-    rows = steps[skip_first:] if len(steps) > skip_first else steps
-    out: dict = {"steps": len(steps), "steps_averaged": len(rows)}
-    if not rows:
+_MEAN_KEYS = ("backward_ms", "comm_ms", "exposed_comm_ms", "writeback_ms", "finalize_ms")
+
+
+class StepMeans:
+    """Running means of step_summary() rows, in constant memory. The first `skip_first` rows
+    (bucket rebuild, first touch of memory) are left out when there are more rows than that."""
+
+    def __init__(self, skip_first: int = 1):
+        self.skip_first = skip_first
+        self.steps = 0
+        self._head: list[dict] = []  # the first skip_first rows
+        self._sums = dict.fromkeys(_MEAN_KEYS, 0.0)
+        self._n = 0  # rows in _sums
+
+    def add(self, row: dict) -> None:
+        self.steps += 1
+        if len(self._head) < self.skip_first:
+            self._head.append(row)
+            return
+        for k in _MEAN_KEYS:
+            self._sums[k] += row[k]
+        self._n += 1
+
+    def result(self) -> dict:
+        if self._n:
+            sums, n = self._sums, self._n
+        else:
+            sums, n = {k: sum(r[k] for r in self._head) for k in _MEAN_KEYS}, len(self._head)
+        out: dict = {"steps": self.steps, "steps_averaged": n}
+        if not n:
+            return out
+        for k in _MEAN_KEYS:
+            out[f"mean_{k}"] = sums[k] / n
+        comm = out["mean_comm_ms"]
+        out["overlap_fraction"] = (1.0 - min(out["mean_exposed_comm_ms"], comm) / comm) if comm > 0 else None
         return out
-    for k in ("backward_ms", "comm_ms", "exposed_comm_ms", "writeback_ms", "finalize_ms"):
-        out[f"mean_{k}"] = sum(r[k] for r in rows) / len(rows)
-    comm = out["mean_comm_ms"]
-    out["overlap_fraction"] = (1.0 - min(out["mean_exposed_comm_ms"], comm) / comm) if comm > 0 else None
-    return out
+
+
+def aggregate(steps: list[dict], skip_first: int = 1) -> dict:
+    """Mean over steps of step_summary() figures (see StepMeans)."""
+    means = StepMeans(skip_first)
+    for s in steps:
+        means.add(s)
+    return means.result()
 
 
 _claimed: set[Path] = set()  # trace files of this process's tracers
 
 
 class Tracer:
-    """Collects one rank's events; writes them (and the summary) on flush() and at exit.
-    A second RingDDP of the same process given the same path writes `<name>.ddp1.json`
+    """Collects one rank's events; writes them (and the summary) on flush(), when `owner` is
+    freed (a DDPTrace gives itself: the RingDDP's trace is written when the RingDDP goes away)
+    and at exit. Without an owner it is written at exit if it is still alive.
+
+    `rank` is the global rank (the events' process, the file's name), `world` the size of
+    the group traced and `group` its name when it is not the world (config.trace_path).
+    A second tracer of the same process given the same path writes `<name>.ddp1.json`
     (then ddp2, ...) instead of overwriting the first one's file."""
 
-    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000):
+    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000, *, group: str | None = None,
+                 owner: object | None = None):
         self.rank = rank
         self.max_event_steps = max_event_steps
         self.world = world
-        p = trace_path(path, rank)
-        k = 0
+        self.group = group
+        base = trace_path(path, rank, group)
+        p, k = base, 0
         while p in _claimed:
             k += 1
-            base = trace_path(path, rank)
             p = base.with_name(f"{base.stem}.ddp{k}{base.suffix}")
         _claimed.add(p)
         self.path = p
@@ -112,10 +155,14 @@ class Tracer:
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_AUTOGRAD, "args": {"name": "autograd"}},
             {"name": "thread_name", "ph": "M", "pid": rank, "tid": TID_COMM, "args": {"name": "ringdp comm"}},
         ]
-        self.steps: list[dict] = []
+        self.steps: list[dict] = []  # step_summary() rows of the first max_event_steps steps
+        self._means = StepMeans()
         self._lock = threading.Lock()
-        ref = weakref.ref(self)
-        atexit.register(lambda: ref() is not None and ref().flush())
+        self._write_lock = threading.Lock()  # one flush at a time (they share the temporary file)
+        if owner is not None:  # holds this tracer (not the owner) until the owner goes, or exit
+            self._finalizer = weakref.finalize(owner, self.flush)
+        else:
+            atexit.register(_flush_at_exit, weakref.ref(self))
 
     # ---- events -----------------------------------------------------------------------
     def span(self, name: str, tid: int, t0: float, t1: float, args: dict | None = None, cat: str = "ringdp"):
@@ -137,9 +184,12 @@ class Tracer:
         summary."""
         s = step_summary(step)
         n = step["step"]
-        if len(self.steps) >= self.max_event_steps:  # keep the file bounded: summary only
-            with self._lock:
+        with self._lock:
+            traced = self._means.steps < self.max_event_steps  # later steps: the means only (bounded)
+            self._means.add(s)
+            if traced:
                 self.steps.append(s)
+        if not traced:
             return s
         if step.get("t_fwd_start") is not None and step.get("t_fwd_end") is not None:
             self.span("forward", TID_AUTOGRAD, step["t_fwd_start"], step["t_fwd_end"], {"step": n})
@@ -163,16 +213,17 @@ class Tracer:
             self.span(f"all_reduce bucket {b['index']}", TID_COMM, start, b["t_done"],
                       dict(args, submitted_us=b["t_launch"], queued_us=start - b["t_launch"]))
             prev_end = b["t_done"]
-        with self._lock:
-            self.steps.append(s)
         return s
 
     def summary(self) -> dict:
+        """The means over all steps (StepMeans), and `per_step`: the rows of the first
+        max_event_steps steps."""
         with self._lock:
+            out = self._means.result()
             steps = list(self.steps)
-        out = aggregate(steps)
         out["rank"] = self.rank
         out["world"] = self.world
+        out["group"] = self.group
         out["per_step"] = steps
         return out
 
@@ -180,11 +231,18 @@ class Tracer:
         with self._lock:
             events = list(self.events)
         doc = {"traceEvents": events, "displayTimeUnit": "ms", "ringdp_summary": self.summary()}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self.path)
+        with self._write_lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_name(f"{self.path.name}.tmp{os.getpid()}")  # this process's own
+            tmp.write_text(json.dumps(doc))
+            os.replace(tmp, self.path)
         return self.path
+
+
+def _flush_at_exit(ref) -> None:
+    tracer = ref()
+    if tracer is not None:
+        tracer.flush()
 
 
 class DDPTrace(Observer):
@@ -192,8 +250,9 @@ class DDPTrace(Observer):
     and hands them to a Tracer (RingDDP(trace=path) or RINGDP_TRACE=path). It records; it
     never changes what the Reducer does."""
 
-    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000):
-        self.tracer = Tracer(path, rank, world, max_event_steps=max_event_steps)
+    def __init__(self, path, rank: int, world: int, max_event_steps: int = 1000, group: str | None = None):
+        # rank: the global rank; group: the group's name when it is not the world (Tracer)
+        self.tracer = Tracer(path, rank, world, max_event_steps=max_event_steps, group=group, owner=self)
         self._fwd: tuple[float | None, float | None] = (None, None)
         self._bwd_start: float | None = None
         self._records: dict[int, dict[int, dict]] = {}  # step -> bucket index -> times
@@ -204,7 +263,9 @@ class DDPTrace(Observer):
             self._bwd_start = None  # the gradient of the output marks the start of backward
             ref = weakref.ref(self)
             for t in output_tensors(outputs):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+                # not on a leaf (a parameter the forward returns): its hooks outlive the step
+                # and would pile up, one more per forward, all run by each backward
+                if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None:
                     t.register_hook(_backward_start_hook(ref))
 
     @staticmethod

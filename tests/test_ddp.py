@@ -599,6 +599,174 @@ def case_trace(rank, world, tmpdir, steps=4):
     return {"path": str(path), "summary": ddp.trace_summary(), "n_buckets": len(ddp.reducer.buckets)}
 
 
+def case_trace_written_when_freed(rank, world, tmpdir):
+    """`def main(): model = RingDDP(...)`: the trace file is written when the RingDDP goes away
+    (here, when train() returns), not only at exit (the pool's workers live on)."""
+    from ringdp.ddp import RingDDP
+
+    def train():
+        ddp = RingDDP(build(MLP, 0), trace=os.path.join(tmpdir, "freed.json"))
+        for s in range(2):
+            x, y = batch(s, world * 2)
+            ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
+        return ddp._trace.tracer.path
+
+    path = train()
+    with open(path) as f:
+        return {"path": str(path), "steps": json.load(f)["ringdp_summary"]["steps"]}
+
+
+def case_trace_subgroups(rank, world, tmpdir):
+    """Each rank is rank 0 of a one-rank group: the trace files are named by the global rank
+    (and the group), so neither overwrites the other's."""
+    from ringdp.comm import _group_key
+    from ringdp.ddp import RingDDP
+
+    singles = [dist.new_group([r]) for r in range(world)]
+    ddp = RingDDP(build(MLP, 0, d_hidden=8 + rank), process_group=singles[rank],
+                  trace=os.path.join(tmpdir, "sub.json"))
+    for s in range(2 + rank):  # a different number of steps per rank: whose file is it?
+        x, y = batch(s, 2)
+        ((ddp(x) - y) ** 2).mean().backward()
+    path = ddp.flush_trace()
+    dist.barrier()
+    with open(path) as f:
+        summary = json.load(f)["ringdp_summary"]
+    return {"path": str(path), "steps": summary["steps"], "rank": summary["rank"],
+            "group": _group_key(singles[rank])}
+
+
+class ReturnsParam(nn.Module):
+    """The forward returns a parameter (a leaf) beside its output, as uncertainty weighting
+    does (the loss uses log_var)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.log_var = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x):
+        return self.lin(x), self.log_var
+
+
+def case_trace_leaf_output_hooks(rank, world, tmpdir, steps=20):
+    """The trace's backward-start hook goes on output tensors of this step only, never on a
+    leaf returned by forward (its hooks would pile up, all run by every backward)."""
+    from ringdp.ddp import RingDDP
+
+    ddp = RingDDP(build(ReturnsParam, 0), trace=os.path.join(tmpdir, "leaf.json"))
+    counts = []
+    for s in range(steps):
+        y, lv = ddp(torch.randn(2, 4))
+        (y.sum() * torch.exp(-lv) + lv).backward()
+        counts.append(len(ddp.module.log_var._backward_hooks or {}))
+    return {"counts": counts, "steps": ddp.trace_summary()["steps"]}
+
+
+class RankBuffers(nn.Module):
+    """A rank-dependent buffer that forward updates, and a shared and a rank-local layer."""
+
+    def __init__(self, rank, ragged=False):
+        super().__init__()
+        self.shared = nn.Linear(2, 2)
+        self.local = nn.Linear(2, 2)
+        self.register_buffer("count", torch.full((1,), float(rank)))
+        self.register_buffer("local_buf", torch.full((2,), float(10 + rank)))
+        if ragged:  # of a rank-dependent shape (when it is ignored)
+            self.register_buffer("extra", torch.zeros(rank + 1))
+
+    def forward(self, x):
+        self.count += 1
+        return self.shared(x) + self.local(x)
+
+
+def _wrap_both(rank, kwargs, ignore=()):
+    """torch DDP and RingDDP around the same rank-dependent model (seed per rank), with
+    `ignore` set as torch's _set_params_and_buffers_to_ignore_for_model sets it."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp.ddp import RingDDP
+
+    out = []
+    for wrap in (DDP, RingDDP):
+        torch.manual_seed(rank)
+        net = RankBuffers(rank, ragged="extra" in ignore)
+        if ignore:
+            DDP._set_params_and_buffers_to_ignore_for_model(net, list(ignore))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch 2.13: broadcast_buffers is deprecated
+            out.append(wrap(net, **kwargs))
+    return out
+
+
+def _state(m):
+    return {k: v.detach().clone() for k, v in m.module.state_dict().items()}
+
+
+def case_buffers_like_torch(rank, world, kwargs):
+    """RingDDP's buffers and parameters at construction and after forwards, as torch DDP's
+    (broadcast_buffers / forward_sync_buffers / init_sync)."""
+    res = {}
+    for tag, m in zip(("torch", "ring"), _wrap_both(rank, kwargs)):
+        states = [_state(m)]
+        for s in range(2):
+            m(torch.full((1, 2), float(rank + s)))
+            states.append(_state(m))
+        res[tag] = states
+    return res
+
+
+def case_ignored_params_like_torch(rank, world, steps=3):
+    """module._ddp_params_and_buffers_to_ignore: those parameters and buffers are not checked,
+    not broadcast and not averaged, by RingDDP as by torch DDP."""
+    ignore = ("local.weight", "local.bias", "local_buf", "extra")
+    tddp, ring = _wrap_both(rank, {}, ignore)
+    res = {"layout": ring.bucket_layout, "init": {"torch": _state(tddp), "ring": _state(ring)}}
+    for tag, m in (("torch", tddp), ("ring", ring)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        grads = []
+        for s in range(steps):
+            opt.zero_grad()
+            m(torch.full((1, 2), float(rank + 1 + s))).pow(2).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in m.module.named_parameters()})
+            opt.step()
+        res[tag] = {"state": _state(m), "grads": grads}
+    return res
+
+
+def case_positional_like_torch(rank, world):
+    """One real positional construction: the same names bound as torch DDP binds them; and
+    torch's arguments that RingDDP does not support are a clear error naming them."""
+    from ringdp.ddp import RingDDP
+
+    torch.manual_seed(rank)
+    net = RankBuffers(rank)
+    m = RingDDP(net, None, None, 0, False, True, None, 1)  # ..., dim, broadcast_buffers, init_sync, group, cap
+    out = {"dim": m.dim, "broadcast_buffers": m.broadcast_buffers, "count": m.module.count.item(),
+           "layout": m.bucket_layout}
+    errors = {}
+    for name, value in (("mixed_precision", object()), ("skip_all_reduce_unused_params", True),
+                        ("bucket_cap_mb_list", [1, 2]), ("device_mesh", object())):
+        try:
+            RingDDP(RankBuffers(rank), **{name: value})
+        except NotImplementedError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+def case_bad_trace_field(rank, world):
+    from ringdp.ddp import RingDDP
+
+    try:
+        RingDDP(build(MLP, 0))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 class TwoBranch(nn.Module):
     """Two branches of the same shapes but different gradients; which one gets its
     gradients first depends on the order the forward computed them in."""
@@ -988,3 +1156,96 @@ def test_subgroup_and_single_rank_group():
         assert res[r]["sub_diff"] < 1e-5, f"rank {r}: {res[r]['sub_diff']}"
     for a, b in zip(res[1]["params"], res[2]["params"]):
         assert torch.equal(a, b)
+
+
+def test_trace_written_when_the_ringddp_is_freed(pool, tmp_path):
+    res = pool.run(case_trace_written_when_freed, tmpdir=str(tmp_path))
+    for r, out in enumerate(res):
+        assert out["path"].endswith(f"freed.rank{r}.json") and out["steps"] == 2
+
+
+def test_trace_files_of_subgroups_named_by_global_rank(pool, tmp_path):
+    res = pool.run(case_trace_subgroups, tmpdir=str(tmp_path))
+    paths = [out["path"] for out in res]
+    assert len(set(paths)) == len(res), f"ranks share a trace file: {paths}"
+    for r, out in enumerate(res):
+        assert out["path"].endswith(f"sub.rank{r}.{out['group']}.json")
+        assert out["rank"] == r and out["steps"] == 2 + r  # its own file, written by itself
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(os.path.basename(p) for p in paths)
+
+
+def test_trace_hooks_no_leaf_output(pool, tmp_path):
+    res = pool.run(case_trace_leaf_output_hooks, tmpdir=str(tmp_path))
+    for out in res:
+        assert out["steps"] == 20
+        assert max(out["counts"]) <= 1 and out["counts"][-1] == out["counts"][0], out["counts"]
+
+
+BUFFER_ARGS = [{}, {"broadcast_buffers": True}, {"broadcast_buffers": False}, {"forward_sync_buffers": False},
+               {"forward_sync_buffers": True, "broadcast_buffers": False}, {"init_sync": False},
+               {"init_sync": False, "broadcast_buffers": False}]
+
+
+@pytest.mark.parametrize("kwargs", BUFFER_ARGS, ids=lambda k: ",".join(f"{a}={v}" for a, v in k.items()) or "default")
+def test_buffers_and_init_sync_like_torch(pool, kwargs):
+    res = pool.run(case_buffers_like_torch, kwargs=kwargs)
+    for r, out in enumerate(res):
+        for i, (t, g) in enumerate(zip(out["torch"], out["ring"])):
+            assert t.keys() == g.keys()
+            for k in t:
+                assert torch.equal(t[k], g[k]), (f"rank {r}, {kwargs}, after {i} forwards: {k} is {g[k].tolist()} "
+                                                 f"in RingDDP, {t[k].tolist()} in torch DDP")
+
+
+def test_ignored_params_and_buffers_like_torch(pool):
+    res = pool.run(case_ignored_params_like_torch)
+    for r, out in enumerate(res):
+        assert all(not n.startswith("local.") for b in out["layout"] for n in b)
+        for when in ("init",):
+            t, g = out[when]["torch"], out[when]["ring"]
+            for k in t:
+                assert torch.equal(t[k], g[k]), f"rank {r}, at construction: {k}"
+        for step, (tg, gg) in enumerate(zip(out["torch"]["grads"], out["ring"]["grads"])):
+            for k in tg:
+                assert torch.allclose(tg[k], gg[k], atol=1e-6), f"rank {r}, step {step}: the gradient of {k}"
+        for k, v in out["torch"]["state"].items():
+            assert torch.allclose(v, out["ring"]["state"][k], atol=1e-6), f"rank {r}: {k} after training"
+    # the ignored layer stayed each rank's own; the shared one is the same everywhere
+    assert not torch.equal(res[0]["ring"]["state"]["local.weight"], res[1]["ring"]["state"]["local.weight"])
+    assert torch.equal(res[0]["ring"]["state"]["shared.weight"], res[1]["ring"]["state"]["shared.weight"])
+
+
+def test_positional_arguments_bind_like_torch():
+    """torch's arguments in torch's order (positional as there); RingDDP's own keyword-only."""
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp.ddp import RingDDP
+
+    tsig, rsig = inspect.signature(DDP.__init__), inspect.signature(RingDDP.__init__)
+    tparams = [(p.name, p.kind, p.default) for p in tsig.parameters.values()]
+    rparams = [(p.name, p.kind, p.default) for p in rsig.parameters.values()]
+    assert rparams[:len(tparams)] == tparams
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in list(rsig.parameters.values())[len(tparams):])
+    args = ("self", "net", None, None, 0, False, True, "group", 1, True, False, True, False)
+    for n in range(2, len(args) + 1):
+        assert rsig.bind(*args[:n]).arguments == tsig.bind(*args[:n]).arguments
+
+
+def test_positional_construction_and_unsupported_arguments(pool):
+    res = pool.run(case_positional_like_torch)
+    for r, out in enumerate(res):
+        assert out["dim"] == 0 and out["broadcast_buffers"] is False
+        assert out["count"] == float(r)  # broadcast_buffers=False: the rank's own buffer, as torch
+        assert len(out["layout"]) == 1  # bucket_cap_mb=1 (positional, after process_group)
+        assert sorted(out["errors"]) == ["bucket_cap_mb_list", "device_mesh", "mixed_precision",
+                                         "skip_all_reduce_unused_params"]
+        for name, msg in out["errors"].items():
+            assert name in msg
+
+
+def test_unknown_trace_field_is_a_value_error(pool):
+    res = pool.run(case_bad_trace_field, env={"RINGDP_TRACE": "/tmp/ringdp-never/{run}/t.json"})
+    for msg in res:
+        assert msg is not None and "RINGDP_TRACE" in msg and "{run}" in msg
