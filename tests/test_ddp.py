@@ -456,13 +456,18 @@ def _branchy_reference_step(ref, ropt, x, y, world):
 
 
 def case_unused(rank, world, find_unused=True, static_graph=False, steps=5, d=4):
-    """Rank 0 uses `b`, rank 1 does not; nobody uses `never`. With d >= 91 the weights
-    exceed ringdp's one-shot size and take the ring."""
+    """Rank 0 uses `b`, the others do not; nobody uses `never`. Above world 2 the weights
+    go one-shot at d=4 and take the ring at d=256 (256 KiB, over policy's 128 KiB one-shot
+    threshold there); at world 2 every all-reduce takes the ring. "paths": what moved the
+    steps' data (flight record)."""
+    import ringdp
     from ringdp.ddp import RingDDP
 
     ref = build(Branchy, 0, d=d)
     ddp = RingDDP(build(Branchy, 0 if rank == 0 else 50 + rank, d=d), find_unused_parameters=find_unused,
                   static_graph=static_graph)
+    comm = ringdp.get_communicator()
+    set_up = max((rec["seq"] for rec in comm.flight_record()), default=-1)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
     diffs, never_none, b_grad_defined = [], [], []
@@ -478,8 +483,9 @@ def case_unused(rank, world, find_unused=True, static_graph=False, steps=5, d=4)
         opt.step()
         _branchy_reference_step(ref, ropt, x, y, world)
         diffs.append(max_diff(params_of(ddp.module), params_of(ref)))
+    paths = sorted({rec["path"] for rec in comm.flight_record() if rec["seq"] > set_up})
     return {"diffs": diffs, "never_none": never_none, "b_grad_defined": b_grad_defined,
-            "params": params_of(ddp.module)}
+            "params": params_of(ddp.module), "paths": paths}
 
 
 def case_join(rank, world, counts, divide_by_initial_world_size=True, per_rank=3, unused=False, hook=None,
@@ -1035,18 +1041,32 @@ def test_parameter_used_only_under_no_sync_is_averaged_like_torch(pool):
         assert torch.equal(res[0][("ringdp", step)][2], res[1][("ringdp", step)][2])
 
 
-@pytest.mark.parametrize("static_graph,env,d", [(False, None, 4), (True, None, 4), (False, IN_GRAD, 4),
-                                                (False, IN_GRAD, 128)])
-def test_unused_parameters_with_flag(pool, static_graph, env, d):
-    # with IN_GRAD, rank 0 reduces b's .grad in place while rank 1 reduces its zeroed bucket
-    res = pool.run(case_unused, find_unused=not static_graph, static_graph=static_graph, env=env, d=d)
+def _check_unused(res):
     for r, out in enumerate(res):
         assert "error" not in out, out.get("error")
         assert max(out["diffs"]) < 1e-5, out["diffs"]
         assert all(out["never_none"]), "a parameter unused on every rank must keep grad None"
         assert all(out["b_grad_defined"]), "a parameter used on some rank gets the averaged gradient"
-    for a, b in zip(res[0]["params"], res[1]["params"]):
-        assert torch.equal(a, b)
+    for other in res[1:]:
+        for a, b in zip(res[0]["params"], other["params"]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("static_graph,env", [(False, None), (True, None), (False, IN_GRAD)])
+def test_unused_parameters_with_flag(pool, static_graph, env):
+    # with IN_GRAD, rank 0 reduces b's .grad in place while rank 1 reduces its zeroed bucket
+    _check_unused(pool.run(case_unused, find_unused=not static_graph, static_graph=static_graph, env=env))
+
+
+@pytest.mark.parametrize("d,path", [(4, "oneshot"), (256, "ring_staged")])
+def test_unused_parameters_in_grad_one_shot_and_ring(d, path):
+    """The in-grad buckets with a parameter used on rank 0 only, at world 3, where the
+    small weights go one-shot and the large ones take the ring (at world 2 both take the
+    ring): each path must see the same zeroed gradients on the ranks that did not use it."""
+    res = values(run_ranks(case_unused, 3, True, False, 5, d, env=IN_GRAD))
+    _check_unused(res)
+    for r, out in enumerate(res):
+        assert path in out["paths"], (r, out["paths"])  # (at d=256 the biases still go one-shot)
 
 
 @pytest.mark.parametrize("kind,static_graph", [("dataclass", False), ("dict", False), ("dataclass", True)])
