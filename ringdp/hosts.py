@@ -329,7 +329,8 @@ class CrossHost:
         a rank alone on its host has only the gloo steps. The first in-host all-reduce is the
         call's first in-host step (`begin`: _begin; the leaders' gloo group is the check group)."""
         n, esz = flat.numel(), flat.element_size()
-        per = max(1, policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz)
+        per = max(1, -(-policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz))  # (up:
+        # rounded down, a piece of a byte count not a whole number of elements made one piece more)
         pending, started = None, []
         try:
             for off in range(0, n, per):

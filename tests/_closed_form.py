@@ -1,8 +1,12 @@
 """The all-reduce input pattern and its closed-form results, for every transport's tests.
 
-Rank r contributes v(r, i) = (i % 13) + 2r at index i: small integers, so every dtype
-(fp16 and bf16 included) holds the inputs and the exact results of n ranks:
+Rank r of n contributes v(r, i) = (i % 13) + 2((r + i) % n) at index i: small integers, so
+every dtype (fp16 and bf16 included) holds the inputs and the exact results of n ranks:
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
+At every index the ranks hold the n values i%13 + 2k (k < n) in a rotated order, so for
+n > 1 the MIN (MAX) comes from a different rank at consecutive indices: no single rank's
+input (what a broadcast or a copy would leave) equals any reduction of a tensor of two or
+more elements.
 """
 from __future__ import annotations
 
@@ -11,9 +15,19 @@ import hashlib
 import torch
 
 
-def value(rank: int, count: int, dtype=torch.float32, device=None) -> torch.Tensor:
-    """Rank `rank`'s input: v(rank, i) for i < count."""
-    return (torch.arange(count, device=device) % 13 + 2 * rank).to(dtype)
+def value(rank: int, count: int, dtype=torch.float32, device=None, *, world: int | None = None) -> torch.Tensor:
+    """Rank `rank`'s input among `world` ranks: v(rank, i) for i < count. `world` defaults
+    to torch.distributed's world size (an error when no process group is initialized)."""
+    if world is None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise TypeError("value(): pass world= (no torch.distributed process group is initialized)")
+        world = dist.get_world_size()
+    if not 0 <= rank < world:
+        raise ValueError(f"value(): rank {rank} is not a rank of a world of {world}")
+    i = torch.arange(count, device=device)
+    return (i % 13 + 2 * ((rank + i) % world)).to(dtype)
 
 
 def ops_for(dtype) -> list[str]:
@@ -22,7 +36,7 @@ def ops_for(dtype) -> list[str]:
 
 
 def expected(op: str, n: int, count: int, dtype) -> torch.Tensor:
-    """The result of all-reducing value(r, count, dtype) over n ranks with `op` (on the CPU)."""
+    """The result of all-reducing value(r, count, dtype, world=n) over n ranks with `op` (on the CPU)."""
     i = torch.arange(count, dtype=torch.float64) % 13
     e = {"SUM": n * i + n * (n - 1), "MIN": i, "MAX": i + 2 * (n - 1), "AVG": i + (n - 1)}[op]
     return e.to(dtype)
@@ -46,7 +60,7 @@ def all_reduce_matrix(rank: int, world: int, all_reduce, dtypes, sizes, after_ca
             for count in sizes:
                 want = expected(op, world, count, dtype)
                 for rep in range(2):
-                    t = value(rank, count, dtype)
+                    t = value(rank, count, dtype, world=world)
                     if rep == 1 and count == 4099:
                         all_reduce(t, getattr(dist.ReduceOp, op), True).wait()
                     else:
@@ -57,3 +71,13 @@ def all_reduce_matrix(rank: int, world: int, all_reduce, dtypes, sizes, after_ca
                         bad.append((str(dtype), op, count, rep, (t.double() - want.double()).abs().max().item()))
                     digests[f"{dtype} {op} {count} {rep}"] = digest(t)
     return bad, digests
+
+
+def host_calls(comm) -> int:
+    """Calls made so far on this rank's host-local shared-memory endpoint of a communicator
+    across hosts (0: none), to count a call's in-host steps."""
+    shm = comm.across.inhost if comm.across is not None else None
+    if shm is None:
+        return 0
+    calls = shm.calls
+    return calls() if callable(calls) else calls

@@ -2,7 +2,7 @@
 
 Values depend on rank and index and are small integers, so every dtype (fp16 and bf16
 included) represents the exact closed-form results (tests/_closed_form.py):
-    v(r, i) = (i % 13) + 2r
+    v(r, i) = (i % 13) + 2((r + i) % n)   (no rank's input is the MIN or MAX of all)
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
 """
 import hashlib
@@ -45,7 +45,7 @@ def _matrix(rank, world, sizes, dtypes):
                     exp = expected(op, world, count, dtype)
                     for rep in range(2):  # each collective twice in a row
                         t = ringdp.empty(count, dtype=dtype) if registered else torch.empty(count, dtype=dtype)
-                        t.copy_(value(rank, count, dtype))
+                        t.copy_(value(rank, count, dtype, world=world))
                         ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
                         checked += 1
                         if not torch.equal(t, exp):
@@ -105,7 +105,7 @@ def _paths(rank, world):
     out = {}
 
     def run(name, t, **kw):
-        t.copy_(value(rank, t.numel(), t.dtype))
+        t.copy_(value(rank, t.numel(), t.dtype, world=world))
         ringdp.all_reduce(t, **kw)
         rec = comm.flight_record()[-1]
         op = kw.get("op", dist.ReduceOp.SUM)
@@ -123,24 +123,24 @@ def _paths(rank, world):
     def gather(name, g_out, in_place=False):  # all_gather's registered memory is its output
         g_out.fill_(-1)
         g_in = g_out[rank * n:(rank + 1) * n] if in_place else torch.empty(n, dtype=g_out.dtype)
-        g_in.copy_(value(rank, n, g_out.dtype))
+        g_in.copy_(value(rank, n, g_out.dtype, world=world))
         comm.all_gather_into_tensor(g_out, g_in)
         rec = comm.flight_record()[-1]
         out[name] = (rec["path"], rec["kind"],
-                     all(torch.equal(b, value(q, n, g_out.dtype)) for q, b in enumerate(g_out.chunk(world))))
+                     all(torch.equal(b, value(q, n, g_out.dtype, world=world)) for q, b in enumerate(g_out.chunk(world))))
 
     gather("all_gather", torch.empty(n * world))
     gather("all_gather_registered", ringdp.empty(n * world))
     gather("all_gather_registered_in_place", ringdp.empty(n * world, dtype=torch.float16), in_place=True)
     gather("all_gather_registered_here_only", ringdp.empty(n * world) if rank == 0 else torch.empty(n * world))
     b = ringdp.empty(n)
-    b.copy_(value(0, n) if rank == 0 else torch.full((n,), -1.0))
+    b.copy_(value(0, n, world=world) if rank == 0 else torch.full((n,), -1.0))
     comm.broadcast(b, 0)
     rec = comm.flight_record()[-1]
-    out["broadcast_registered"] = (rec["path"], rec["kind"], torch.equal(b, value(0, n)))
+    out["broadcast_registered"] = (rec["path"], rec["kind"], torch.equal(b, value(0, n, world=world)))
 
     def scatter(name, inp, in_place=False):  # reduce_scatter's registered memory is its input
-        inp.copy_(value(rank, n * world, inp.dtype))
+        inp.copy_(value(rank, n * world, inp.dtype, world=world))
         mine = inp[rank * n:(rank + 1) * n]
         res = mine if in_place else torch.empty(n, dtype=inp.dtype)
         comm.reduce_scatter_tensor(res, inp)
@@ -246,7 +246,7 @@ def _async(rank, world):
     n = 100_003
     ts = [ringdp.empty(n) for _ in range(3)] + [torch.empty(n)]
     for k, t in enumerate(ts):
-        t.copy_(value(rank, n, torch.float32) + k)
+        t.copy_(value(rank, n, torch.float32, world=world) + k)
     works = [ringdp.all_reduce(t, async_op=True) for t in ts]
     done_flags = []
     results = []
@@ -365,11 +365,15 @@ def _forced_algo(rank, world):
     out = {}
     for algo in ("ring", "oneshot", "auto"):
         for count in (1, 1000, 70_001):  # 70_001 float32 > the 256 KiB one-shot buffer
-            t = value(rank, count, torch.float32)
+            t = value(rank, count, torch.float32, world=world)
+            paths = []
             for _ in range(2):
-                t.copy_(value(rank, count, torch.float32))
+                t.copy_(value(rank, count, torch.float32, world=world))
                 ringdp.all_reduce(t, algo=algo)
-            out[(algo, count)] = (comm.algo_for(4 * count, "cpu", algo), torch.equal(t, expected("SUM", world, count, torch.float32)))
+                rec = comm.flight_record()[-1]  # what the engine ran for this call
+                paths.append((rec["kind"], rec["count"], rec["path"]))
+            out[(algo, count)] = (comm.algo_for(4 * count, "cpu", algo),
+                                  torch.equal(t, expected("SUM", world, count, torch.float32)), paths)
     try:
         ringdp.all_reduce(torch.ones(3), algo="fastest")
     except ValueError as e:
@@ -377,15 +381,27 @@ def _forced_algo(rank, world):
     return out
 
 
+@pytest.mark.parametrize("configured", [None, "ring", "oneshot"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_algo_keyword(world):
-    """algo= forces the algorithm per call (what the benchmark uses instead of RINGDP_ALGO);
-    a forced one-shot falls back to the ring above its buffer, and algo_for says so."""
-    for out in values(run_ranks(_forced_algo, world)):
+def test_algo_keyword(world, configured):
+    """algo= forces the algorithm per call (what the benchmark uses instead of RINGDP_ALGO),
+    whatever RINGDP_ALGO says; a forced one-shot falls back to the ring above its buffer
+    (policy.choose_algo), and algo_for says so. The flight record shows what ran: an
+    ordinary tensor's ring is ring_staged, one-shot is oneshot."""
+    env = {"RINGDP_ALGO": configured} if configured else {}
+    ran = {"ring": "ring_staged", "oneshot": "oneshot"}
+    for out in values(run_ranks(_forced_algo, world, env=env)):
         assert all(v[1] for key, v in out.items() if key != "bad"), out
         assert out[("ring", 1)][0] == "ring" and out[("oneshot", 1)][0] == "oneshot"
         assert out[("oneshot", 70_001)][0] == "ring"
         assert out[("auto", 1)][0] == ("ring" if world == 2 else "oneshot")
+        for count in (1, 1000, 70_001):
+            assert out[("ring", count)][2] == [("all_reduce", count, "ring_staged")] * 2, (count, out)
+        for count in (1, 1000):
+            assert out[("oneshot", count)][2] == [("all_reduce", count, "oneshot")] * 2, (count, out)
+        assert out[("oneshot", 70_001)][2] == [("all_reduce", 70_001, "ring_staged")] * 2, out
+        for key, (decided, _, paths) in ((k, v) for k, v in out.items() if k != "bad"):
+            assert [p[2] for p in paths] == [ran[decided]] * 2, (key, out)  # auto: as algo_for decided
         assert "fastest" in out["bad"]
 
 

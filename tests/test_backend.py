@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import CASE_TIMEOUT_S, cyclic_garbage, run_ranks, values
-from _fake_cuda import fake_cuda, on_stream
+from _fake_cuda import fake_cuda, on_stream, torch_future
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -597,63 +597,138 @@ def test_import_leaves_dynamo_alone():
     assert out.stdout.strip() == "False", out
 
 
+NATIVE_SIZES = (0, 1, 4099, 1001)  # elements: none, one, a prime, neither prime nor a multiple of 2 or 3
+
+
 def case_collectives(rank, world):
-    """Every native collective through torch.distributed's API on a ringdp group, against
-    values computed here from the rank numbers."""
+    """Every native collective through torch.distributed's API on a ringdp group, each twice
+    (the second asynchronous) at every size of NATIVE_SIZES, against the closed forms of
+    tests/_closed_form.py (v(r, i) depends on rank and index: no rank's input is the MIN or
+    the MAX, so a copy of one rank's tensor cannot pass for a reduction). The group's inner
+    gloo is a counting stand-in meanwhile: what ran natively never reached it (its barrier
+    aside, which is part of ringdp's)."""
     import ringdp
+    from _closed_form import expected, value
 
     g = ringdp_group()
-    out = {}
-    base = torch.arange(6, dtype=torch.float32)
-    for name, op, want in [("sum", dist.ReduceOp.SUM, base * sum(r + 1 for r in range(world))),
-                           ("avg", dist.ReduceOp.AVG, base * sum(r + 1 for r in range(world)) / world),
-                           ("min", dist.ReduceOp.MIN, base * 1), ("max", dist.ReduceOp.MAX, base * world),
-                           ("premul", dist._make_nccl_premul_sum(0.25), base * sum(r + 1 for r in range(world)) / 4)]:
-        t = base * (rank + 1)
-        dist.all_reduce(t, op=op, group=g)
-        out[name] = (t, want)
-    ts = [base * (rank + 1), torch.full((3,), float(rank))]
-    dist.all_reduce_coalesced(ts, group=g)
-    out["coalesced"] = (torch.cat(ts), torch.cat([base * sum(r + 1 for r in range(world)),
-                                                  torch.full((3,), float(sum(range(world))))]))
-    inp = torch.arange(2 * world, dtype=torch.float32) * (rank + 1)
-    o = torch.empty(2)
-    dist.reduce_scatter_tensor(o, inp, group=g)
-    s = sum(r + 1 for r in range(world))
-    out["reduce_scatter_tensor"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
-    o = torch.empty(2)
-    dist.reduce_scatter_tensor(o, inp, op=dist.ReduceOp.AVG, group=g)
-    out["reduce_scatter_avg"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s / world)
-    o = torch.empty(2)
-    dist.reduce_scatter(o, list(inp.chunk(world)), group=g)
-    out["reduce_scatter_list"] = (o, torch.arange(2 * rank, 2 * rank + 2, dtype=torch.float32) * s)
-    o = torch.empty(3 * world)
-    dist.all_gather_into_tensor(o, torch.full((3,), float(rank) + 0.5), group=g)
-    out["all_gather_into_tensor"] = (o, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5)
-    lst = [torch.empty(2, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(lst, torch.tensor([rank, -rank]), group=g)
-    out["all_gather"] = (torch.stack(lst), torch.tensor([[r, -r] for r in range(world)]))
-    b = torch.full((4,), float(rank))
-    src = dist.get_global_rank(g, world - 1) if g is not dist.group.WORLD else world - 1
-    dist.broadcast(b, src=src, group=g)
-    out["broadcast"] = (b, torch.full((4,), float(world - 1)))
-    dist.barrier(group=g)
-    # one communicator per group: ringdp.all_reduce and the backend share it
-    comm = ringdp.get_communicator(g)
     pg = dist.distributed_c10d._get_default_group() if g is dist.group.WORLD else g
-    t = torch.ones(3) * (rank + 1)
-    ringdp.all_reduce(t, group=g)
-    out["ringdp.all_reduce"] = (t, torch.ones(3) * s)
-    shared = comm is pg.communicator
+    inner, pg._gloo = pg._gloo, _CountingGroup(pg._gloo)
+    out = {}
+
+    def v(r, n, dtype=torch.float32):
+        return value(r, n, dtype, world=world)
+
+    def twice(key, call):
+        """call(async_op) twice: sync, then async (waited); out[f"{key} {rep}"] = its (got, want)."""
+        for rep in range(2):
+            got, want = call(rep == 1)
+            out[f"{key} {rep}"] = (got, want)
+
+    try:
+        for k in NATIVE_SIZES:
+            for name, op in [("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG), ("MIN", dist.ReduceOp.MIN),
+                             ("MAX", dist.ReduceOp.MAX), ("PREMUL", dist._make_nccl_premul_sum(0.25))]:
+                want = expected("SUM", world, k, torch.float32) * 0.25 if name == "PREMUL" else \
+                    expected(name, world, k, torch.float32)
+
+                def ar(async_op, op=op, want=want):
+                    t = v(rank, k)
+                    w = dist.all_reduce(t, op=op, group=g, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return t, want
+                twice(f"all_reduce {name} {k}", ar)
+            for name in ("MIN", "MAX"):  # an integer dtype too
+                def ar_int(async_op, name=name):
+                    t = v(rank, k, torch.int64)
+                    w = dist.all_reduce(t, op=getattr(dist.ReduceOp, name), group=g, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return t, expected(name, world, k, torch.int64)
+                twice(f"all_reduce int64 {name} {k}", ar_int)
+
+            def coalesced(async_op):
+                ts = [v(rank, k), v(rank, k + 2)]
+                w = dist.all_reduce_coalesced(ts, group=g, async_op=async_op)
+                if async_op:
+                    w.wait()
+                return torch.cat(ts), torch.cat(
+                    [expected("SUM", world, k, torch.float32), expected("SUM", world, k + 2, torch.float32)])
+            twice(f"all_reduce_coalesced {k}", coalesced)
+            mine = slice(rank * k, (rank + 1) * k)
+            for name, op in [("SUM", dist.ReduceOp.SUM), ("AVG", dist.ReduceOp.AVG), ("MAX", dist.ReduceOp.MAX)]:
+                def rs(async_op, name=name, op=op):
+                    inp = v(rank, world * k)
+                    o = torch.full((k,), -7.0)
+                    w = dist.reduce_scatter_tensor(o, inp, op=op, group=g, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return o, expected(name, world, world * k, torch.float32)[mine]
+                twice(f"reduce_scatter_tensor {name} {k}", rs)
+
+            def rs_list(async_op):
+                o = torch.full((k,), -7.0)
+                w = dist.reduce_scatter(o, list(v(rank, world * k).chunk(world)) if k else
+                                        [torch.empty(0) for _ in range(world)], group=g, async_op=async_op)
+                if async_op:
+                    w.wait()
+                return o, expected("SUM", world, world * k, torch.float32)[mine]
+            twice(f"reduce_scatter {k}", rs_list)
+
+            def ag(async_op):
+                o = torch.full((world * k,), -7.0)
+                w = dist.all_gather_into_tensor(o, v(rank, k), group=g, async_op=async_op)
+                if async_op:
+                    w.wait()
+                return o, torch.cat([v(q, k) for q in range(world)])
+            twice(f"all_gather_into_tensor {k}", ag)
+
+            def ag_list(async_op):
+                lst = [torch.full((k,), -7, dtype=torch.int64) for _ in range(world)]
+                w = dist.all_gather(lst, v(rank, k, torch.int64), group=g, async_op=async_op)
+                if async_op:
+                    w.wait()
+                return torch.cat(lst), torch.cat([v(q, k, torch.int64) for q in range(world)])
+            twice(f"all_gather {k}", ag_list)
+            for root in (world - 1, 0):
+                def bc(async_op, root=root):
+                    b = v(rank, k) + 1 if rank == root else torch.full((k,), -7.0)
+                    src = dist.get_global_rank(g, root) if g is not dist.group.WORLD else root
+                    w = dist.broadcast(b, src=src, group=g, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return b, v(root, k) + 1
+                twice(f"broadcast from {root} {k}", bc)
+        dist.barrier(group=g)
+        # one communicator per group: ringdp.all_reduce and the backend share it
+        comm = ringdp.get_communicator(g)
+        t = v(rank, 4099)
+        ringdp.all_reduce(t, group=g)
+        out["ringdp.all_reduce"] = (t, expected("SUM", world, 4099, torch.float32))
+        shared = comm is pg.communicator
+    finally:
+        asked, pg._gloo = pg._gloo.asked, inner
     drop(g)
-    return {"results": out, "shared": shared}
+    return {"results": out, "shared": shared, "gloo": asked}
+
+
+def _check_native_collectives(res):
+    for r, res in enumerate(res):
+        assert res["shared"], f"rank {r}: ringdp.get_communicator(group) is not the backend's communicator"
+        # (the barrier's own gloo barrier shows that the stand-in was in the path)
+        assert res["gloo"] == ["barrier"], f"rank {r}: what the inner gloo group was asked for: {res['gloo']}"
+        assert len(res["results"]) == len(NATIVE_SIZES) * 2 * 16 + 1, (r, sorted(res["results"]))
+        for name, (got, want) in res["results"].items():
+            assert got.dtype == want.dtype, (r, name, got.dtype, want.dtype)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
 
 
 def test_native_collectives(pool):
-    for r, res in enumerate(pool.run(case_collectives)):
-        assert res["shared"], f"rank {r}: ringdp.get_communicator(group) is not the backend's communicator"
-        for name, (got, want) in res["results"].items():
-            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+    _check_native_collectives(pool.run(case_collectives))
+
+
+def test_native_collectives_three_ranks():
+    _check_native_collectives(values(run_ranks(case_collectives, 3, timeout=180)))
 
 
 def case_delegated(rank, world):
@@ -861,6 +936,7 @@ def case_sync_inline(rank, world):
 
     g = dist.new_group(backend="cpu:ringdp")  # (a communicator of its own: no worker yet)
     comm = ringdp.get_communicator(g)
+    inner, g._gloo = g._gloo, _CountingGroup(g._gloo)  # what ringdp runs never reaches it
     out = {}
     threads = set()
     orig = comm._call
@@ -904,12 +980,15 @@ def case_sync_inline(rank, world):
         out["mismatch"] = None
     except RingError as e:
         out["mismatch"] = str(e)
+    out["gloo"], g._gloo = g._gloo.asked, inner
     dist.destroy_process_group(g)
     return out
 
 
 def test_synchronous_calls_run_inline(pool):
     for r, out in enumerate(pool.run(case_sync_inline)):
+        # every collective ran on ringdp (the barrier's own gloo barrier aside: the stand-in was in the path)
+        assert out.pop("gloo") == ["barrier"], r
         assert out.pop("inline_worker") is False, f"rank {r}: a synchronous call started ringdp's worker"
         assert out.pop("inline_threads") == ["MainThread"], r
         assert out.pop("async_worker") is True, r
@@ -1175,6 +1254,7 @@ def case_methods_without_options(rank, world):
     values computed here from the rank numbers."""
     g = ringdp_group()
     pg = _pg_of(g)
+    inner, pg._gloo = pg._gloo, _CountingGroup(pg._gloo)  # what ringdp runs never reaches it
     s = float(sum(r + 1 for r in range(world)))
     ranks = torch.arange(world, dtype=torch.float32)
     out = {}
@@ -1209,12 +1289,15 @@ def case_methods_without_options(rank, world):
     pg.broadcast([b]).wait()
     out["broadcast"] = (b, torch.full((3,), 7.0))
     pg.barrier().wait()
+    asked, pg._gloo = pg._gloo.asked, inner
     drop(g)
-    return out
+    return out, asked
 
 
 def test_group_methods_without_options(pool):
-    for r, out in enumerate(pool.run(case_methods_without_options)):
+    for r, (out, asked) in enumerate(pool.run(case_methods_without_options)):
+        # only the int8 allgather (a dtype ringdp leaves to gloo) and the barrier's own gloo barrier
+        assert asked == ["allgather", "barrier"], (r, asked)
         for name, (got, want) in out.items():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
 
@@ -1587,16 +1670,7 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
     me = threading.current_thread().name
     on = on_stream(current)
 
-    class TorchFuture:  # HelpingFuture (a torch.futures.Future) with devices= needs real CUDA devices
-        def __init__(self, waiting, devices=None):
-            self.value = None
-
-        def set_result(self, v):
-            log.append(("future", current[0]))
-            self.value = v
-
-        def set_exception(self, e):
-            self.value = e
+    TorchFuture = torch_future(log, current)
 
     class Part:  # a ringdp Work of a queued CUDA collective
         def __init__(self):
@@ -1854,16 +1928,7 @@ def _cuda_fakes(monkeypatch, log, current, finished=True):
     gpu = [finished]
     Event.query = lambda self: gpu[0]
 
-    class TorchFuture:  # the CUDA-aware future: set_result records its event on the current stream
-        def __init__(self, waiting, devices=None):
-            self.value = None
-
-        def set_result(self, v):
-            log.append(("future", current[0]))
-            self.value = v
-
-        def set_exception(self, e):
-            self.value = e
+    TorchFuture = torch_future(log, current)  # (set_result records its event on the current stream)
 
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(current[0]))
     monkeypatch.setattr(torch.cuda, "stream", on_stream(current))

@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _closed_form import all_reduce_matrix, expected, value
+from _closed_form import all_reduce_matrix, expected, host_calls, value
 from _dist import run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int32]
@@ -50,15 +50,6 @@ def _ringdp_world(rank, world, hosts, timeout=60, hierarchy=None):
     return pg, comm, store
 
 
-def _host_calls(comm) -> int:
-    """Calls made so far on this rank's host-local shared-memory endpoint (0: none)."""
-    shm = comm.across.inhost if comm.across is not None else None
-    if shm is None:
-        return 0
-    calls = shm.calls
-    return calls() if callable(calls) else calls
-
-
 def _calls_per_all_reduce(comm, n: int, op: str) -> int:
     """In-host calls one all-reduce of n elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
@@ -75,28 +66,28 @@ def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):
     pg, comm, _store = _ringdp_world(rank, world, hosts, hierarchy=hierarchy)
     from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-    calls0, want = _host_calls(comm), []
+    calls0, want = host_calls(comm), []
     bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: dist.all_reduce(t, op=op, async_op=a), DTYPES,
                                      sizes, lambda count, op: want.append(_calls_per_all_reduce(comm, count, op)))
     want_calls = sum(want)
-    matrix_calls = _host_calls(comm) - calls0
+    matrix_calls = host_calls(comm) - calls0
 
     # the other all-reduce forms the backend runs hierarchically: coalesced, PREMUL_SUM, 2-d
-    ts = [value(rank, 5), value(rank, 4099, torch.float64)]
+    ts = [value(rank, 5, world=world), value(rank, 4099, torch.float64, world=world)]
     pg.allreduce_coalesced(ts, dist.AllreduceCoalescedOptions()).wait()
     for t, (n, dt) in zip(ts, [(5, torch.float32), (4099, torch.float64)]):
         if not torch.equal(t, expected("SUM", world, n, dt)):
             bad.append(("coalesced", n))
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.5))
     if not torch.equal(t, expected("SUM", world, 4099, torch.float32) * 0.5):
         bad.append(("premul", 4099))
-    t = value(rank, 21).reshape(7, 3)  # not a multiple of the local size
+    t = value(rank, 21, world=world).reshape(7, 3)  # not a multiple of the local size
     dist.all_reduce(t)
     if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
         bad.append(("2-d", 21))
     dist.barrier()  # its all-reduce runs on the communicator too (it raised across hosts before)
-    extra_calls = _host_calls(comm) - calls0 - matrix_calls
+    extra_calls = host_calls(comm) - calls0 - matrix_calls
 
     # every rank's digests, compared on every rank (all_gather_object: the inner gloo group)
     mine = hashlib.sha256(repr(sorted(digests.items())).encode()).hexdigest()
@@ -156,9 +147,9 @@ def case_ddp(rank, world, hosts, steps):
     import test_backend
 
     pg, comm, _store = _ringdp_world(rank, world, hosts)
-    before = _host_calls(comm)
+    before = host_calls(comm)
     params = test_backend.train_ddp(rank, world, dist.group.WORLD, "plain", steps=steps)
-    out = {"params": params, "host_calls": _host_calls(comm) - before, "path": comm.cross_path,
+    out = {"params": params, "host_calls": host_calls(comm) - before, "path": comm.cross_path,
            "ref": test_backend.reference(world, "plain", steps=steps)}
     dist.destroy_process_group()
     return out
@@ -185,7 +176,7 @@ def case_host_dies(rank, world, hosts, victims):
     import ringdp
 
     _pg, comm, _store = _ringdp_world(rank, world, hosts, timeout=20)
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     dist.all_reduce(t)  # works once
     ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
     if rank in victims:
@@ -193,7 +184,7 @@ def case_host_dies(rank, world, hosts, victims):
     time.sleep(1.0)
     start = time.monotonic()
     try:
-        dist.all_reduce(value(rank, 4099))
+        dist.all_reduce(value(rank, 4099, world=world))
     except ringdp.RingError as e:
         return ok, comm.cross_path, str(e), time.monotonic() - start
     except Exception as e:  # noqa: BLE001 -- e.g. gloo's own error: not ringdp's guarantee
@@ -226,7 +217,7 @@ def case_other_collectives(rank, world, hosts):
 
     pg, comm, _store = _ringdp_world(rank, world, hosts)
     out = {}
-    calls0 = _host_calls(comm)
+    calls0 = host_calls(comm)
 
     class NoInnerGloo:  # the backend must not hand these to its inner gloo group
         def __getattr__(self, name):
@@ -235,19 +226,19 @@ def case_other_collectives(rank, world, hosts):
     inner, pg._gloo = pg._gloo, NoInnerGloo()
     for dtype in (torch.float32, torch.int32):
         n = 4099
-        inp = torch.cat([value(rank, n, dtype) + q for q in range(world)])  # block q: v(rank, i) + q
+        inp = torch.cat([value(rank, n, dtype, world=world) + q for q in range(world)])  # block q: v(rank, i) + q
         o = torch.empty(n, dtype=dtype)
         dist.reduce_scatter_tensor(o, inp)
         out[f"reduce_scatter_tensor {dtype}"] = (o, expected("SUM", world, n, dtype) + world * rank)
         g = torch.empty(world * n, dtype=dtype)
-        dist.all_gather_into_tensor(g, value(rank, n, dtype))
-        out[f"all_gather_into_tensor {dtype}"] = (g, torch.cat([value(q, n, dtype) for q in range(world)]))
+        dist.all_gather_into_tensor(g, value(rank, n, dtype, world=world))
+        out[f"all_gather_into_tensor {dtype}"] = (g, torch.cat([value(q, n, dtype, world=world) for q in range(world)]))
         for src in (0, world - 1):
-            b = value(rank, n, dtype)
+            b = value(rank, n, dtype, world=world)
             dist.broadcast(b, src=src)
-            out[f"broadcast {dtype} from {src}"] = (b, value(src, n, dtype))
+            out[f"broadcast {dtype} from {src}"] = (b, value(src, n, dtype, world=world))
     pg._gloo = inner
-    host_calls = _host_calls(comm) - calls0
+    steps = host_calls(comm) - calls0
     # ringdp's own call on the same communicator
     try:
         o = torch.empty(2)
@@ -255,12 +246,12 @@ def case_other_collectives(rank, world, hosts):
         refused = None if torch.equal(o, torch.full((2,), float(world))) else f"wrong result {o}"
     except ringdp.RingError as e:
         refused = str(e)
-    t = value(rank, 7)
+    t = value(rank, 7, world=world)
     dist.all_reduce(t)  # the hierarchical all-reduce after them: still in step
     out["all_reduce after"] = (t, expected("SUM", world, 7, torch.float32))
     dist.destroy_process_group()
     released = comm.across is None and comm.cross_path is None  # shutdown() closed the communicator
-    return {"results": out, "refused": refused, "released": released, "host_calls": host_calls}
+    return {"results": out, "refused": refused, "released": released, "host_calls": steps}
 
 
 @pytest.mark.parametrize("hosts", [["a", "a", "b", "b"], ["a", "a", "a", "b"]])

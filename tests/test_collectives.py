@@ -1,6 +1,6 @@
 """reduce_scatter_tensor, all_gather_into_tensor and broadcast on CPU (shared-memory transport).
 
-Inputs depend on rank and index (tests/_closed_form.py's v(r, i) = (i % 13) + 2r), so
+Inputs depend on rank and index (tests/_closed_form.py's v(r, i) = (i % 13) + 2((r + i) % n)), so
 every dtype holds the exact results:
     reduce_scatter: rank q's input is v(q, i) for i < n*k; rank r's output is
                     expected(op, n, n*k)[r*k:(r+1)*k] (the all-reduce's block r)
@@ -14,7 +14,7 @@ import hashlib
 import os
 import signal
 import time
-from collections import deque
+from collections import Counter, deque
 
 import pytest
 import torch
@@ -52,7 +52,7 @@ def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc"), registered_too
         for k in sizes:
             for registered in (False, True) if registered_too else (False,):
                 if "rs" in kinds:
-                    full = value(rank, world * k, dtype)
+                    full = value(rank, world * k, dtype, world=world)
                     mine = slice(rank * k, (rank + 1) * k)
                     for op in ops_for(dtype):
                         exp = expected(op, world, world * k, dtype)[mine]
@@ -86,7 +86,7 @@ def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc"), registered_too
                 if "bc" in kinds:
                     for rep in range(2):
                         src = (k + rep) % world
-                        exp = value(src, k, dtype) + 1
+                        exp = value(src, k, dtype, world=world) + 1
                         t = alloc(k, dtype, registered)
                         t.copy_(exp if rank == src else torch.full((k,), -1, dtype=dtype))
                         ringdp.broadcast(t, src)
@@ -152,7 +152,8 @@ def _async(rank, world):
 
     k = 50_001
     outs = [torch.empty(k) for _ in range(2)] + [ringdp.empty(world * k)]
-    ins = [value(rank, world * k, torch.float32) + j for j in range(2)] + [value(rank, k, torch.float32)]
+    ins = ([value(rank, world * k, torch.float32, world=world) + j for j in range(2)]
+           + [value(rank, k, torch.float32, world=world)])
     bc = ringdp.empty(k)
     bc.fill_(float(rank))
     works = [ringdp.reduce_scatter_tensor(outs[j], ins[j], async_op=True) for j in range(2)]
@@ -168,7 +169,7 @@ def _async(rank, world):
     exp_rs = expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]
     ok.append(torch.equal(outs[0], exp_rs))
     ok.append(torch.equal(outs[1], exp_rs + world))
-    ok.append(torch.equal(outs[2], torch.cat([value(q, k, torch.float32) for q in range(world)])))
+    ok.append(torch.equal(outs[2], torch.cat([value(q, k, torch.float32, world=world) for q in range(world)])))
     ok.append(torch.equal(bc, torch.full((k,), 1.0)))
     ok.append(torch.equal(ar, torch.full((k,), float(world))))
     ok.append(fut.wait()[0] is outs[0])
@@ -187,8 +188,9 @@ def _async(rank, world):
     # overwrite at once; a second round on the same buffers must not see stale reads
     for t in outs + [bc]:
         t.fill_(-1e9)
+    bc.fill_(rank + 7.0)  # a different value on every rank: only rank 0's may be left
     ringdp.broadcast(bc, 0)
-    ok.append(torch.equal(bc, torch.full((k,), -1e9)))
+    ok.append(torch.equal(bc, torch.full((k,), 7.0)))
     return ok
 
 
@@ -212,12 +214,12 @@ def _small_async(rank, world):
     out = {}
     k = 1001  # elements per rank: 4 KiB, and prime-ish
     for rep in range(2):  # each twice in a row
-        ar = value(rank, world * k, torch.float32)
+        ar = value(rank, world * k, torch.float32, world=world)
         rs_out, ag_out, bc = torch.empty(k), torch.empty(world * k), torch.full((k,), -1.0)
         if rank == world - 1:
-            bc.copy_(value(rank, k, torch.float32) + 1)
+            bc.copy_(value(rank, k, torch.float32, world=world) + 1)
         works = [ringdp.all_reduce(ar, async_op=True),
-                 ringdp.reduce_scatter_tensor(rs_out, value(rank, world * k, torch.float32), async_op=True),
+                 ringdp.reduce_scatter_tensor(rs_out, value(rank, world * k, torch.float32, world=world), async_op=True),
                  ringdp.all_gather_into_tensor(ag_out, _gather_input(rank, k, torch.float32), async_op=True),
                  ringdp.broadcast(bc, world - 1, async_op=True)]
         out[f"completed at return {rep}"] = [w.is_completed() for w in works]
@@ -226,7 +228,7 @@ def _small_async(rank, world):
             torch.equal(ar, expected("SUM", world, world * k, torch.float32)),
             torch.equal(rs_out, expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]),
             torch.equal(ag_out, torch.cat([_gather_input(q, k, torch.float32) for q in range(world)])),
-            torch.equal(bc, value(world - 1, k, torch.float32) + 1)]
+            torch.equal(bc, value(world - 1, k, torch.float32, world=world) + 1)]
     out["worker after small calls"] = worker_started()
     # a small call behind a large one queued on the worker: it waits its turn, in order
     big, small = torch.full((1 << 20,), float(rank)), torch.full((k,), float(rank))
@@ -532,15 +534,16 @@ def test_flight_record_names_the_kinds(pool):
 # ---- the schedule, without processes: replay the engine's traces -------------------------
 def _replay(kind, count, n, slice_elems, root=0):
     """Run every rank's trace of `kind` against FIFOs between neighbours; returns, per rank,
-    what each element of its result holds: the set of ranks reduced into it (reduce_scatter),
-    or the rank whose data it is (all_gather, broadcast)."""
+    what each element of its result holds: how many times each rank was reduced into it (a
+    Counter, reduce_scatter: a rank reduced twice, or never, shows), or the rank whose data
+    it is (all_gather, broadcast)."""
     from ringdp._native import _C
 
     traces = [deque(_C.collective_trace(kind, count, n, r, slice_elems, 1, root)) for r in range(n)]
     fifo = [deque() for _ in range(n)]  # fifo[r]: slices r received from r-1, oldest first
     size = count * n if kind in ("reduce_scatter", "all_gather") else count
     if kind == "reduce_scatter":
-        data = [[frozenset([r])] * size for r in range(n)]
+        data = [[Counter({r: 1})] * size for r in range(n)]  # (never changed in place: + makes a new one)
         result = [[None] * count for _ in range(n)]
     elif kind == "all_gather":
         data = [[i // count if i // count == r else None for i in range(size)] for r in range(n)]
@@ -567,10 +570,10 @@ def _replay(kind, count, n, slice_elems, root=0):
                 if prim in ("send", "copy_send"):
                     nxt.append((off, cnt, [data[r][i] for i in seg]))
                 elif prim == "recv_reduce_send":
-                    nxt.append((off, cnt, [v | data[r][i] for v, i in zip(vals, seg)]))
+                    nxt.append((off, cnt, [v + data[r][i] for v, i in zip(vals, seg)]))
                 elif prim == "recv_reduce_copy":
                     for v, i in zip(vals, seg):
-                        result[r][i - r * count] = v | data[r][i]
+                        result[r][i - r * count] = v + data[r][i]
                 elif prim in ("recv_copy_send", "recv"):
                     for v, i in zip(vals, seg):
                         data[r][i] = v
@@ -584,7 +587,7 @@ def _replay(kind, count, n, slice_elems, root=0):
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("count,slice_elems", [(0, 4), (1, 4), (7, 2), (13, 4), (10, 100)])
 def test_schedule_replay(n, count, slice_elems):
-    everyone = frozenset(range(n))
+    everyone = Counter(range(n))  # every rank reduced in exactly once
     if n > 1:
         rs = _replay("reduce_scatter", count, n, slice_elems)
         assert all(v == everyone for r in range(n) for v in rs[r]), rs

@@ -13,7 +13,7 @@ that says why (no GPU, ringdp built without CUDA, libnccl missing), so that a ru
 machine where everything was skipped never reads as a pass.
 
 Values are small integers that depend on rank and index, exact in every dtype:
-    v(r, i) = (i % 13) + 2r
+    v(r, i) = (i % 13) + 2((r + i) % n)   (tests/_closed_form.py value)
     SUM = n(i%13) + n(n-1)   MIN = i%13   MAX = i%13 + 2(n-1)   AVG = i%13 + n - 1
 Ranks sharing one GPU without MPS are time-sliced: correct, slow. Keep the matrix modest.
 """
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import _cpp
-from _closed_form import expected
+from _closed_form import expected, value
 from _dist import run_ranks, values
 
 REQUIRE_CUDA = os.environ.get("RINGDP_REQUIRE_CUDA", "") == "1"
@@ -122,7 +122,7 @@ def _matrix(rank, world, sizes, dtypes, registered):
                         t = ringdp.empty(count, dtype=dtype, device="cuda")
                     else:
                         t = torch.empty(count, dtype=dtype, device="cuda")
-                    t.copy_((torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype))
+                    t.copy_(value(rank, count, dtype, "cuda", world=world))
                     ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
                     got = t.cpu()  # the current stream waits for ringdp's result
                     checked += 1
@@ -384,7 +384,7 @@ def _half_dtypes(transport: str) -> list:
 def _halves(rank, world, transport, registered):
     """reduce_scatter_tensor, all_gather_into_tensor and broadcast on CUDA tensors through
     ringdp's module functions, each call twice (the second asynchronous), against closed
-    forms (module doc: v(r, i) = (i % 13) + 2r). registered: every buffer from
+    forms (module doc: v(r, i) = (i % 13) + 2((r + i) % n)). registered: every buffer from
     ringdp.empty(device="cuda") (IPC: all_gather and broadcast read it in place).
     transport "ipc-oneshot": every call must be one the communicator runs one-shot, "ipc": the
     ring (each checked with algo_for on what one-shot would stage).
@@ -422,7 +422,7 @@ def _halves(rank, world, transport, registered):
                 want = expected(op, world, n, dtype)[rank * count:(rank + 1) * count]
                 for rep in range(2):
                     inp = buf(n, dtype, 0)
-                    inp.copy_((torch.arange(n, device="cuda") % 13 + 2 * rank).to(dtype))
+                    inp.copy_(value(rank, n, dtype, "cuda", world=world))
                     out = buf(count, dtype, -1)
                     algo_is(inp, "reduce_scatter", dtype, count)
                     run(rep, ringdp.reduce_scatter_tensor, out, inp, op=getattr(dist.ReduceOp, op))
@@ -430,16 +430,16 @@ def _halves(rank, world, transport, registered):
                     checked += 1
                     if not torch.equal(got, want):
                         bad.append(("reduce_scatter", str(dtype), op, count, rep))
-                    if not torch.equal(kept, (torch.arange(n) % 13 + 2 * rank).to(dtype)):
+                    if not torch.equal(kept, value(rank, n, dtype, world=world)):
                         bad.append(("reduce_scatter modified its input", str(dtype), op, count, rep))
-            want = torch.cat([(torch.arange(count) % 13 + 2 * q).to(dtype) for q in range(world)])
+            want = torch.cat([value(q, count, dtype, world=world) for q in range(world)])
             for rep in range(2):  # all_gather: block q = rank q's input; rep 1 from a block of the output
                 out = buf(n, dtype, -1)
                 if rep == 1:
                     inp = out[rank * count:(rank + 1) * count]
                 else:
                     inp = torch.empty(count, dtype=dtype, device="cuda")
-                inp.copy_((torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype))
+                inp.copy_(value(rank, count, dtype, "cuda", world=world))
                 if count:  # (an empty tensor's data pointer says nothing)
                     reg.append(ringdp.get_communicator().is_registered(out))
                 algo_is(inp, "all_gather", dtype, count)
@@ -451,11 +451,11 @@ def _halves(rank, world, transport, registered):
                 rep = root % 2
                 t = buf(count, dtype, -1)
                 if rank == root:
-                    t.copy_((torch.arange(count, device="cuda") % 13 + 2 * root).to(dtype))
+                    t.copy_(value(root, count, dtype, "cuda", world=world))
                 algo_is(t, "broadcast", dtype, count)
                 run(rep, ringdp.broadcast, t, root)
                 checked += 1
-                if not torch.equal(t.cpu(), (torch.arange(count) % 13 + 2 * root).to(dtype)):
+                if not torch.equal(t.cpu(), value(root, count, dtype, world=world)):
                     bad.append(("broadcast", str(dtype), count, root))
     ringdp.synchronize()  # surfaces device-side errors
     return checked, bad, all(reg) if reg else None
@@ -810,7 +810,7 @@ def _backend_halves(rank, world):
 
     _setup(rank)
     n, bad = 4099, []
-    inp = (torch.arange(world * n, device="cuda") % 13 + 2 * rank).float()
+    inp = value(rank, world * n, torch.float32, "cuda", world=world)
 
     def block(q):
         return (torch.arange(world * n) % 13).float()[q * n:(q + 1) * n]
@@ -825,7 +825,7 @@ def _backend_halves(rank, world):
     dist.reduce_scatter_tensor(out, inp, op=dist._make_nccl_premul_sum(0.5))  # FSDP2's way
     if not torch.equal(out.cpu(), (world * block(rank) + world * (world - 1)) * 0.5):
         bad.append("reduce_scatter_tensor PREMUL_SUM")
-    if not torch.equal(inp.cpu(), (torch.arange(world * n) % 13 + 2 * rank).float()):
+    if not torch.equal(inp.cpu(), value(rank, world * n, torch.float32, world=world)):
         bad.append("reduce_scatter_tensor modified its input")
     dist.reduce_scatter(out, list(inp.chunk(world)))
     if not torch.equal(out.cpu(), world * block(rank) + world * (world - 1)):
@@ -884,7 +884,7 @@ def _large(rank, world, count):
         for op in ("SUM", "MAX"):
             exp = expected(op, world, count, dtype)
             for rep in range(2):
-                t = (torch.arange(count, device="cuda") % 13 + 2 * rank).to(dtype)
+                t = value(rank, count, dtype, "cuda", world=world)
                 ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op))
                 got = t.cpu()
                 digests.append(_digest(got))
@@ -1043,7 +1043,7 @@ def _native_api(rank, world):
     c.connect([store.get(f"test-native/{r}") for r in range(world)])
     out = []
     for count in (1, 100_003):
-        t = (torch.arange(count, device="cuda", dtype=torch.float32) % 13 + 2 * rank)
+        t = value(rank, count, torch.float32, "cuda", world=world)
         algo = 1 if 4 * count <= c.oneshot_bytes else 0  # the caller chooses: one-shot when it fits
         c.all_reduce(t.data_ptr(), t.numel(), 0, 0, torch.cuda.current_stream().cuda_stream, algo, 0.0)
         c.synchronize()

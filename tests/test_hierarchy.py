@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _closed_form import all_reduce_matrix, expected, value
+from _closed_form import all_reduce_matrix, expected, host_calls, value
 from _dist import run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,7 +45,7 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
     from ringdp import policy
     bad, digests = all_reduce_matrix(rank, world, lambda t, op, a: ringdp.all_reduce(t, op=op, async_op=a), DTYPES,
                                      SIZES)
-    t = value(rank, 21, torch.float32).reshape(7, 3)  # a 2-d tensor, not a multiple of the local size
+    t = value(rank, 21, torch.float32, world=world).reshape(7, 3)  # a 2-d tensor, not a multiple of the local size
     ringdp.all_reduce(t)
     if not torch.equal(t, expected("SUM", world, 21, torch.float32).reshape(7, 3)):
         bad.append(("2-d", "SUM", 21))
@@ -60,13 +60,51 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
         alone = c.local_size == 1  # (uneven hosts: a rank alone on its host gets ordinary memory)
         ok = ringdp.is_registered(t) != alone and not ringdp.is_registered(torch.empty(4099))
         for _ in range(2):
-            t.copy_(value(rank, 4099))
+            t.copy_(value(rank, 4099, world=world))
             ringdp.all_reduce(t)
             ok = ok and torch.equal(t, expected("SUM", world, 4099, torch.float32))
         registered = ok
+    # in-host calls of one SUM all-reduce of a known size (_host_calls_want): how many pieces it went in
+    pieces = {}
+    for dtype, n in PIECE_CASES:
+        t = value(rank, n, dtype, world=world)
+        before = host_calls(c)
+        ringdp.all_reduce(t)
+        pieces[(str(dtype), n)] = (host_calls(c) - before, torch.equal(t, expected("SUM", world, n, dtype)))
     return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
             "registered": registered, "machine_ranks": c.machine_ranks,
-            "fused": (c.across.fused_calls, policy.check_payload_bytes(len(c.across.cross_ranks) or 1))}
+            "fused": (c.across.fused_calls, policy.check_payload_bytes(len(c.across.cross_ranks) or 1)),
+            "host_calls": pieces}
+
+
+PIECE_CASES = [(torch.float32, 300_007), (torch.bfloat16, 4099)]
+
+
+def _host_calls_want(path, local_size, n, esz, piece_bytes, max_pieces) -> int:
+    """In-host calls of one SUM all-reduce of n elements of esz bytes (ringdp/hosts.py, policy.py):
+    at most max_pieces pieces (default 2), each at least piece_bytes (default 16 MiB), i.e.
+    pieces of max(piece_bytes, ceil(bytes / max_pieces)), rounded up to whole elements, on
+    two_level to whole rows of local_size elements of the tensor padded to a multiple of
+    local_size; two in-host calls a piece (two_level: reduce_scatter + all_gather; leaders:
+    all_reduce + broadcast), none for a rank alone on its host."""
+    if local_size == 1:
+        return 0
+    piece_bytes = piece_bytes or (16 << 20)
+    max_pieces = max_pieces or 2
+    if path == "two_level":
+        rows = -(-n // local_size)
+        per = -(-max(piece_bytes, -(-rows * local_size * esz // max_pieces)) // (local_size * esz))
+        return 2 * -(-rows // per)
+    per = -(-max(piece_bytes, -(-n * esz // max_pieces)) // esz)
+    return 2 * -(-n // per)
+
+
+def _check_pieces(res, piece_bytes, max_pieces):
+    for r, out in enumerate(res):
+        path, (_, local_size) = out["path"], out["local"]
+        want = {(str(dtype), n): (_host_calls_want(path, local_size, n, dtype.itemsize, piece_bytes, max_pieces), True)
+                for dtype, n in PIECE_CASES}
+        assert out["host_calls"] == want, (r, path, out["host_calls"], want)
 
 
 def _check_matrix(res, path, locals_):
@@ -94,12 +132,14 @@ def _check_matrix(res, path, locals_):
 def test_even_hosts_two_level(piece_bytes, max_pieces):
     res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, max_pieces, timeout=200))
     _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
+    _check_pieces(res, piece_bytes, max_pieces)
 
 
-@pytest.mark.parametrize("piece_bytes,max_pieces", [(None, None), (8192, 10 ** 6)])  # one piece; many
+@pytest.mark.parametrize("piece_bytes,max_pieces", [(None, None), (8192, None), (8192, 10 ** 6)])  # one; two; many
 def test_uneven_hosts_leaders(piece_bytes, max_pieces):
     res = values(run_ranks(case_matrix, 4, ["a", "a", "a", "b"], None, piece_bytes, max_pieces, timeout=200))
     _check_matrix(res, "leaders", [(0, 3), (1, 3), (2, 3), (0, 1)])
+    _check_pieces(res, piece_bytes, max_pieces)
 
 
 def test_interleaved_hosts_and_hierarchy_off_same_results():
@@ -128,14 +168,14 @@ def case_later_groups(rank, world, hosts):
 
     c = _as_host(rank, hosts, timeout=20)
     flat = Communicator(timeout=20, config=c.config.replace(hierarchy=False))
-    t = value(rank, 1001)
+    t = value(rank, 1001, world=world)
     flat.all_reduce(t)
     ok = [c.cross_path, flat.cross_path, torch.equal(t, expected("SUM", world, 1001, torch.float32))]
     g = dist.new_group(list(range(world)), backend="gloo", timeout=timedelta(seconds=20),
                        use_local_synchronization=True)
-    t = value(rank, 33)
+    t = value(rank, 33, world=world)
     dist.all_reduce(t, group=g)
-    t2 = value(rank, 33)
+    t2 = value(rank, 33, world=world)
     ringdp.all_reduce(t2)
     flat.close()
     return ok + [torch.equal(t, t2)]
@@ -160,12 +200,12 @@ def case_collectives(rank, world, hosts, hierarchy=None):
                                             registered_too=False)
     k = 1001  # async, a 2-d output
     out = torch.empty(7, 143)
-    ringdp.reduce_scatter_tensor(out, value(rank, world * k), async_op=True).wait()
+    ringdp.reduce_scatter_tensor(out, value(rank, world * k, world=world), async_op=True).wait()
     if not torch.equal(out.view(-1), expected("SUM", world, world * k, torch.float32)[rank * k:(rank + 1) * k]):
         bad.append(("rs async, 2-d output",))
     gathered = torch.empty(world * k)
-    ringdp.all_gather_into_tensor(gathered, value(rank, k), async_op=True).wait()
-    if not torch.equal(gathered, torch.cat([value(q, k) for q in range(world)])):
+    ringdp.all_gather_into_tensor(gathered, value(rank, k, world=world), async_op=True).wait()
+    if not torch.equal(gathered, torch.cat([value(q, k, world=world) for q in range(world)])):
         bad.append(("ag async",))
     return c.cross_path, checked, bad, (c.across.fused_calls, c.across.cross is not None)
 
@@ -202,7 +242,7 @@ def case_mismatch_across_hosts(rank, world, hosts):
             errors.append(None)
         except ringdp.RingError as e:
             errors.append((str(e), time.monotonic() - t0))
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     ringdp.all_reduce(t)
     return errors, torch.equal(t, expected("SUM", world, 4099, torch.float32))
 
@@ -227,28 +267,28 @@ def case_one_rank_fails(rank, world, hosts, bad):
 
     _as_host(rank, hosts, timeout=20)
     me = rank == bad
-    x = value(rank, 60).reshape(6, 10)
+    x = value(rank, 60, world=world).reshape(6, 10)
     calls = [  # (name, call, what the other ranks' error must say)
         ("all_reduce, bad input", lambda: ringdp.all_reduce(x.t() if me else x), "contiguous"),
         ("reduce_scatter, bad input", lambda: ringdp.reduce_scatter_tensor(
-            torch.empty(5 if me else 7), value(rank, world * 7)), "reduce_scatter_tensor"),
+            torch.empty(5 if me else 7), value(rank, world * 7, world=world)), "reduce_scatter_tensor"),
         ("all_gather, bad input", lambda: ringdp.all_gather_into_tensor(
-            torch.empty(world * 5 + (1 if me else 0)), value(rank, 5)), "all_gather_into_tensor"),
-        ("broadcast, bad input", lambda: ringdp.broadcast(value(rank, 9), world if me else 0), "src="),
-        ("all_reduce, another count", lambda: ringdp.all_reduce(value(rank, 2000 if me else 1000)), "rank"),
-        ("all_reduce, count 0 on one rank", lambda: ringdp.all_reduce(value(rank, 0 if me else 5)), "rank"),
+            torch.empty(world * 5 + (1 if me else 0)), value(rank, 5, world=world)), "all_gather_into_tensor"),
+        ("broadcast, bad input", lambda: ringdp.broadcast(value(rank, 9, world=world), world if me else 0), "src="),
+        ("all_reduce, another count", lambda: ringdp.all_reduce(value(rank, 2000 if me else 1000, world=world)), "rank"),
+        ("all_reduce, count 0 on one rank", lambda: ringdp.all_reduce(value(rank, 0 if me else 5, world=world)), "rank"),
         # the other ranks at count 0, which returns with no cross-host data: its ranks whose
         # check passed still learn in this call that a peer's failed (a closing in-host step)
-        ("all_reduce, count 0 but on one rank", lambda: ringdp.all_reduce(value(rank, 5 if me else 0)), "rank"),
+        ("all_reduce, count 0 but on one rank", lambda: ringdp.all_reduce(value(rank, 5 if me else 0, world=world)), "rank"),
         ("all_gather, count 0 but on one rank", lambda: ringdp.all_gather_into_tensor(
-            torch.empty(world * (5 if me else 0)), value(rank, 5 if me else 0)), "rank"),
+            torch.empty(world * (5 if me else 0)), value(rank, 5 if me else 0, world=world)), "rank"),
         ("reduce_scatter, AVG on one rank", lambda: ringdp.reduce_scatter_tensor(
-            torch.empty(7), value(rank, world * 7), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
-        ("broadcast, another src on one rank", lambda: ringdp.broadcast(value(rank, 9), 1 if me else 0), "rank"),
+            torch.empty(7), value(rank, world * 7, world=world), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
+        ("broadcast, another src on one rank", lambda: ringdp.broadcast(value(rank, 9, world=world), 1 if me else 0), "rank"),
         # in two pieces: ranks whose check passed have started piece 0 across hosts when piece
         # 1's in-host step fails (a peer's rejection); the call waits for it before it raises
         ("all_reduce in pieces, AVG on one rank", lambda: ringdp.all_reduce(
-            value(rank, 40001), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
+            value(rank, 40001, world=world), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
     ]
     out = []
     for name, call, needle in calls:
@@ -258,7 +298,7 @@ def case_one_rank_fails(rank, world, hosts, bad):
             out.append((name, None, "no error", 0.0, needle))
         except Exception as e:  # noqa: BLE001
             out.append((name, type(e).__name__, str(e), time.monotonic() - t0, needle))
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     ringdp.all_reduce(t)
     ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
     g = torch.empty(world * 3)
@@ -300,8 +340,8 @@ def case_host_ranks_disagree(rank, world, hosts):
     odd = lr % 2 == 1
     calls = [
         ("all_gather", lambda: ringdp.all_gather_into_tensor(torch.empty(world * (5 if odd else 3)),
-                                                             value(rank, 5 if odd else 3))),
-        ("broadcast", lambda: ringdp.broadcast(value(rank, 9), (1 if rank == world - 1 else 0) if world == 5
+                                                             value(rank, 5 if odd else 3, world=world))),
+        ("broadcast", lambda: ringdp.broadcast(value(rank, 9, world=world), (1 if rank == world - 1 else 0) if world == 5
                                                else (2 if odd else 0))),
     ]
     out = []
@@ -312,7 +352,7 @@ def case_host_ranks_disagree(rank, world, hosts):
             out.append((name, None, time.monotonic() - t0))
         except ringdp.RingError as e:
             out.append((name, str(e), time.monotonic() - t0))
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     ringdp.all_reduce(t)
     return out, torch.equal(t, expected("SUM", world, 4099, torch.float32))
 
@@ -340,7 +380,7 @@ def case_setting_differs(rank, world, hosts, who):
     _as_host(rank, hosts, timeout=20)
     t0 = time.monotonic()
     try:
-        ringdp.all_reduce(value(rank, 4099))
+        ringdp.all_reduce(value(rank, 4099, world=world))
         return None, time.monotonic() - t0
     except ringdp.RingError as e:
         return str(e), time.monotonic() - t0
@@ -384,7 +424,7 @@ def case_one_host(rank, world):
     c = _as_host(rank, ["a"] * world)
     import ringdp
 
-    t = value(rank, 1000)
+    t = value(rank, 1000, world=world)
     ringdp.all_reduce(t)
     return c.cross_path, c.shm is not None, torch.equal(t, expected("SUM", world, 1000, torch.float32))
 
@@ -496,7 +536,7 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     if bad_rank is not None:  # one rank calls with another count: a RingError everywhere, naming it
         n = 4099 + (rank == bad_rank)
         try:
-            all_reduce(value(rank, n), dist.ReduceOp.SUM)
+            all_reduce(value(rank, n, world=world), dist.ReduceOp.SUM)
             out["error"] = None
         except RingError as e:
             out["error"] = str(e)
@@ -524,7 +564,7 @@ def case_cuda_two_level_faked(rank, world, hosts, piece_bytes, bad_rank=None):
     out["bad"] += halves_bad
     out["fused"] = hier.fused_calls  # (never: the check's rows are host memory)
     log.clear()
-    t = value(rank, 40000)  # 160 KB float32: two pieces of at least piece_bytes
+    t = value(rank, 40000, world=world)  # 160 KB float32: two pieces of at least piece_bytes
     all_reduce(t, dist.ReduceOp.SUM)
     out["two_pieces_ok"] = torch.equal(t, expected("SUM", world, 40000, torch.float32))
     out["log"] = [e[:3] if e[0] in ("wait", "record") else e for e in log]
@@ -619,12 +659,12 @@ def case_host_dies(rank, world, hosts, victims, kind="all_reduce"):
 
     _as_host(rank, hosts, timeout=20)
     calls = {  # rank 3 (host b, local rank 1) is the broadcast's source: rank 1 waits across
-        "all_reduce": lambda: ringdp.all_reduce(value(rank, 4099)),  # hosts, rank 0 inside its host
-        "broadcast": lambda: ringdp.broadcast(value(rank, 4099), 3),
-        "all_gather": lambda: ringdp.all_gather_into_tensor(torch.empty(world * 4099), value(rank, 4099)),
-        "reduce_scatter": lambda: ringdp.reduce_scatter_tensor(torch.empty(4099), value(rank, world * 4099)),
+        "all_reduce": lambda: ringdp.all_reduce(value(rank, 4099, world=world)),  # hosts, rank 0 inside its host
+        "broadcast": lambda: ringdp.broadcast(value(rank, 4099, world=world), 3),
+        "all_gather": lambda: ringdp.all_gather_into_tensor(torch.empty(world * 4099), value(rank, 4099, world=world)),
+        "reduce_scatter": lambda: ringdp.reduce_scatter_tensor(torch.empty(4099), value(rank, world * 4099, world=world)),
     }
-    t = value(rank, 4099)
+    t = value(rank, 4099, world=world)
     ringdp.all_reduce(t)  # works once
     if rank in victims:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -197,8 +197,8 @@ def _groups_set_up_on_two_threads(rank, world):
     def use(name, group, delay):
         time.sleep(delay)
         t0 = time.monotonic()
-        try:
-            x = torch.full((4,), float(rank + 1))
+        try:  # a value of each group's own: a call paired with the other group's would show
+            x = torch.full((4,), float(rank + 1) * (10 if name == "sub" else 1))
             ringdp.all_reduce(x, group=group)
             res[name] = (x.tolist(), time.monotonic() - t0)
         except Exception as e:  # noqa: BLE001 -- the test reports it
@@ -216,9 +216,9 @@ def _groups_set_up_on_two_threads(rank, world):
 def test_groups_set_up_on_two_threads_in_opposite_orders():
     res = values(run_ranks(_groups_set_up_on_two_threads, 2, env={"RINGDP_TIMEOUT_S": "20"}, timeout=120))
     for rank, r in enumerate(res):
-        for name in ("world", "sub"):
+        for name, want in (("world", 1.0 + 2.0), ("sub", 10.0 + 20.0)):
             got, took = r[name]
-            assert got == [3.0] * 4, (rank, name, got)
+            assert got == [want] * 4, (rank, name, got)
             assert took < 10, (rank, name, took)
 
 
