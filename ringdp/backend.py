@@ -460,20 +460,11 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         register()): the communicator's, for the calls made after this, and its inner gloo
         (and nccl) group's; across hosts, its cross-host gloo groups' too
         (policy.cross_host_timeout of it). A call already made keeps its own."""
-        secs = policy.timeout_s(timeout, None)
-        comm = self._comm
-        comm.config = comm.config.replace(timeout_s=secs)
-        comm.timeout = comm.rendezvous.timeout_s = secs
+        secs = self._comm.set_timeout(timeout)
         self._timeout = timedelta(seconds=secs)
         for g in (self._gloo, self._nccl):
             if g is not None:
                 g._set_default_timeout(self._timeout)
-        across = comm.across
-        if across is not None:
-            cross = timedelta(seconds=policy.cross_host_timeout(secs))
-            for g in (across.cross, across.checker, across.whole):
-                if isinstance(g, ProcessGroupGloo):
-                    g._set_default_timeout(cross)
 
     # -- inner groups ---------------------------------------------------------------------
     def _inner(self, tensors):

@@ -1236,6 +1236,17 @@ class Communicator:
             return None
 
     # ---- teardown -----------------------------------------------------------------------
+    def set_timeout(self, timeout) -> float:
+        """This communicator's timeout from now on (seconds or a timedelta; policy.timeout_s):
+        its calls made after this, its rendezvous, and across hosts its cross-host gloo
+        groups (CrossHost.set_timeout). A call already made keeps its own. Returns seconds."""
+        secs = policy.timeout_s(timeout, None)
+        self.config = self.config.replace(timeout_s=secs)
+        self.timeout = self.rendezvous.timeout_s = secs
+        if self.across is not None:
+            self.across.set_timeout(secs)
+        return secs
+
     def close(self, wait: bool = True):
         """Stop the worker and release the endpoints. Collective while the group is alive
         (the CUDA endpoint's teardown barrier); local once the group was destroyed.

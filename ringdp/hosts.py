@@ -185,6 +185,20 @@ class CrossHost:
             gloo_group([comm.rank], f"alone{comm.rank}")
         return cls(comm, path, inhost, cross, members if members else [])
 
+    def set_timeout(self, secs: float) -> None:
+        """The cross-host gloo groups' default timeout from now on: policy.cross_host_timeout
+        of the communicator's (Communicator.set_timeout)."""
+        cross = timedelta(seconds=policy.cross_host_timeout(secs))
+        for g in (self.cross, self.checker, self.whole):
+            if isinstance(g, ProcessGroupGloo):
+                g._set_default_timeout(cross)
+
+    def _piece_units(self, nbytes: int, unit: int) -> int:
+        """Units of `unit` bytes per pipeline piece of a call of `nbytes`
+        (policy.two_level_piece_bytes), rounded up: rounded down, a piece that is not a whole
+        number of units made one piece more than the rule allows."""
+        return max(1, -(-policy.two_level_piece_bytes(nbytes, self.config.hier_piece_bytes) // unit))
+
     def close(self) -> None:
         """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
         self.inhost = self.cross = self.checker = self.whole = None
@@ -293,8 +307,7 @@ class CrossHost:
         The first reduce_scatter is the call's first in-host step (`begin`: _begin)."""
         L, lr = self.local_size, self.local_rank
         # block elements per piece: at most policy.HIER_MAX_PIECES pieces, each at least RINGDP_HIER_PIECE_BYTES
-        per = max(1, -(-policy.two_level_piece_bytes(full.numel() * full.element_size(), self.config.hier_piece_bytes)
-                        // (L * full.element_size())))
+        per = self._piece_units(full.numel() * full.element_size(), L * full.element_size())
         pending, started = None, []
         try:
             for off in range(0, blk, per):
@@ -329,8 +342,7 @@ class CrossHost:
         a rank alone on its host has only the gloo steps. The first in-host all-reduce is the
         call's first in-host step (`begin`: _begin; the leaders' gloo group is the check group)."""
         n, esz = flat.numel(), flat.element_size()
-        per = max(1, -(-policy.two_level_piece_bytes(n * esz, self.config.hier_piece_bytes) // esz))  # (up:
-        # rounded down, a piece of a byte count not a whole number of elements made one piece more)
+        per = self._piece_units(n * esz, esz)
         pending, started = None, []
         try:
             for off in range(0, n, per):
