@@ -40,11 +40,20 @@
 #   bash bench/gpu_check.sh probe OUT   bench/cuda_probe.py at world 2 under MPS for
 #                                       RINGDP_CUDA_CHANNELS auto, 32, 16, 8, 4: small-call
 #                                       latency, RingDDP's step against no communication
+#   bash bench/gpu_check.sh cpu OUT     no GPU needed: the CPU targets of issues 11 and 12 on
+#                                       this machine's 16 cores (the development box has 2
+#                                       for 2-4 ranks): two simulated hosts x 2 ranks against
+#                                       flat gloo, stock DDP and FSDP2 on cpu:ringdp against
+#                                       gloo; builds the CPU extension itself if no build
+#                                       phase ran; ~1.5 min: run it right after session
+#                                       (the machine goes back 30 s after a call) with
+#                                       the lease's remaining time as its limit
 #
 # Run build first; the others need its in-place build, so call the phases back to back on
 # the same machine while it is up (a build cut short by its timeout resumes where it was:
 # run build again). Each phase runs under its own `timeout` (GPU_CHECK_BUDGET_S; default
-# build 360 s, priority 270 s, smoke 300 s, nccl 300 s, hosts 560 s, mps 300 s, bench 420 s, probe 240 s;
+# build 360 s, priority 270 s, smoke 300 s, nccl 300 s, hosts 560 s, mps 300 s, bench 420 s, probe 240 s,
+# cpu 180 s;
 # steps get at most what is left; `session` sets its own) and writes exactly two files into OUT:
 #   OUT/PHASE.json    steps (name, command, exit code, seconds, status), key figures
 #   OUT/PHASE.tar.gz  every log of the phase (test output, junit XML, benchmark JSON)
@@ -55,8 +64,8 @@ set -uo pipefail
 
 PHASE="${1:-}"
 OUT_ARG="${2:-}"
-PHASES="session build priority smoke nccl hosts mps bench probe"
-usage() { echo "usage: bash bench/gpu_check.sh {session|build|priority|smoke|nccl|hosts|mps|bench|probe} OUT_DIR" >&2; exit 2; }
+PHASES="session build priority smoke nccl hosts mps bench probe cpu"
+usage() { echo "usage: bash bench/gpu_check.sh {session|build|priority|smoke|nccl|hosts|mps|bench|probe|cpu} OUT_DIR" >&2; exit 2; }
 [ -n "$PHASE" ] && [ -n "$OUT_ARG" ] || usage
 case " $PHASES " in *" $PHASE "*) ;; *) usage ;; esac
 
@@ -80,7 +89,7 @@ if [ "$PHASE" = session ]; then
   GPU_CHECK_BUDGET_S=150 bash "$0" bench "$OUT" || RC=1
   exit "$RC"
 fi
-case "$PHASE" in build) DEFAULT_BUDGET=360 ;; priority) DEFAULT_BUDGET=270 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; hosts) DEFAULT_BUDGET=560 ;; *) DEFAULT_BUDGET=300 ;; esac
+case "$PHASE" in build) DEFAULT_BUDGET=360 ;; priority) DEFAULT_BUDGET=270 ;; bench) DEFAULT_BUDGET=420 ;; probe) DEFAULT_BUDGET=240 ;; cpu) DEFAULT_BUDGET=180 ;; hosts) DEFAULT_BUDGET=560 ;; *) DEFAULT_BUDGET=300 ;; esac
 BUDGET="${GPU_CHECK_BUDGET_S:-$DEFAULT_BUDGET}"
 WORK="${TMPDIR:-/tmp}/ringdp-gpu-check/$PHASE"
 MPS_DIR="/tmp/ringdp-mps"
@@ -430,6 +439,25 @@ probe)
       --out "$WORK/probe" --name "ch$CH" || true
   done
   copy_mps_logs
+  ;;
+# ------------------------------------------------------------------ cpu
+cpu)
+  # CPU tensors only: issue 12's two-level all-reduce (2 simulated hosts x 2 ranks, >= 2x
+  # flat gloo from 16 MiB) and issue 11's stock DDP (<= 0.6x gloo's step, H=2560) and FSDP2
+  # (aim <= 0.5x) where the ranks, their copies and the loopback "network" each have cores
+  # of their own; on the 2-core development box they share two. One thread per rank, as there.
+  step cpu_facts 30 bash -c 'nproc; lscpu | head -n 20; df -h /dev/shm; free -g' || true
+  if ! "$PY" -c 'import ringdp._C' > /dev/null 2>&1; then  # no build phase ran on this machine
+    step build_cpu 180 env RINGDP_BUILD_CUDA=0 MAX_JOBS=16 "$PY" setup.py build_ext --inplace \
+      || { log "the CPU build failed: nothing to measure"; exit 1; }
+  fi
+  mkdir -p "$WORK/cpu"
+  step bench_hosts2 60 "$PY" bench/allreduce.py --hosts 2 -b 1M -e 64M -f 4 \
+    --series baseline,ringdp,ringdp-reg,ringdp-flat --min-iters 10 --target-time 0.5 --timeout 120 \
+    --out-dir "$WORK/cpu" --name cores || true
+  step ddp_step 60 "$PY" bench/ddp_step.py --hidden 2560 --modes none,torch,ring,torch_ringdp,torch_nocomm \
+    --rounds 5 --out-dir "$WORK/cpu" --name cores || true
+  step fsdp_step 60 "$PY" bench/fsdp_step.py --rounds 5 --out-dir "$WORK/cpu" --name cores || true
   ;;
 esac
 log "phase $PHASE done: $([ "$FAILED" = 0 ] && echo 'every step passed' || echo 'some steps failed')"

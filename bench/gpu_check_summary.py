@@ -17,6 +17,10 @@ the logs, the junit XML of the tests and the benchmark JSON files, and writes OU
            the nccl baseline where it ran
     probe  per bench/cuda_probe.py file (one per RINGDP_CUDA_CHANNELS setting): the channel
            setting, the endpoint, latency and RingDDP step figures
+    cpu    cpu_cores; the two-host sweep's speedup of each series over flat gloo per size
+           (issue 12: >= 2x from 16 MiB, target_2x_ge_16MiB_met); stock DDP's and RingDDP's
+           step time over gloo DDP's per H (issue 11: torch_ringdp <= 0.6x at H=2560,
+           target_0.6x_met) and the floor torch_nocomm; FSDP2's over gloo's (aim <= 0.5x)
 
 Everything is read defensively: a missing, truncated or malformed file becomes a string
 saying so in its place, never an exception (a phase killed by its timeout still gets its
@@ -227,6 +231,66 @@ def probe_summary(work: str) -> dict:
     return {"probes": out}
 
 
+def hosts_sweep_summary(path: str) -> dict | str:
+    """A --hosts all-reduce sweep: each series' speedup over the baseline (flat gloo) per size."""
+    d = read_json(path)
+    if not isinstance(d, dict):
+        return d
+    try:
+        rows = d.get("rows", [])
+        base = {r["size"]: r["time_us"] for r in rows if r.get("kind") == "baseline"}
+        out: dict = {"complete": d.get("complete"), "hosts": d.get("hosts"), "cross_path": d.get("cross_path"),
+                     "total_wrong": d.get("total_wrong"), "cpu_cores": d.get("machine", {}).get("cpu_cores"),
+                     "speedup": {}}
+        for r in rows:
+            if r.get("kind") != "baseline" and r["size"] in base and r["time_us"] > 0:
+                out["speedup"].setdefault(r["series"], {})[str(r["size"])] = round(base[r["size"]] / r["time_us"], 2)
+        big = [v for z, v in out["speedup"].get("ringdp", {}).items() if int(z) >= (16 << 20)]
+        out["target_2x_ge_16MiB_met"] = bool(big) and min(big) >= 2.0
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        return f"unexpected content ({type(e).__name__}: {e}): {os.path.basename(path)}"
+
+
+def step_ratios(path: str, base_mode: str, key: str | None) -> dict | str:
+    """ddp_step / fsdp_step: every mode's median step time over base_mode's, per `key` (H)."""
+    d = read_json(path)
+    if not isinstance(d, dict):
+        return d
+    try:
+        groups: dict = {}
+        for r in d.get("rows", []):
+            groups.setdefault(str(r[key]) if key else "all", {})[r["mode"]] = r["step_ms"]
+        out: dict = {"cpu_cores": d.get("machine", {}).get("cpu_cores"), "step_ms": groups, "ratio": {}}
+        for g, modes in groups.items():
+            if modes.get(base_mode):
+                out["ratio"][g] = {m: round(t / modes[base_mode], 3) for m, t in modes.items() if m != base_mode}
+        return out
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
+        return f"unexpected content ({type(e).__name__}: {e}): {os.path.basename(path)}"
+
+
+def cpu_summary(work: str) -> dict:
+    out: dict = {}
+    for f in sorted(glob.glob(os.path.join(work, "cpu", "*.json"))):
+        name = os.path.basename(f)[:-5]
+        if name.startswith("allreduce_"):
+            out[name] = hosts_sweep_summary(f)
+        elif name.startswith("ddp_step_"):
+            e = step_ratios(f, "torch", "hidden")
+            if isinstance(e, dict):
+                r = e["ratio"].get("2560", {}).get("torch_ringdp")
+                e["target_0.6x_met"] = None if r is None else r <= 0.6
+            out[name] = e
+        elif name.startswith("fsdp_step_"):
+            e = step_ratios(f, "gloo", None)
+            if isinstance(e, dict):
+                r = e["ratio"].get("all", {}).get("ringdp")
+                e["aim_0.5x_met"] = None if r is None else r <= 0.5
+            out[name] = e
+    return {"cpu": out}
+
+
 def summarize(phase: str, work: str, rc: int, seconds: int) -> dict:
     steps = read_steps(work)
     if rc in (124, 137):
@@ -251,6 +315,8 @@ def summarize(phase: str, work: str, rc: int, seconds: int) -> dict:
             s.update(bench_summary(work, steps))
         elif phase == "probe":
             s.update(probe_summary(work))
+        elif phase == "cpu":
+            s.update(cpu_summary(work))
     except Exception as e:  # noqa: BLE001 -- the summary must be written whatever happened
         s["summary_error"] = f"{type(e).__name__}: {e}"
     if rc == 3 and "error" not in s:

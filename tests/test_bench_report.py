@@ -522,3 +522,40 @@ def test_bench_scripts_take_the_ringdp_on_pythonpath(tmp_path, script, monkeypat
         code = "import ringdp; print('RINGDP', ringdp.__file__)"  # (what the child imports)
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert f"RINGDP {fake / '__init__.py'}" in r.stdout, (r.stdout, r.stderr[-2000:])
+
+
+def test_gpu_check_summary_cpu(tmp_path):
+    """The cpu phase's summary, from the committed 2-core files: the two-host speedups, the
+    DDP and FSDP2 ratios over gloo and the issues' targets, recomputed from the rows here; a
+    truncated file becomes a string, not an exception."""
+    work = tmp_path / "work"
+    (work / "cpu").mkdir(parents=True)
+    hosts = json.loads((RESULTS / "allreduce_cpu_w4_float32_hosts2.json").read_text())
+    ddp = json.loads((RESULTS / "ddp_step_cpu_w2_backend.json").read_text())
+    fsdp = json.loads((RESULTS / "fsdp_step_cpu_w2.json").read_text())
+    (work / "cpu" / "allreduce_cpu_w4_float32_hosts2_cores.json").write_text(json.dumps(hosts))
+    (work / "cpu" / "ddp_step_cpu_w2_cores.json").write_text(json.dumps(ddp))
+    (work / "cpu" / "fsdp_step_cpu_w2_cores.json").write_text(json.dumps(fsdp))
+    (work / "cpu" / "fsdp_step_cpu_w2_cut.json").write_text(json.dumps(fsdp)[:300])
+    (work / "steps.tsv").write_text("bench_hosts2\t0\t80\tok\tpython3 bench/allreduce.py\n")
+    s = _summary(tmp_path, "cpu")["cpu"]
+
+    h = s["allreduce_cpu_w4_float32_hosts2_cores"]
+    t = {(r["series"], r["size"]): r["time_us"] for r in hosts["rows"]}
+    for z in (16 << 20, 64 << 20):
+        assert h["speedup"]["ringdp"][str(z)] == round(t["gloo", z] / t["ringdp", z], 2)
+    assert h["speedup"]["ringdp"][str(16 << 20)] < 2  # 1.49x in that file: the target is not met
+    assert h["target_2x_ge_16MiB_met"] is False and h["cpu_cores"] == 2 and "gloo" not in h["speedup"]
+
+    d = s["ddp_step_cpu_w2_cores"]
+    ms = {(r["hidden"], r["mode"]): r["step_ms"] for r in ddp["rows"]}
+    r = round(ms[2560, "torch_ringdp"] / ms[2560, "torch"], 3)
+    assert d["ratio"]["2560"]["torch_ringdp"] == r and d["target_0.6x_met"] is (r <= 0.6) is False
+    assert d["ratio"]["1024"]["torch_nocomm"] == round(ms[1024, "torch_nocomm"] / ms[1024, "torch"], 3)
+
+    f = s["fsdp_step_cpu_w2_cores"]
+    fm = {r["mode"]: r["step_ms"] for r in fsdp["rows"]}
+    assert f["ratio"]["all"] == {"ringdp": round(fm["ringdp"] / fm["gloo"], 3),
+                                 "alone": round(fm["alone"] / fm["gloo"], 3)}
+    assert f["aim_0.5x_met"] is False
+    assert "unreadable" in s["fsdp_step_cpu_w2_cut"]
