@@ -69,8 +69,10 @@ naming the rank, within the group's timeout (or the call's own, when its c10d op
 Group-level calls torch makes: set_timeout (torch's _set_pg_timeout, so dist.breakpoint(),
 routed here by register()) sets the communicator's and the inner groups' timeouts;
 _start_coalescing/_end_coalescing (torch's _coalescing_manager(device=...)) give a Work of
-every call made in the block; abort() returns at once (queued calls fail, the one in flight
-ends in its timeout), where shutdown() (destroy_process_group) waits for the queued calls.
+every call made in the block; abort() returns at once (the call in flight on shared memory
+fails within milliseconds, the queued ones unrun, and peers waiting for this rank fail fast;
+a cross-host or CUDA call in flight ends in its timeout), where shutdown()
+(destroy_process_group) waits for the queued calls.
 """
 from __future__ import annotations
 
@@ -441,11 +443,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def abort(self):
         """torch's abort (_abort_process_group): returns at once, as gloo's does, where
         shutdown() (destroy_process_group) waits up to the timeout for the calls queued on
-        ringdp's worker. The communicator is closed without that wait (close(wait=False)):
-        the calls still queued fail with a RingError as the worker comes to them, without
-        running; a call in flight (in the ring, waiting for its peers) ends in its own timeout
-        (as a gloo call in flight does), and the endpoints are released when it ends; new
-        calls raise at once."""
+        ringdp's worker. The communicator is closed without that wait (close(wait=False)),
+        and its shared-memory endpoint aborted: a call in flight on it (in the ring, waiting
+        for its peers) fails within milliseconds with a RingError naming the abort, peers
+        blocked on this rank fail fast naming it, and the calls still queued then fail
+        without running; a call in flight across hosts (gloo) or on CUDA ends in its own
+        timeout, as a gloo call in flight does. The endpoints are released when the call in
+        flight ends; new calls raise at once."""
         if self._shut:
             return
         self._shut = True

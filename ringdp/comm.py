@@ -644,11 +644,16 @@ class Communicator:
         with self._spin_lock:
             self._apply_spin(self._spins[on_worker and self._waiters == 0])
 
+    def _inhost_endpoint(self):
+        """The shared-memory endpoint of this host's ranks: the group's own, or the in-host
+        one of a group across hosts (None: a rank alone on its host, or released)."""
+        across = self.across  # (read once: close() may clear it meanwhile, from another thread)
+        return self._shm if self._shm is not None else (across.inhost if across is not None else None)
+
     def _apply_spin(self, spin: int) -> None:
         """(under _spin_lock) The endpoint's spin, set when it changes."""
         if spin != self._spin_set:
-            across = self.across  # (read once: close() may clear it meanwhile, from another thread)
-            shm = self._shm if self._shm is not None else (across.inhost if across is not None else None)
+            shm = self._inhost_endpoint()
             if shm is not None:
                 shm.spin_ns = spin
             self._spin_set = spin
@@ -1250,9 +1255,12 @@ class Communicator:
     def close(self, wait: bool = True):
         """Stop the worker and release the endpoints. Collective while the group is alive
         (the CUDA endpoint's teardown barrier); local once the group was destroyed.
-        wait=False (the backend's abort()): returns at once, waiting for nothing; the calls
-        still queued fail unrun as the worker comes to them, and a call in flight keeps the
-        endpoints until it ends (its own timeout), then releases them (_locked)."""
+        wait=False (the backend's abort()): returns at once, waiting for nothing. The
+        shared-memory endpoint is aborted (ShmComm.abort, from this thread): a call in flight
+        on it fails within milliseconds, and peers blocked on this rank fail fast naming it;
+        the calls still queued then fail unrun as the worker comes to them. A call in flight
+        elsewhere (a cross-host gloo step, CUDA) keeps the endpoints until it ends (its own
+        timeout), then releases them (_locked)."""
         with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
             if self._closed:
                 return
@@ -1270,6 +1278,10 @@ class Communicator:
         # must not wait for itself): the call releases them as it ends (_locked).
         with self._pending_lock:
             self._torn_down = True
+        if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
+            shm = self._inhost_endpoint()
+            if isinstance(shm, _C.ShmComm):
+                shm.abort("ProcessGroup.abort() was called")
         mine = self._lock_owner == threading.get_ident()
         got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:

@@ -606,6 +606,8 @@ class CrossHost:
             try:
                 step()
             except RingError as e:
+                if getattr(self.inhost, "abort_requested", False):
+                    raise  # this rank's abort() (ProcessGroup.abort): no call check, it would wait for the hosts
                 failure = e
         group, ranks = self._check_group()
         rows = None

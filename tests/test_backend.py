@@ -1561,33 +1561,43 @@ def test_non_contiguous_tensors_run_natively(pool):
 
 
 def case_abort(rank, world):
-    """torch's _abort_process_group on a ringdp group whose peer never joins its call: it
-    returns at once (gloo's does; it waited up to the timeout for the calls queued on
-    ringdp's worker); the queued call fails unrun, the one in flight in its timeout, a new
-    one at once. The other ranks destroy their group after."""
+    """torch's _abort_process_group on a ringdp group whose peer has not joined its call
+    yet: it returns at once (gloo's does; it waited up to the timeout for the calls queued
+    on ringdp's worker); the call in flight fails within a second, naming the abort (it
+    waited for its timeout), the queued one unrun, a new one at once. The peer, whose
+    timeout is far longer, enters the same call after the abort and fails at once, naming
+    rank 0 and the abort; its group is destroyed after."""
     from ringdp import RingError  # (registers the backend)
 
-    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=5))
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=5 if rank == 0 else 60))
     t = torch.ones(4)
     dist.all_reduce(t, group=g)
     if rank != 0:
-        time.sleep(9)
+        time.sleep(3)  # (rank 0 aborts at about 0.5 s)
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1 << 16), group=g)
+            out = None
+        except RingError as e:
+            out = (str(e), time.monotonic() - t0)
         dist.destroy_process_group(g)
-        return None
+        return out
     out = {}
+    t0 = time.monotonic()
     flight = dist.all_reduce(torch.ones(1 << 16), group=g, async_op=True)  # in the ring, waiting for its peers
     queued = torch.full((8,), 3.0)
     later = dist.all_reduce(queued, group=g, async_op=True)  # behind it on the worker
     time.sleep(0.5)
-    t0 = time.monotonic()
+    t1 = time.monotonic()
     dist.distributed_c10d._abort_process_group(g)
-    out["abort s"] = time.monotonic() - t0
-    for name, work in (("queued", later), ("in flight", flight)):
+    out["abort s"] = time.monotonic() - t1
+    for name, work in (("in flight", flight), ("queued", later)):
         try:
             work.wait()
             out[name] = None
         except RingError as e:
             out[name] = str(e)
+        out[name + " s"] = time.monotonic() - t0
     out["queued tensor"] = queued.tolist()
     t0 = time.monotonic()
     try:
@@ -1599,12 +1609,16 @@ def case_abort(rank, world):
 
 
 def test_abort_returns_at_once(pool):
-    out = pool.run(case_abort)[0]
+    out, peer = pool.run(case_abort)[:2]
     assert out["abort s"] < 1.0, out
-    assert out["queued"] is not None and out["in flight"] is not None, out
-    assert "timed out" in out["in flight"] and "rank 1" in out["in flight"], out
+    assert out["in flight"] is not None and "aborted on this rank" in out["in flight"], out
+    assert "rank 0:" in out["in flight"] and "ProcessGroup.abort()" in out["in flight"], out
+    assert out["in flight s"] < 2.0 and out["queued s"] < 2.0, out  # (not the 5 s timeout)
+    assert out["queued"] is not None, out
     assert out["queued tensor"] == [3.0] * 8, out  # (never run)
     assert out["new call"] is not None and out["new call"][1] < 1.0, out
+    assert peer is not None and peer[1] < 5.0, peer  # (its timeout: 60 s)
+    assert "rank 0 aborted" in peer[0] and "ProcessGroup.abort()" in peer[0], peer
 
 
 def case_after_destroy(rank, world):

@@ -211,6 +211,57 @@ def test_whole_host_dies_is_a_ring_error(hosts, path):
         assert any(str(v) in named.split(", ") for v in victims), (r, msg)
 
 
+def case_abort(rank, world, hosts):
+    """torch's _abort_process_group on rank 0 while its all-reduce waits in its first in-host
+    step for rank 1 (host a), which has not called yet: the call fails at once naming the
+    abort, with no call check (the in-host endpoint of a group across hosts is aborted too,
+    and the check would wait for the other host). The others call after the abort: rank 1's
+    in-host step fails at once naming rank 0, and its FAILED row tells rank 3, its peer
+    across hosts; rank 2, waiting for rank 0's row, fails when rank 0's cross-host gloo group
+    goes with its endpoints (at the latest at its cross-host timeout)."""
+    import ringdp
+
+    _pg, comm, _store = _ringdp_world(rank, world, hosts, timeout=10)
+    t = value(rank, 4099, world=world)
+    dist.all_reduce(t)  # works once
+    ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
+    g, path = dist.distributed_c10d._get_default_group(), comm.cross_path  # (None once released)
+    out = None
+    if rank == 0:
+        work = dist.all_reduce(value(rank, 1 << 16, world=world), async_op=True)
+        time.sleep(0.5)
+        start = time.monotonic()
+        dist.distributed_c10d._abort_process_group(g)
+        try:
+            work.wait()
+        except ringdp.RingError as e:
+            out = (str(e), time.monotonic() - start)
+        time.sleep(12)  # (its store serves the others until they are done)
+        return ok, path, out
+    time.sleep(3)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(value(rank, 1 << 16, world=world))
+    except ringdp.RingError as e:
+        out = (str(e), time.monotonic() - start)
+    dist.destroy_process_group()
+    return ok, path, out
+
+
+def test_abort_across_hosts_fails_the_in_host_step_at_once():
+    res = run_ranks(case_abort, 4, ["a", "a", "b", "b"], timeout=120)
+    for r, out in enumerate(res):
+        assert out is not None and out[0] == "ok", (r, out)
+        ok, path, got = out[1]
+        assert ok and path == "two_level", (r, ok, path)
+        assert got is not None, f"rank {r}: no error"
+    (m0, s0), (m1, s1), (m2, s2), (m3, s3) = (out[1][2] for out in res)
+    assert "aborted on this rank" in m0 and "ProcessGroup.abort()" in m0 and s0 < 2.0, (m0, s0)
+    assert "rank 0 aborted" in m1 and "ProcessGroup.abort()" in m1 and s1 < 5.0, (m1, s1)
+    assert "rank 1" in m3 and "rank 0 aborted" in m3 and s3 < 5.0, (m3, s3)
+    assert "across hosts" in m2 and s2 < 12.0, (m2, s2)  # (rank 0 posts no row: the timeout)
+
+
 # ------------------------------------------------------------------ the other collectives
 def case_other_collectives(rank, world, hosts):
     import ringdp

@@ -214,6 +214,15 @@ void ShmComm::require_connected() const {
 void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
 
 void ShmComm::check_health(int waiting_on, const char* what) {
+  if (abort_requested_.load(std::memory_order_acquire)) {
+    std::string why;
+    {
+      std::lock_guard<std::mutex> lk(abort_mu_);
+      why = requested_why_;
+    }
+    fail(cat("rank ", name_of(cfg_.rank), ": ", kind_name(kind_), " #", call_, " was aborted on this rank (", why,
+             ") while waiting for rank ", name_of(waiting_on), " (", what, ")"));
+  }
   for (int r = 0; r < cfg_.world; ++r) {
     if (r == cfg_.rank || !segs_[static_cast<size_t>(r)].base()) continue;
     const Control& c = ctrl(r);
@@ -279,9 +288,32 @@ void ShmComm::set_spin_ns(int64_t ns) {
 void ShmComm::abort(const std::string& why) {
   if (poison_.empty()) poison_ = why.empty() ? "aborted" : why;
   Control& me = ctrl(cfg_.rank);
-  copy_msg(me.abort_msg, first_line(poison_));  // peers add their own report
-  me.aborted.v.store(1, std::memory_order_seq_cst);
+  {
+    std::lock_guard<std::mutex> lk(abort_mu_);  // (against request_abort's write of the message)
+    copy_msg(me.abort_msg, first_line(poison_));  // peers add their own report
+    me.aborted.v.store(1, std::memory_order_seq_cst);
+  }
   // Wake whoever sleeps on any of my flags so they notice promptly.
+  shm::wake_all(me.posted);
+  shm::wake_all(me.consumed);
+  shm::wake_all(me.hdr[0].seq);
+  shm::wake_all(me.hdr[1].seq);
+  shm::wake_all(me.wrote);
+}
+
+void ShmComm::request_abort(const std::string& why) {
+  std::lock_guard<std::mutex> lk(abort_mu_);
+  if (abort_requested_.load(std::memory_order_relaxed)) return;
+  requested_why_ = why.empty() ? "abort requested" : why;
+  abort_requested_.store(true, std::memory_order_release);
+  if (!segs_[static_cast<size_t>(cfg_.rank)].base()) return;  // (not connected: no peer can wait on it)
+  // Tell the peers now, whether or not a call of this rank is in flight (one that is also
+  // fails, at its next health check, and writes its own message then).
+  Control& me = ctrl(cfg_.rank);
+  if (me.aborted.v.load(std::memory_order_acquire) == 0) {
+    copy_msg(me.abort_msg, first_line(cat("rank ", name_of(cfg_.rank), ": ", requested_why_)));
+    me.aborted.v.store(1, std::memory_order_seq_cst);
+  }
   shm::wake_all(me.posted);
   shm::wake_all(me.consumed);
   shm::wake_all(me.hdr[0].seq);
@@ -418,6 +450,10 @@ void ShmComm::broadcast(void* data, size_t count, DType dtype, int root, Algo al
 
 void ShmComm::run(Call c, double timeout_s, const std::string& tag) {
   require_connected();
+  if (poison_.empty() && abort_requested_.load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lk(abort_mu_);
+    poison_ = cat("it was aborted on this rank: ", requested_why_);
+  }
   if (!poison_.empty())
     throw RingError(cat("rank ", name_of(cfg_.rank), ": this ringdp communicator failed earlier (", first_line(poison_),
                         "); call ringdp.destroy() and initialise again"));

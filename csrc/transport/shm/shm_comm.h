@@ -4,6 +4,7 @@
 // engine over the staged shm transport: all_reduce, reduce_scatter, all_gather and
 // broadcast, each a Kind in the call's fingerprint.
 #pragma once
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -109,9 +110,13 @@ class ShmComm final : public Endpoint {
   int64_t arena_offset_of(const void* p, size_t bytes) const;
   size_t arena_in_use() const;
 
-  // Give up: peers blocked on this rank fail fast with `why`. Poisons the communicator.
-  void abort(const std::string& why);
-  bool is_aborted() const { return !poison_.empty(); }
+  // Give up, from any thread (the backend's abort(), while a call may be in flight on
+  // another): returns at once. The call in flight fails at its next health check (a few
+  // milliseconds: every wait runs one), later calls at once, and peers blocked on this rank
+  // fail fast naming it and `why`. Poisons the communicator.
+  void request_abort(const std::string& why);
+  bool is_aborted() const { return !poison_.empty() || abort_requested_.load(std::memory_order_acquire); }
+  bool abort_requested() const { return abort_requested_.load(std::memory_order_acquire); }
 
   // Largest message the one-shot path takes (its buffer).
   size_t oneshot_bytes() const { return geo_.oneshot_bytes; }
@@ -178,6 +183,9 @@ class ShmComm final : public Endpoint {
   bool all_registered(int parity) const;
   // Note in the current call's flight record what moved its data.
   void took(CallRecord::Path path) { flight_.set_path(flight_slot_, call_, path); }
+  // Give up (on the thread of the call): peers blocked on this rank fail fast with `why`.
+  // Poisons the communicator.
+  void abort(const std::string& why);
   void fail(const std::string& why);  // abort() and throw
   // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
@@ -203,7 +211,12 @@ class ShmComm final : public Endpoint {
   bool stall_reported_ = false;
   std::function<void(const std::string&)> on_stall_;
   FlightRecorder flight_;
-  std::string poison_;
+  std::string poison_;  // (the thread of the calls only)
+  // request_abort(), from another thread: the flag, and its reason under abort_mu_ (which
+  // also orders the writes of this rank's Control::abort_msg).
+  std::atomic<bool> abort_requested_{false};
+  std::string requested_why_;
+  mutable std::mutex abort_mu_;
   Health health_{*this};
   std::unique_ptr<shm::Link> link_;  // made by connect(); its counters live as long as this
 
