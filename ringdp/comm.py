@@ -482,19 +482,25 @@ class Communicator:
         was closed or whose group is gone (its set-up would wait for peers that are not
         setting up, and close() would never free it). One device per communicator: a tensor
         on another is refused by _check, before the call."""
+        ep = self._cuda  # (read once: close() on another thread clears it, under _lock)
         reason = self._unusable()
         if reason is not None:
             raise RingError(reason)
-        if self._cuda is None:
-            if self._cuda_failed:  # a second set-up would read the first one's records from the store
-                raise RingError(f"rank {self.rank}: this communicator's CUDA set-up failed ({self._cuda_failed}); "
-                                f"call ringdp.destroy() and initialise again")
-            try:
-                self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
-            except RuntimeError as e:  # (RingError is one)
-                self._cuda_failed = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
-                raise
-        return self._cuda
+        if ep is not None:
+            return ep  # (a close() from now on: the call fails in _call, under _lock)
+        with self._locked():  # the set-up against close(): made before it tears down, or not at all
+            if self._torn_down:
+                raise self._closed_error()
+            if self._cuda is None:
+                if self._cuda_failed:  # a second set-up would read the first one's records from the store
+                    raise RingError(f"rank {self.rank}: this communicator's CUDA set-up failed "
+                                    f"({self._cuda_failed}); call ringdp.destroy() and initialise again")
+                try:
+                    self._cuda = cuda_comm.CudaEndpoint.create(self, torch.device(device))
+                except RuntimeError as e:  # (RingError is one)
+                    self._cuda_failed = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+                    raise
+            return self._cuda
 
     # ---- execution ----------------------------------------------------------------------
     def _start_worker(self):
@@ -1024,10 +1030,11 @@ class Communicator:
                 f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, which this ringdp "
                 f"build does not reduce (build_info(): {build_info()})"
             )
-        if tensor.is_cuda and self._cuda is not None and tensor.device != self._cuda.device:
+        ep = self._cuda  # (read once: close() on another thread may clear it)
+        if tensor.is_cuda and ep is not None and tensor.device != ep.device:
             raise ValueError(
                 f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, but this communicator's CUDA "
-                f"collectives run on {self._cuda.device} (set up by its first CUDA call): one GPU per rank "
+                f"collectives run on {ep.device} (set up by its first CUDA call): one GPU per rank "
                 f"and group, as with torch's NCCL groups"
             )
         if not tensor.is_contiguous():

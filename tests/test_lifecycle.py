@@ -273,6 +273,49 @@ def test_closed_communicator_sets_no_cuda_endpoint_up():
             assert "destroyed" in m and f"rank {rank}" in m, m
 
 
+def _cuda_setup_racing_close(rank, world):
+    """close() on another thread lands just after a CUDA call's first set-up checked that
+    the communicator is usable (here: inside that check, after it answered): the set-up
+    raises the communicator's closed RingError and makes no endpoint (before: it set one up,
+    collectively, on the closed communicator, which nothing would free)."""
+    import threading
+
+    import ringdp
+    from ringdp import comm as comm_mod
+
+    comm = ringdp.get_communicator()
+    ringdp.all_reduce(torch.ones(4))
+    made = []
+    real = comm._unusable
+
+    def unusable_then_closed():
+        reason = real()
+        if not made:  # (once: the first check of the set-up)
+            made.append("checked")
+            closer = threading.Thread(target=comm.close)
+            closer.start()
+            closer.join()
+        return reason
+
+    comm._unusable = unusable_then_closed
+    orig = comm_mod.cuda_comm.CudaEndpoint.create
+    comm_mod.cuda_comm.CudaEndpoint.create = classmethod(lambda cls, c, device: made.append("created") or object())
+    try:
+        comm._cuda_endpoint("cuda:0")
+        err = None
+    except ringdp.RingError as e:
+        err = str(e)
+    finally:
+        comm_mod.cuda_comm.CudaEndpoint.create = orig
+    return err, made, comm._cuda is None
+
+
+def test_cuda_setup_racing_close_makes_no_endpoint():
+    for rank, (err, made, none) in enumerate(values(run_ranks(_cuda_setup_racing_close, 2))):
+        assert made == ["checked"] and none, (rank, made)
+        assert err is not None and f"rank {rank}" in err and "destroyed" in err, err
+
+
 def _failed_teardown(rank, world):
     """destroy() when one communicator's CUDA teardown fails (its barrier's peer died: a
     stand-in endpoint whose close() raises): that communicator still lets its shared memory
