@@ -614,32 +614,30 @@ class Communicator:
             if in_callback:
                 self._callbacks_since = time.monotonic()
 
-    @contextlib.contextmanager
-    def _locked(self):
+    def _locked(self) -> "_Held":
         """_lock, held by a call or a move (register_in_place). close() on another thread
         tears the endpoints down after it; close() on this thread inside it (a signal
         handler's destroy()) and close() that gave up waiting leave the teardown to it
-        (_release_deferred): it runs as the lock is let go. The flag is read and the lock
-        let go under _pending_lock, where close() sets it (after a failed try for the lock),
-        so that a teardown is never left to a holder that already looked."""
-        self._lock.acquire()
-        self._lock_owner = threading.get_ident()
-        try:
-            yield
-        finally:
-            with self._pending_lock:
-                deferred, self._release_deferred = self._release_deferred, False
-                if not deferred:
-                    self._lock_owner = None
-                    self._lock.release()
-            if deferred:
-                try:
-                    self._release_endpoints()
-                except Exception as e:  # noqa: BLE001 -- not the call's failure: it ran
-                    log.warning("ringdp rank %d: releasing the endpoints after destroy() failed: %s", self.rank, e)
-                finally:
-                    self._lock_owner = None
-                    self._lock.release()
+        (_release_deferred): it runs as the lock is let go (_let_go). The flag is read and the
+        lock let go under _pending_lock, where close() sets it (after a failed try for the
+        lock), so that a teardown is never left to a holder that already looked."""
+        return _Held(self)
+
+    def _let_go(self) -> None:
+        """(_Held's exit) Let _lock go, after the teardown close() left to its holder."""
+        with self._pending_lock:
+            deferred, self._release_deferred = self._release_deferred, False
+            if not deferred:
+                self._lock_owner = None
+                self._lock.release()
+        if deferred:
+            try:
+                self._release_endpoints()
+            except Exception as e:  # noqa: BLE001 -- not the call's failure: it ran
+                log.warning("ringdp rank %d: releasing the endpoints after destroy() failed: %s", self.rank, e)
+            finally:
+                self._lock_owner = None
+                self._lock.release()
 
     def _set_spin(self, on_worker: bool) -> None:
         """Set the shared-memory endpoint's spin for the next call (under the lock, between
@@ -1320,6 +1318,24 @@ class Communicator:
             if self.across is not None:
                 across, self.across = self.across, None
                 across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
+
+
+class _Held:
+    """Communicator._locked(): a class, not a contextlib generator, since every call takes
+    it (the generator cost 1-2 us of a small call's ~5)."""
+    __slots__ = ("comm",)
+
+    def __init__(self, comm: Communicator):
+        self.comm = comm
+
+    def __enter__(self) -> None:
+        comm = self.comm
+        comm._lock.acquire()
+        comm._lock_owner = threading.get_ident()
+
+    def __exit__(self, *exc) -> bool:
+        self.comm._let_go()
+        return False
 
 
 def _host_key(hostname: str) -> str:
