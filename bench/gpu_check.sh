@@ -299,6 +299,7 @@ priority)
   cuda_test 45 "test_ipc_peer_killed[during]"
   cuda_test 60 test_nccl_peer_killed
   cuda_test 45 test_registered_tensor_freed_in_flight
+  cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
   ;;
 # ------------------------------------------------------------------ smoke
 smoke)
@@ -322,6 +323,7 @@ smoke)
   cuda_test 45 "test_stream_ordering[ipc]"
   cuda_test 45 "test_cuda_work_semantics[ipc]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
+  cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
   ;;
 # ------------------------------------------------------------------ nccl
 nccl)
@@ -338,6 +340,7 @@ nccl)
   cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:ringdp]"
   cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
   cuda_test 60 test_backend_halves_cuda
+  cuda_test 60 "test_cuda_min_max_ignore_nan[nccl]"
   ;;
 # ------------------------------------------------------------------ hosts
 hosts)

@@ -413,6 +413,15 @@ class CrossHost:
             """The cross-host step: `result` = block `me` of `send` reduced over `group`."""
             if rows is not None:
                 _reduce_rows(result, [x[me * result.numel():(me + 1) * result.numel()] for x in rows], red)
+            elif n and _GLOO_OPS[red] in _NanAware.IDENTITY and send.is_floating_point() and self.net_name == "gloo":
+                send = send.clone()  # (the NaN rule of _NanAware; the input is not modified)
+                nan = _NanAware(send, _GLOO_OPS[red])
+                every = torch.empty(result.numel(), dtype=torch.uint8)
+                self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, tell, tag,
+                             ranks)
+                self._across("reduce_scatter", lambda: group._reduce_scatter_base(every, nan.mask, _gloo_opts(
+                    ReduceScatterOptions, reduceOp=dist.ReduceOp.MIN)), t, tell, tag, ranks)
+                result.masked_fill_(every.view(result.shape).bool(), float("nan"))
             elif n:
                 self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, tell, tag,
                              ranks)
@@ -770,8 +779,16 @@ class CrossHost:
         self._wait("all-reduce", self._gloo_start(tensor, dop, timeout_s, tell, tag), timeout_s, tell, tag)
 
     def _gloo_start(self, tensor, dop, timeout_s: float, tell=None, tag: str = ""):
-        """Start the gloo all-reduce of `tensor` across hosts (wait: _gloo_wait)."""
+        """Start the gloo all-reduce of `tensor` across hosts (wait: _gloo_wait). MIN and MAX
+        of a floating tensor on gloo (_NanAware) follow the kernels' rule, a NaN ignored
+        unless every member has one, which gloo's min and max do not."""
         opts = _gloo_opts(dist.AllreduceOptions, reduceOp=dop)
+        if dop in _NanAware.IDENTITY and tensor.is_floating_point() and self.net_name == "gloo":
+            nan = _NanAware(tensor, dop)
+            work = self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
+            every = _gloo_opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+            return nan.then(work, self._start("all-reduce", lambda: self.cross.allreduce([nan.mask], every),
+                                              timeout_s, tell, tag))
         return self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
 
     def _gloo_wait(self, work, timeout_s: float, tell=None, tag: str = "") -> None:
@@ -819,6 +836,30 @@ class CrossHost:
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
         raise RingError(msg) from None
+
+
+class _NanAware:
+    """A gloo MIN or MAX of a floating tensor with the kernels' NaN rule (IEEE fmin/fmax, as
+    NCCL: a NaN ignored unless every member has one). gloo's min/max keep a NaN only as their
+    first operand, so whether it survives depends on the member order. The tensor's NaNs go
+    as the op's identity (+inf for MIN, -inf for MAX), and a uint8 all-reduce (MIN) of where
+    they were, beside it, says where every member had one: NaN there after the wait."""
+    IDENTITY = {dist.ReduceOp.MIN: float("inf"), dist.ReduceOp.MAX: float("-inf")}
+
+    def __init__(self, tensor, dop):
+        nan = tensor.isnan()
+        self.tensor, self.mask = tensor, nan.to(torch.uint8)
+        tensor.masked_fill_(nan, self.IDENTITY[dop])
+        self.works = ()
+
+    def then(self, work, mask_work) -> "_NanAware":
+        self.works = (work, mask_work)
+        return self
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait(timeout=timeout)
+        self.tensor.masked_fill_(self.mask.bool(), float("nan"))
 
 
 class _Check:
@@ -896,8 +937,8 @@ def _reduce_rows(out, rows, code: int) -> None:
         if k == 0:
             out.copy_(x)
         elif code == _types.MIN:
-            torch.minimum(out, x, out=out)
+            torch.fmin(out, x, out=out)  # (NaN ignored unless all are: the kernels' rule)
         elif code == _types.MAX:
-            torch.maximum(out, x, out=out)
+            torch.fmax(out, x, out=out)
         else:
             out.add_(x)

@@ -42,6 +42,31 @@ def expected(op: str, n: int, count: int, dtype) -> torch.Tensor:
     return e.to(dtype)
 
 
+def nan_input(rank: int, world: int, count: int, dtype=torch.float32, also=()) -> torch.Tensor:
+    """value() with NaN where (i + 3 rank) % 5 == 0 (at most one rank of five, which one
+    depending on the index), on every rank where i % 11 == 4, and on the ranks in `also`
+    where i % 7 == 2 (e.g. every rank of one host)."""
+    t = value(rank, count, dtype, world=world)
+    i = torch.arange(count)
+    t[((i + 3 * rank) % 5 == 0) | (i % 11 == 4) | ((i % 7 == 2) & (rank in also))] = float("nan")
+    return t
+
+
+def nan_expected(op: str, world: int, count: int, dtype, also=()) -> torch.Tensor:
+    """MIN or MAX of nan_input over `world` ranks as IEEE fmin/fmax (NCCL's and ringdp's
+    rule): a NaN is ignored unless every rank has one there (i % 11 == 4)."""
+    fn = {"MIN": torch.fmin, "MAX": torch.fmax}[op]
+    e = nan_input(0, world, count, dtype, also)
+    for r in range(1, world):
+        e = fn(e, nan_input(r, world, count, dtype, also))
+    return e
+
+
+def same_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values, NaN where the other has NaN."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 def digest(t: torch.Tensor) -> str:
     """sha256 of a tensor's bytes: equal digests, bitwise-equal results."""
     return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from _closed_form import expected, ops_for, value
+from _closed_form import digest, expected, nan_expected, nan_input, ops_for, same_with_nan, value
 from _dist import run_ranks, values
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
@@ -437,3 +437,50 @@ def test_work_future_value_and_no_lingering_tensors():
     alive until the next garbage collection, and every step paid fresh page faults)."""
     for out in values(run_ranks(_future_releases_outputs, 2)):
         assert out == [(True, True), True, (True, True), True], out
+
+
+NAN_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def _nan_min_max(rank, world):
+    """MIN and MAX with NaNs on some ranks: ring, one-shot and direct (registered), all_reduce
+    and reduce_scatter, each against fmin/fmax over every rank's input (a NaN ignored unless
+    every rank has one), and bitwise identical across ranks."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    comm = ringdp.get_communicator()
+    out = []
+    for op in ("MIN", "MAX"):
+        rop = getattr(dist.ReduceOp, op)
+        for dtype in NAN_DTYPES:
+            for n in (1, 7, 4099, BIG):
+                want = nan_expected(op, world, n, dtype)
+                for how in ("ring", "oneshot", "registered"):
+                    if how == "oneshot" and n * 4 > comm.shm.oneshot_bytes:
+                        continue
+                    t = ringdp.empty(n, dtype=dtype) if how == "registered" else torch.empty(n, dtype=dtype)
+                    t.copy_(nan_input(rank, world, n, dtype))
+                    ringdp.all_reduce(t, op=rop, algo="oneshot" if how == "oneshot" else "ring")
+                    path = comm.flight_record()[-1]["path"]
+                    out.append(("all_reduce", op, str(dtype), n, how, path, same_with_nan(t, want), digest(t)))
+                res = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter_tensor(res, torch.cat([nan_input(rank, world, n, dtype)] * world), op=rop)
+                out.append(("reduce_scatter", op, str(dtype), n, "-", "-", same_with_nan(res, want), None))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_min_max_ignore_nan_like_nccl(world):
+    """A NaN is ignored unless every rank has one there (IEEE fmin/fmax, NCCL's rule). Before,
+    a NaN survived only where its rank's value was the partial the kernel started from, so
+    whether it showed depended on the index and on the rank's place in the ring."""
+    res = values(run_ranks(_nan_min_max, world))
+    paths = {how: {row[5] for row in res[0] if row[4] == how} for how in ("ring", "oneshot", "registered")}
+    assert paths == {"ring": {"ring_staged"}, "oneshot": {"oneshot"}, "registered": {"direct"}}, paths
+    for rank, rows in enumerate(res):
+        bad = [row[:6] for row in rows if not row[6]]
+        assert not bad, (rank, bad)
+    for k, row in enumerate(res[0]):  # bitwise identical on every rank
+        assert all(rows[k][7] == row[7] for rows in res), row[:6]

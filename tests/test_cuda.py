@@ -29,7 +29,7 @@ import pytest
 import torch
 
 import _cpp
-from _closed_form import expected, value
+from _closed_form import expected, nan_expected, nan_input, same_with_nan, value
 from _dist import run_ranks, values
 
 REQUIRE_CUDA = os.environ.get("RINGDP_REQUIRE_CUDA", "") == "1"
@@ -227,10 +227,7 @@ def _stream_order(rank, world):
 @pytest.mark.parametrize("transport", ["ipc", "nccl"])
 def test_stream_ordering(transport):
     world = 2
-    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
-    if transport == "nccl":
-        _skip_without_nccl()
-        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    env = _transport_env(transport)
     res = values(run_ranks(_stream_order_entry, world, transport, env=env, timeout=600))
     for r, got in enumerate(res):
         for it in range(3):
@@ -276,10 +273,7 @@ def _work_semantics(rank, world, transport):
 @needs_cuda
 @pytest.mark.parametrize("transport", ["ipc", "nccl"])
 def test_cuda_work_semantics(transport):
-    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
-    if transport == "nccl":
-        _skip_without_nccl()
-        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    env = _transport_env(transport)
     for r, out in enumerate(values(run_ranks(_work_semantics, 2, transport, env=env, timeout=300))):
         want = (out["want"], out["want"])
         assert out["pending_after_wait"], f"rank {r}: Work.wait() synchronised the host with the GPU"
@@ -328,6 +322,42 @@ def test_registered_tensor_freed_in_flight():
             f"handed out while the collective of a dropped tensor still used it; same block: {same_block})")
 
 
+def _nan_min_max(rank, world, transport):
+    """MIN and MAX of CUDA tensors with NaNs on some ranks (tests/_closed_form.py nan_input):
+    a NaN ignored unless every rank has one (fmin/fmax, as NCCL and ringdp's CPU kernels),
+    all_reduce by ring and (IPC) one-shot, and reduce_scatter."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    _nccl_env(rank)
+    _setup(rank)
+    bad = []
+    for op in ("MIN", "MAX"):
+        for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+            for n in (7, 4099, 300007):
+                want = nan_expected(op, world, n, dtype)
+                for algo in ("ring", "oneshot") if transport == "ipc" and n < 65536 else ("ring",):
+                    t = nan_input(rank, world, n, dtype).cuda()
+                    ringdp.all_reduce(t, op=getattr(dist.ReduceOp, op), algo=algo)
+                    if not same_with_nan(t.cpu(), want):
+                        bad.append(("all_reduce", op, str(dtype), n, algo))
+                res = torch.empty(n, dtype=dtype, device="cuda")
+                inp = torch.cat([nan_input(rank, world, n, dtype)] * world).cuda()
+                ringdp.reduce_scatter_tensor(res, inp, op=getattr(dist.ReduceOp, op))
+                if not same_with_nan(res.cpu(), want):
+                    bad.append(("reduce_scatter", op, str(dtype), n))
+    return bad
+
+
+@needs_cuda
+@pytest.mark.parametrize("transport", ["ipc", "nccl"])
+def test_cuda_min_max_ignore_nan(transport):
+    env = _transport_env(transport)
+    for r, bad in enumerate(values(run_ranks(_nan_min_max, 2, transport, env=env, timeout=600))):
+        assert not bad, (r, bad)
+
+
 def _stream_order_entry(rank, world, transport):
     _nccl_env(rank)
     return _stream_order(rank, world)
@@ -343,6 +373,16 @@ def _skip_without_nccl():
         ok = False
     if not ok:
         _skip("libnccl.so.2 cannot be loaded (nvidia-nccl wheel missing?)")
+
+
+def _transport_env(transport):
+    """The ranks' environment for a world-2 test of `transport` ("ipc" or "nccl": skipped
+    without libnccl; each rank its own NCCL host, _nccl_env)."""
+    env = {"RINGDP_TRANSPORT": transport, "RINGDP_TIMEOUT_S": "120"}
+    if transport == "nccl":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    return env
 
 
 def _nccl_env(rank):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _closed_form import all_reduce_matrix, expected, host_calls, value
+from _closed_form import all_reduce_matrix, expected, host_calls, nan_expected, nan_input, same_with_nan, value
 from _dist import run_ranks, values
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -155,6 +155,45 @@ def test_interleaved_hosts_and_hierarchy_off_same_results():
 def test_one_rank_per_host_is_gloo():
     res = values(run_ranks(case_matrix, 2, ["a", "b"], timeout=120))
     _check_matrix(res, "flat", [(0, 1), (0, 1)])
+
+
+def case_nan_min_max(rank, world, hosts, hierarchy=None):
+    """MIN and MAX (all_reduce, reduce_scatter_tensor) with NaNs on some ranks
+    (tests/_closed_form.py nan_input) across hosts: a
+    NaN ignored unless every rank has one, as on one host (gloo's own min/max keep a NaN only
+    as their first operand); small sizes go with the call check's rows, larger ones through
+    gloo (RINGDP_HIER_PIECE_BYTES 8192: several pieces). Host a's ranks (0 and 1) also have
+    NaN where the other host has none, so that the cross-host step sees NaN on one side."""
+    import torch.distributed as dist
+
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = "8192"
+    comm = _as_host(rank, hosts, hierarchy)
+    bad = []
+    for op in ("MIN", "MAX"):
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            for n in (7, 4099, 300007):
+                want = nan_expected(op, world, n, dtype, also=(0, 1))
+                for reg in (False, True):
+                    if reg and comm.cross_path != "two_level":
+                        continue
+                    t = comm.empty((n,), dtype) if reg else torch.empty(n, dtype=dtype)
+                    t.copy_(nan_input(rank, world, n, dtype, also=(0, 1)))
+                    comm.all_reduce(t, op=getattr(dist.ReduceOp, op))
+                    if not same_with_nan(t, want):
+                        bad.append((op, str(dtype), n, reg))
+                res = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter_tensor(res, torch.cat([nan_input(rank, world, n, dtype, also=(0, 1))] * world),
+                                           op=getattr(dist.ReduceOp, op))
+                if not same_with_nan(res, want):
+                    bad.append(("reduce_scatter", op, str(dtype), n))
+    return comm.cross_path, bad
+
+
+@pytest.mark.parametrize("hosts,hierarchy,path", [("aabb", None, "two_level"), ("aaab", None, "leaders"),
+                                                  ("aabb", "0", "flat")])
+def test_min_max_ignore_nan_across_hosts(hosts, hierarchy, path):
+    for r, (got, bad) in enumerate(values(run_ranks(case_nan_min_max, 4, list(hosts), hierarchy, timeout=200))):
+        assert got == path and not bad, (r, got, bad)
 
 
 def case_later_groups(rank, world, hosts):

@@ -138,11 +138,13 @@ template <> struct Num<__nv_bfloat16> {
 struct OpSum {
   template <class A> __device__ static A f(A a, A b) { return a + b; }
 };
+// MIN/MAX as IEEE fmin/fmax (NCCL's too): a NaN is ignored unless every operand is NaN (the
+// CPU kernels' rule, csrc/kernels/cpu/reduce.cpp). Integers: a != a is false.
 struct OpMin {
-  template <class A> __device__ static A f(A a, A b) { return b < a ? b : a; }
+  template <class A> __device__ static A f(A a, A b) { return (b < a || a != a) ? b : a; }
 };
 struct OpMax {
-  template <class A> __device__ static A f(A a, A b) { return a < b ? b : a; }
+  template <class A> __device__ static A f(A a, A b) { return (a < b || a != a) ? b : a; }
 };
 
 // IEEE division, whatever -use_fast_math says.

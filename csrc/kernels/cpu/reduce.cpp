@@ -94,8 +94,11 @@ template <> inline F16 store<F16>(float x) { return F16{float_to_half(x)}; }
 template <> inline BF16 store<BF16>(float x) { return BF16{float_to_bf16(x)}; }
 
 struct OpSum { template <class A> static A f(A a, A b) { return a + b; } };
-struct OpMin { template <class A> static A f(A a, A b) { return b < a ? b : a; } };
-struct OpMax { template <class A> static A f(A a, A b) { return a < b ? b : a; } };
+// MIN/MAX as IEEE fmin/fmax (and NCCL's): a NaN is ignored unless every operand is NaN, so
+// the result does not depend on where in the ring the NaN's rank sits (a NaN kept only as
+// the partial, as `b < a ? b : a` did, made it depend on it). Integers: a != a is false.
+struct OpMin { template <class A> static A f(A a, A b) { return (b < a || a != a) ? b : a; } };
+struct OpMax { template <class A> static A f(A a, A b) { return (a < b || a != a) ? b : a; } };
 
 template <class A> inline A divide(A x, int d) { return d > 0 ? x / static_cast<A>(d) : x; }
 

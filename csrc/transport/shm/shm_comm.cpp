@@ -293,7 +293,11 @@ void ShmComm::abort(const std::string& why) {
     copy_msg(me.abort_msg, first_line(poison_));  // peers add their own report
     me.aborted.v.store(1, std::memory_order_seq_cst);
   }
-  // Wake whoever sleeps on any of my flags so they notice promptly.
+  wake_all_mine();
+}
+
+void ShmComm::wake_all_mine() {
+  Control& me = ctrl(cfg_.rank);
   shm::wake_all(me.posted);
   shm::wake_all(me.consumed);
   shm::wake_all(me.hdr[0].seq);
@@ -314,11 +318,7 @@ void ShmComm::request_abort(const std::string& why) {
     copy_msg(me.abort_msg, first_line(cat("rank ", name_of(cfg_.rank), ": ", requested_why_)));
     me.aborted.v.store(1, std::memory_order_seq_cst);
   }
-  shm::wake_all(me.posted);
-  shm::wake_all(me.consumed);
-  shm::wake_all(me.hdr[0].seq);
-  shm::wake_all(me.hdr[1].seq);
-  shm::wake_all(me.wrote);
+  wake_all_mine();
 }
 
 void ShmComm::fail(const std::string& why) {

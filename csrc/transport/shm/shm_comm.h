@@ -187,6 +187,7 @@ class ShmComm final : public Endpoint {
   // Poisons the communicator.
   void abort(const std::string& why);
   void fail(const std::string& why);  // abort() and throw
+  void wake_all_mine();  // wake whoever sleeps on any of this rank's flags (they notice an abort promptly)
   // "all_reduce #s 1024 x float32 SUM ring tag '...'" of rank r's header of `parity`.
   std::string describe_header(int r, int parity) const;
   // Endpoint rank r as messages name it (ShmConfig::rank_names); a value out of range (a
