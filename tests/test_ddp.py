@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -618,6 +619,12 @@ def case_trace_written_when_freed(rank, world, tmpdir):
         return ddp._trace.tracer.path
 
     path = train()
+    # The last reference may go on ringdp's worker thread a moment after train() returned:
+    # a bucket's future keeps its done-callbacks (the trace's observer among them) until the
+    # worker lets the future go, after it woke the waiter. Written before exit is the point.
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
     with open(path) as f:
         return {"path": str(path), "steps": json.load(f)["ringdp_summary"]["steps"]}
 
