@@ -413,7 +413,7 @@ class CrossHost:
             """The cross-host step: `result` = block `me` of `send` reduced over `group`."""
             if rows is not None:
                 _reduce_rows(result, [x[me * result.numel():(me + 1) * result.numel()] for x in rows], red)
-            elif n and _GLOO_OPS[red] in _NanAware.IDENTITY and send.is_floating_point() and self.net_name == "gloo":
+            elif n and self._nan_rule(_GLOO_OPS[red], send):
                 send = send.clone()  # (the NaN rule of _NanAware; the input is not modified)
                 nan = _NanAware(send, _GLOO_OPS[red])
                 every = torch.empty(result.numel(), dtype=torch.uint8)
@@ -783,13 +783,18 @@ class CrossHost:
         of a floating tensor on gloo (_NanAware) follow the kernels' rule, a NaN ignored
         unless every member has one, which gloo's min and max do not."""
         opts = _gloo_opts(dist.AllreduceOptions, reduceOp=dop)
-        if dop in _NanAware.IDENTITY and tensor.is_floating_point() and self.net_name == "gloo":
-            nan = _NanAware(tensor, dop)
-            work = self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
-            every = _gloo_opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
-            return nan.then(work, self._start("all-reduce", lambda: self.cross.allreduce([nan.mask], every),
-                                              timeout_s, tell, tag))
-        return self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
+        nan = _NanAware(tensor, dop) if self._nan_rule(dop, tensor) else None  # (its NaNs go as the identity)
+        work = self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
+        if nan is None:
+            return work
+        every = _gloo_opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+        return nan.then(work, self._start("all-reduce", lambda: self.cross.allreduce([nan.mask], every),
+                                          timeout_s, tell, tag))
+
+    def _nan_rule(self, dop, tensor) -> bool:
+        """Whether a cross-host step of `dop` on `tensor` needs _NanAware: MIN or MAX of a
+        floating tensor on gloo (a CUDA CrossHost's NCCL steps reduce with ringdp's kernels)."""
+        return dop in _NanAware.IDENTITY and tensor.is_floating_point() and self.net_name == "gloo"
 
     def _gloo_wait(self, work, timeout_s: float, tell=None, tag: str = "") -> None:
         self._wait("all-reduce", work, timeout_s, tell, tag)
