@@ -71,7 +71,8 @@ routed here by register()) sets the communicator's and the inner groups' timeout
 _start_coalescing/_end_coalescing (torch's _coalescing_manager(device=...)) give a Work of
 every call made in the block; abort() returns at once (the call in flight on shared memory
 fails within milliseconds, the queued ones unrun, and peers waiting for this rank fail fast;
-a cross-host or CUDA call in flight ends in its timeout), where shutdown()
+a cross-host wait ends within 0.1 s here and about a second on the other ranks, a CUDA call
+in flight in its timeout), where shutdown()
 (destroy_process_group) waits for the queued calls.
 """
 from __future__ import annotations
@@ -447,9 +448,12 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         and its shared-memory endpoint aborted: a call in flight on it (in the ring, waiting
         for its peers) fails within milliseconds with a RingError naming the abort, peers
         blocked on this rank fail fast naming it, and the calls still queued then fail
-        without running; a call in flight across hosts (gloo) or on CUDA ends in its own
-        timeout, as a gloo call in flight does. The endpoints are released when the call in
-        flight ends; new calls raise at once."""
+        without running. On a group across hosts a wait in a cross-host (gloo) step ends
+        within 0.1 s too, and every other rank's within about a second, naming this rank's
+        abort (the note CrossHost.abort leaves in the store; gloo itself cannot end a
+        collective in flight, which runs on to gloo's timeout, its group held on a thread
+        meanwhile). A call in flight on CUDA ends in its own timeout. The endpoints are
+        released when the call in flight ends; new calls raise at once."""
         if self._shut:
             return
         self._shut = True

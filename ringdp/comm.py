@@ -1263,9 +1263,10 @@ class Communicator:
         wait=False (the backend's abort()): returns at once, waiting for nothing. The
         shared-memory endpoint is aborted (ShmComm.abort, from this thread): a call in flight
         on it fails within milliseconds, and peers blocked on this rank fail fast naming it;
-        the calls still queued then fail unrun as the worker comes to them. A call in flight
-        elsewhere (a cross-host gloo step, CUDA) keeps the endpoints until it ends (its own
-        timeout), then releases them (_locked)."""
+        the calls still queued then fail unrun as the worker comes to them. A cross-host
+        step's wait (a group across hosts) ends within 0.1 s here and within about a second
+        on the other ranks (CrossHost.abort). A call in flight on CUDA keeps the endpoints
+        until it ends (its own timeout), then releases them (_locked)."""
         with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
             if self._closed:
                 return
@@ -1284,9 +1285,11 @@ class Communicator:
         with self._pending_lock:
             self._torn_down = True
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
-            shm = self._inhost_endpoint()
+            shm, across = self._inhost_endpoint(), self.across
             if isinstance(shm, _C.ShmComm):
                 shm.abort("ProcessGroup.abort() was called")
+            if across is not None:  # a cross-host wait in flight ends too, here and on the other ranks
+                across.abort("ProcessGroup.abort() was called")
         mine = self._lock_owner == threading.get_ident()
         got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:

@@ -26,7 +26,10 @@ steps copy it. AVG is SUM, then one division by the world size. A failed cross-h
 peers, waiting in the next in-host step, are told at once (a rejected call). A cross-host
 step waits policy.cross_host_timeout of the call's timeout, a little less than the in-host
 waits, so that it fails (and tells) before a peer's in-host wait for this rank ends: every
-rank's error then names the cross-host step, the cause.
+rank's error then names the cross-host step, the cause. An abort() (torch's
+_abort_process_group) ends a wait in a cross-host step within ABORT_POLL_S on its rank, and
+on the others, through a note it leaves in the store, within about ABORT_STORE_POLL_S
+(CrossHost.abort, _await): gloo itself cannot end a collective in flight.
 
 Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
 or for all_gather and broadcast an in-host all-gather of each rank's count and src:
@@ -68,6 +71,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
+import time
 import zlib
 from datetime import timedelta
 
@@ -84,6 +89,10 @@ _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, ...)
 _HEADER = 6  # int64 words of a check row before its payload slot: kind, count, dtype, op, root, payload bytes
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
+ABORT_POLL_S = 0.1  # a cross-host wait's slice: how soon it sees this rank's abort() (CrossHost._await)
+DRAIN_S = 2.0  # how long a failed call waits for its started cross-host steps (CrossHost._drain)
+ABORT_STORE_POLL_S = 0.5  # how often a cross-host wait that lasts looks in the store for a peer's abort()
+ABORT_LOOK_S = 0.5  # how long a failed cross-host step waits for that look (_gloo_failed: was an abort the cause?)
 
 
 def _by_host(comm) -> list[list[int]]:
@@ -137,6 +146,9 @@ class CrossHost:
         self._store = comm._store  # (a function) where a failed rank leaves its reason for the call check
         self._reasons = f"{comm.rendezvous._prefix}failed/"
         self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
+        # (its store is held as the gloo groups hold it: an abort() comes after the group is gone)
+        self._aborts = _Aborts(comm._store(), f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
+        self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: _let_go)
         self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
 
     @classmethod
@@ -200,9 +212,60 @@ class CrossHost:
         return max(1, -(-policy.two_level_piece_bytes(nbytes, self.config.hier_piece_bytes) // unit))
 
     def close(self) -> None:
-        """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store)."""
+        """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store).
+        A gloo group with a work still in flight (left by an abort or a failed call) goes on a
+        thread of its own once its works end: its destructor waits for them (gloo's timeout)."""
+        groups = (self.cross, self.checker, self.whole)
         self.inhost = self.cross = self.checker = self.whole = None
         self._buffers.clear()
+        self._aborts.store = None
+        left, self._abandoned = [w for w in self._abandoned if not w.is_completed()], []
+        if left:
+            _let_go(groups, left)
+
+    def _leave(self, works) -> None:
+        """Keep `works`, left in flight, until close() (those already done go)."""
+        self._abandoned = [w for w in self._abandoned if not w.is_completed()] + list(works)
+
+    def _drain(self, works) -> None:
+        """A call that fails midway (a later piece's in-host step raised: a peer of the host
+        rejected it) waits briefly for the cross-host steps it started (gloo works, or a CUDA
+        CrossHost's events), so that none still writes into the tensor or a scratch buffer
+        after the call raised; one stuck on a dead peer is left in flight (it fails in its
+        own timeout, writing nothing: _leave). After an abort() nothing is waited for."""
+        aborted = self._aborts.mine is not None or self._aborts.seen is not None
+        left = []
+        for w in works:
+            if w is None or any(w is a for a in self._abandoned):
+                continue
+            gloo = hasattr(w, "is_completed")  # (a CUDA CrossHost's work only orders streams: always)
+            if not (aborted and gloo):
+                try:
+                    w.wait(timeout=timedelta(seconds=DRAIN_S))
+                except Exception:  # noqa: BLE001 -- its failure is not the call's: the call already failed
+                    pass
+            if gloo and not w.is_completed():
+                left.append(w)
+        self._leave(left)
+
+    def abort(self, reason: str) -> None:
+        """This rank's abort() (Communicator.close(wait=False), after the in-host endpoint's):
+        a cross-host wait in flight here ends within ABORT_POLL_S (_await), and the other
+        ranks' within ABORT_STORE_POLL_S, when they look for the key this leaves in the store
+        (written on a thread of its own: abort() returns at once, even when the store cannot
+        be reached). gloo cannot end a collective in flight (ProcessGroupGloo.abort() leaves
+        it running): the works are left to end in gloo's own timeout."""
+        if self._aborts.mine is not None:
+            return
+        self._aborts.mine = reason
+        store, key, note = self._aborts.store, self._aborts.key, f"rank {self.rank} aborted the group ({reason})"
+
+        def publish():
+            try:
+                store.set(key, note)
+            except Exception:  # noqa: BLE001 -- the peers still fail, in their timeouts
+                pass
+        threading.Thread(target=publish, name="ringdp-abort-note", daemon=True).start()
 
     def on_cuda(self, inhost, net, device: torch.device, poison=None) -> "CrossHost":
         """The collectives of this communicator (TWO_LEVEL or LEADERS) for CUDA tensors on
@@ -330,7 +393,7 @@ class CrossHost:
                 pending = (work, mine, piece)
             self._gather_piece(*pending, avg, forced, t, tag)
         except BaseException:
-            _drain(started)
+            self._drain(started)
             raise
 
     def _leaders(self, flat, red, dop, avg, forced, t, tag, begin) -> None:
@@ -366,7 +429,7 @@ class CrossHost:
                 pending = (work, piece)
             self._spread_piece(*pending, avg, forced, t, tag)
         except BaseException:
-            _drain(started)
+            self._drain(started)
             raise
 
     def _spread_piece(self, work, piece, avg, forced, t, tag) -> None:
@@ -615,7 +678,7 @@ class CrossHost:
             try:
                 step()
             except RingError as e:
-                if getattr(self.inhost, "abort_requested", False):
+                if self._aborts.mine is not None or getattr(self.inhost, "abort_requested", False):
                     raise  # this rank's abort() (ProcessGroup.abort): no call check, it would wait for the hosts
                 failure = e
         group, ranks = self._check_group()
@@ -812,15 +875,50 @@ class CrossHost:
 
     def _wait(self, what: str, work, timeout_s: float, tell, tag: str, ranks=None, net=None) -> None:
         try:
-            work.wait(timeout=timedelta(seconds=policy.cross_host_timeout(timeout_s)))
-        except Exception as e:  # noqa: BLE001 -- gloo's DistBackendError / RuntimeError
+            self._await(work, policy.cross_host_timeout(timeout_s))
+        except Exception as e:  # noqa: BLE001 -- _Aborted, gloo's DistBackendError / RuntimeError
             self._gloo_failed(e, timeout_s, tell, tag, what, ranks, net)
+
+    def _await(self, work, secs: float) -> None:
+        """work.wait(), at most `secs`, in slices of ABORT_POLL_S: an abort() ends it (this
+        rank's at the slice's end, a peer's once seen in the store, every
+        ABORT_STORE_POLL_S), _Aborted then, the work left in flight (close(): _let_go). A
+        work without is_completed() (a CUDA CrossHost's, which only orders streams) waits
+        once. A gloo Work's wait(timeout) that times out leaves the work as it was."""
+        if not hasattr(work, "is_completed"):
+            work.wait(timeout=timedelta(seconds=secs))
+            return
+        start = time.monotonic()
+        end, looked = start + secs, start
+        while True:
+            try:
+                work.wait(timeout=timedelta(seconds=max(0.001, min(end - time.monotonic(), ABORT_POLL_S))))
+                return
+            except Exception:  # noqa: BLE001 -- the slice's "timed out", or the work's own failure
+                if work.is_completed():
+                    work.wait()  # its own outcome (done just after the slice ended, or gloo's error)
+                    return
+                if time.monotonic() >= end:
+                    raise
+            look = time.monotonic() - looked >= ABORT_STORE_POLL_S
+            looked = time.monotonic() if look else looked
+            why = self._aborts.why(look)
+            if why is not None:
+                self._leave([work])
+                raise _Aborted(why)
 
     def _gloo_failed(self, e, timeout_s, tell, tag, what, ranks=None, net=None):
         """`net`: what carried the step (None: the cross-host steps', net_name; the call check: gloo)."""
         first = str(e).splitlines()[0] if str(e) else ""
         ranks = self.cross_ranks if ranks is None else ranks
         net = self.net_name if net is None else net
+        # an abort() ended it (_await), or a peer's abort() made a gloo step fail (its group
+        # gone: a closed connection): the abort is the cause
+        why = str(e) if isinstance(e, _Aborted) else self._aborts.why(look=True, wait_s=ABORT_LOOK_S)
+        if why is not None:
+            self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) was abandoned: "
+                       f"{why}" + ("" if isinstance(e, _Aborted) else f" ({type(e).__name__}: {first})"),
+                       tell, timeout_s, tag)
         self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
                    f"failed within {policy.cross_host_timeout(timeout_s):g} s: a rank (or a whole host) died, is stuck or cannot be reached: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
@@ -841,6 +939,59 @@ class CrossHost:
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
         raise RingError(msg) from None
+
+
+class _Aborts:
+    """Whether this communicator was aborted (CrossHost.abort): on this rank (`mine`: the
+    reason), or on a peer (`seen`: what it left under `key` in the store, once read). The
+    store is read on a thread of its own (look), never by a waiting call: across a dead link
+    a store call blocks for the store's own timeout."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key, self.mine, self.seen = store, key, None, None
+        self._looking: threading.Thread | None = None
+
+    def why(self, look: bool = False, wait_s: float = 0.0) -> str | None:
+        """Why a cross-host wait must end (None: it goes on). `look`: start a read of the
+        store (unless one is under way), and wait up to `wait_s` for it."""
+        if self.mine is not None:
+            return f"aborted on this rank ({self.mine})"
+        if self.seen is None and look and self.store is not None:
+            t = self._looking
+            if t is None or not t.is_alive():
+                t = self._looking = threading.Thread(target=self._read, args=(self.store,), name="ringdp-abort-look",
+                                                     daemon=True)
+                t.start()
+            if wait_s > 0:
+                t.join(wait_s)
+        return self.seen
+
+    def _read(self, store) -> None:
+        try:
+            if store.check([self.key]):
+                self.seen = store.get(self.key).decode(errors="replace")
+        except Exception:  # noqa: BLE001 -- a store that cannot be reached: the wait goes on to its timeout
+            pass
+
+
+class _Aborted(Exception):
+    """A cross-host wait ended by an abort() (CrossHost._await)."""
+
+
+def _let_go(groups, works) -> None:
+    """Drop `groups` once `works` (left in flight on them) have ended, on a thread of its own:
+    a ProcessGroupGloo's destructor waits for its works, which end in gloo's own timeout
+    (neither its abort() nor its shutdown() ends them). Not a daemon: a process that exits
+    meanwhile waits for it, as it waited in the destructor before (a daemon thread holding a
+    gloo group at exit ends the process in std::terminate)."""
+    def wait_then_drop(held=[groups, works]):  # noqa: B006 -- (the thread's own references)
+        for w in held[1]:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 -- their failure is expected: the calls failed
+                pass
+        held.clear()
+    threading.Thread(target=wait_then_drop, name="ringdp-let-go", daemon=False).start()
 
 
 class _NanAware:
@@ -865,6 +1016,9 @@ class _NanAware:
         for w in self.works:
             w.wait(timeout=timeout)
         self.tensor.masked_fill_(self.mask.bool(), float("nan"))
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
 
 
 class _Check:
@@ -915,24 +1069,6 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
-
-
-DRAIN_S = 2.0  # how long a failed call waits for its started cross-host steps (_drain)
-
-
-def _drain(works) -> None:
-    """A call that fails midway (a later piece's in-host step raised: a peer of the host
-    rejected it) waits briefly for the cross-host steps it started (gloo works, or a CUDA
-    CrossHost's events), so that none still writes into the tensor or a scratch buffer after
-    the call raised; one stuck on a dead peer is left (it fails in its own timeout, writing
-    nothing)."""
-    for w in works:
-        if w is None:
-            continue
-        try:
-            w.wait(timeout=timedelta(seconds=DRAIN_S))
-        except Exception:  # noqa: BLE001 -- its failure is not the call's: the call already failed
-            pass
 
 
 def _reduce_rows(out, rows, code: int) -> None:

@@ -231,11 +231,12 @@ class RankFailed(AssertionError):
     pass
 
 
-def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend="gloo"):
+def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend="gloo", exitcodes=None):
     """Run `fn(rank, world, *args)` once on `world` fresh processes with `env` set from the
     start, in a default group of `backend` (e.g. "cpu:ringdp"). Returns a list indexed by
     rank of ("ok", value) or ("err", message). Ranks listed in allow_missing may exit
-    without reporting (e.g. a rank that kills itself)."""
+    without reporting (e.g. a rank that kills itself). `exitcodes`: a list that gets each
+    rank's exit code (None: still running 10 s after the last report, then killed)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -263,6 +264,8 @@ def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend
     finally:
         for p in procs:
             p.join(timeout=10)
+            if exitcodes is not None:
+                exitcodes.append(p.exitcode)
             if p.is_alive():
                 p.kill()
     return results

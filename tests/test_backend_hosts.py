@@ -211,6 +211,22 @@ def test_whole_host_dies_is_a_ring_error(hosts, path):
         assert any(str(v) in named.split(", ") for v in victims), (r, msg)
 
 
+def _abort_in_flight(g, rank, world):
+    """An async all-reduce on `g`, then torch's _abort_process_group 0.5 s later: (the RingError
+    its wait() raised, seconds from the abort), or None when it raised none."""
+    import ringdp
+
+    work = dist.all_reduce(value(rank, 1 << 16, world=world), async_op=True)
+    time.sleep(0.5)
+    start = time.monotonic()
+    dist.distributed_c10d._abort_process_group(g)
+    try:
+        work.wait()
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - start
+    return None
+
+
 def case_abort(rank, world, hosts):
     """torch's _abort_process_group on rank 0 while its all-reduce waits in its first in-host
     step for rank 1 (host a), which has not called yet: the call fails at once naming the
@@ -228,14 +244,7 @@ def case_abort(rank, world, hosts):
     g, path = dist.distributed_c10d._get_default_group(), comm.cross_path  # (None once released)
     out = None
     if rank == 0:
-        work = dist.all_reduce(value(rank, 1 << 16, world=world), async_op=True)
-        time.sleep(0.5)
-        start = time.monotonic()
-        dist.distributed_c10d._abort_process_group(g)
-        try:
-            work.wait()
-        except ringdp.RingError as e:
-            out = (str(e), time.monotonic() - start)
+        out = _abort_in_flight(g, rank, world)
         time.sleep(12)  # (its store serves the others until they are done)
         return ok, path, out
     time.sleep(3)
@@ -260,6 +269,66 @@ def test_abort_across_hosts_fails_the_in_host_step_at_once():
     assert "rank 0 aborted" in m1 and "ProcessGroup.abort()" in m1 and s1 < 5.0, (m1, s1)
     assert "rank 1" in m3 and "rank 0 aborted" in m3 and s3 < 5.0, (m3, s3)
     assert "across hosts" in m2 and s2 < 12.0, (m2, s2)  # (rank 0 posts no row: the timeout)
+
+
+def case_abort_across(rank, world, hosts, late):
+    """torch's _abort_process_group on rank 0 while its all-reduce waits across hosts: host a
+    (ranks 0, 1) calls at once, host b (2, 3) `late` seconds later, so rank 0 waits in its
+    call check for rank 2 (a gloo step) when it aborts. gloo cannot end a collective in
+    flight: the wait does (in slices, hosts.py CrossHost._await). Rank 0's call fails at once
+    naming the abort; every other rank's within about a second of its own wait across hosts,
+    naming rank 0's abort (the note it left in the store), never at its cross-host timeout
+    (27 s here). Then the process goes on: a new group of the same ranks works."""
+    import ringdp
+
+    _pg, comm, store = _ringdp_world(rank, world, hosts, timeout=30)
+    t = value(rank, 4099, world=world)
+    dist.all_reduce(t)  # works once
+    ok = torch.equal(t, expected("SUM", world, 4099, torch.float32))
+    g, path = dist.distributed_c10d._get_default_group(), comm.cross_path
+    out = None
+    if hosts[rank] != "a":
+        time.sleep(late)
+    start = time.monotonic()
+    if rank == 0:
+        out = _abort_in_flight(g, rank, world)
+    else:
+        try:
+            dist.all_reduce(value(rank, 1 << 16, world=world))
+        except ringdp.RingError as e:
+            out = (str(e), time.monotonic() - start)
+        dist.destroy_process_group()
+    # a new group of the same ranks (as a fault-tolerant trainer would make) on a fresh prefix
+    dist.init_process_group("cpu:ringdp", store=dist.PrefixStore("after-abort/", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=30))
+    t = value(rank, 4099, world=world)
+    dist.all_reduce(t)
+    after = torch.equal(t, expected("SUM", world, 4099, torch.float32))
+    dist.destroy_process_group()
+    return ok, path, out, after
+
+
+def test_abort_across_hosts_ends_the_cross_host_wait():
+    late, codes = 3.0, []
+    res = run_ranks(case_abort_across, 4, ["a", "a", "b", "b"], late, timeout=120, exitcodes=codes)
+    # the gloo works left in flight end, and the processes exit cleanly (a daemon thread
+    # holding their gloo group at exit ended it in std::terminate: hosts.py _let_go)
+    assert codes == [0, 0, 0, 0], codes
+    for r, out in enumerate(res):
+        assert out is not None and out[0] == "ok", (r, out)
+        ok, path, got, after = out[1]
+        assert ok and path == "two_level", (r, ok, path)
+        assert got is not None, f"rank {r}: no error"
+        assert after, f"rank {r}: the group made after the abort gave a wrong sum"
+    (m0, s0), (m1, s1), (m2, s2), (m3, s3) = (out[1][2] for out in res)
+    # rank 0: its call check across hosts (with rank 2, who has not called) ends at once
+    assert "aborted on this rank" in m0 and "ProcessGroup.abort()" in m0 and s0 < 1.0, (m0, s0)
+    # rank 1 waits in its call check for rank 3 (host b, late): the note in the store ends it
+    assert "rank 0 aborted the group" in m1 and s1 < 3.0, (m1, s1)
+    # host b calls later: its cross-host waits (rank 0's abandoned check may even complete
+    # with rank 2's) end when they read the note, or when a host peer rejects the call
+    for m, s in ((m2, s2), (m3, s3)):
+        assert "rank 0 aborted the group" in m and s < 3.0, (m, s)
 
 
 # ------------------------------------------------------------------ the other collectives
