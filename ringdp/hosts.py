@@ -891,8 +891,9 @@ class CrossHost:
         start = time.monotonic()
         end, looked = start + secs, start
         while True:
+            sliced = time.monotonic()
             try:
-                work.wait(timeout=timedelta(seconds=max(0.001, min(end - time.monotonic(), ABORT_POLL_S))))
+                work.wait(timeout=timedelta(seconds=max(0.001, min(end - sliced, ABORT_POLL_S))))
                 return
             except Exception:  # noqa: BLE001 -- the slice's "timed out", or the work's own failure
                 if work.is_completed():
@@ -900,6 +901,8 @@ class CrossHost:
                     return
                 if time.monotonic() >= end:
                     raise
+                if time.monotonic() - sliced < ABORT_POLL_S / 2:  # (raised early, not done: no busy loop)
+                    time.sleep(ABORT_POLL_S / 2)
             look = time.monotonic() - looked >= ABORT_STORE_POLL_S
             looked = time.monotonic() if look else looked
             why = self._aborts.why(look)

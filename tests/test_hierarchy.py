@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -858,3 +859,89 @@ def test_link_down_between_hosts(tmp_path, backend):
         assert _names_cross_host_cause(rec["error"], {0, 1, 2, 3}), rec
         assert rec["after_s"] < rec["timeout"] + 2, rec  # within the timeout of its last good call (7.2 s seen)
         assert rec["calls"] >= 20 and rec["destroy"] == "ok" and rec["destroy_s"] < 5, rec
+
+
+# ------------------------------------------------------------------ a cross-host wait (one process)
+class _FakeWork:
+    """A gloo Work's wait/is_completed: done at `done_at` (monotonic), failing with `error`
+    then; `early`: wait(timeout) raises at once while not done (no slice passes)."""
+
+    def __init__(self, done_at, error=None, early=False):
+        self.done_at, self.error, self.early, self.waits = done_at, error, early, 0
+
+    def is_completed(self):
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        if not self.is_completed():
+            if not self.early:
+                time.sleep(min(timeout.total_seconds(), max(0.0, self.done_at - time.monotonic())))
+            if not self.is_completed():
+                raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+class _FakeStore:
+    def __init__(self, note=None):
+        self.note, self.checks = note, 0
+
+    def check(self, keys):
+        self.checks += 1
+        return self.note is not None
+
+    def get(self, key):
+        return self.note.encode()
+
+
+def _waiter(store):
+    from ringdp import hosts
+
+    h = hosts.CrossHost.__new__(hosts.CrossHost)
+    h._aborts, h._abandoned = hosts._Aborts(store, "k"), []
+    return h
+
+
+def test_cross_host_wait_in_slices():
+    """CrossHost._await: a work done after several slices returns (and its error is raised as
+    its own); this rank's abort() ends a wait within a slice, a peer's note in the store within
+    ABORT_STORE_POLL_S plus a slice, the work then kept (close: _let_go); the deadline holds;
+    a wait that raises at once without the work done does not spin."""
+    from ringdp import hosts
+
+    poll, look = hosts.ABORT_POLL_S, hosts.ABORT_STORE_POLL_S
+    h = _waiter(_FakeStore())
+    w = _FakeWork(time.monotonic() + 3.5 * poll)
+    h._await(w, 10.0)
+    assert w.is_completed() and w.waits >= 4 and h._abandoned == []
+    w = _FakeWork(time.monotonic() + 1.5 * poll, error="Connection reset by peer")
+    with pytest.raises(RuntimeError, match="Connection reset"):
+        h._await(w, 10.0)
+    # this rank's abort, from another thread
+    w = _FakeWork(time.monotonic() + 60)
+    threading.Timer(0.3, lambda: setattr(h._aborts, "mine", "ProcessGroup.abort() was called")).start()
+    t0 = time.monotonic()
+    with pytest.raises(hosts._Aborted, match="aborted on this rank"):
+        h._await(w, 10.0)
+    assert 0.3 <= time.monotonic() - t0 < 0.3 + 2 * poll
+    assert h._abandoned == [w]
+    # a peer's note in the store
+    store = _FakeStore("rank 3 aborted the group (ProcessGroup.abort() was called)")
+    h = _waiter(store)
+    t0 = time.monotonic()
+    with pytest.raises(hosts._Aborted, match="rank 3 aborted the group"):
+        h._await(_FakeWork(time.monotonic() + 60), 10.0)
+    assert look <= time.monotonic() - t0 < look + 3 * poll and store.checks >= 1
+    # no abort: the deadline, the work's own "timed out"
+    h = _waiter(_FakeStore())
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="timed out"):
+        h._await(_FakeWork(time.monotonic() + 60), 0.45)
+    assert 0.45 <= time.monotonic() - t0 < 0.45 + poll
+    # a wait that raises at once (not done): no busy loop
+    w = _FakeWork(time.monotonic() + 60, early=True)
+    with pytest.raises(RuntimeError):
+        h._await(w, 0.5)
+    assert w.waits <= 0.5 / (poll / 2) + 2, w.waits
