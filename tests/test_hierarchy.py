@@ -925,7 +925,7 @@ def test_cross_host_wait_in_slices():
     t0 = time.monotonic()
     with pytest.raises(hosts._Aborted, match="aborted on this rank"):
         h._await(w, 10.0)
-    assert 0.3 <= time.monotonic() - t0 < 0.3 + 2 * poll
+    assert 0.3 <= time.monotonic() - t0 < 0.3 + 5 * poll  # (a slice, and room for a loaded machine)
     assert h._abandoned == [w]
     # a peer's note in the store
     store = _FakeStore("rank 3 aborted the group (ProcessGroup.abort() was called)")
@@ -933,13 +933,13 @@ def test_cross_host_wait_in_slices():
     t0 = time.monotonic()
     with pytest.raises(hosts._Aborted, match="rank 3 aborted the group"):
         h._await(_FakeWork(time.monotonic() + 60), 10.0)
-    assert look <= time.monotonic() - t0 < look + 3 * poll and store.checks >= 1
+    assert look <= time.monotonic() - t0 < look + 5 * poll and store.checks >= 1
     # no abort: the deadline, the work's own "timed out"
     h = _waiter(_FakeStore())
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         h._await(_FakeWork(time.monotonic() + 60), 0.45)
-    assert 0.45 <= time.monotonic() - t0 < 0.45 + poll
+    assert 0.45 <= time.monotonic() - t0 < 0.45 + 3 * poll
     # a wait that raises at once (not done): no busy loop
     w = _FakeWork(time.monotonic() + 60, early=True)
     with pytest.raises(RuntimeError):
