@@ -408,6 +408,12 @@ class Communicator:
             return self._pg()._ringdp_store()
         return dist.distributed_c10d._get_default_store()
 
+    def _last_store(self):
+        """The backend group's store while the group object lives, alive or not (its abort()
+        marks it gone first; CrossHost.abort still leaves its note there); None elsewhere."""
+        pg = self._pg() if self._backend else None
+        return None if pg is None else pg._ringdp_store()
+
     # ---- set-up -------------------------------------------------------------------------
     def _topology(self) -> tuple[list[str], int]:
         """Every rank's host key (RINGDP_HOST_ID, else hostname and boot id), by rank, and the
@@ -1289,7 +1295,7 @@ class Communicator:
             if isinstance(shm, _C.ShmComm):
                 shm.abort("ProcessGroup.abort() was called")
             if across is not None:  # a cross-host wait in flight ends too, here and on the other ranks
-                across.abort("ProcessGroup.abort() was called")
+                across.abort("ProcessGroup.abort() was called", self._last_store())
         mine = self._lock_owner == threading.get_ident()
         got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:

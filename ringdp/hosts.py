@@ -146,8 +146,7 @@ class CrossHost:
         self._store = comm._store  # (a function) where a failed rank leaves its reason for the call check
         self._reasons = f"{comm.rendezvous._prefix}failed/"
         self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
-        # (its store is held as the gloo groups hold it: an abort() comes after the group is gone)
-        self._aborts = _Aborts(comm._store(), f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
+        self._aborts = _Aborts(comm._store, f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
         self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: _let_go)
         self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
 
@@ -248,21 +247,22 @@ class CrossHost:
                 left.append(w)
         self._leave(left)
 
-    def abort(self, reason: str) -> None:
+    def abort(self, reason: str, store=None) -> None:
         """This rank's abort() (Communicator.close(wait=False), after the in-host endpoint's):
         a cross-host wait in flight here ends within ABORT_POLL_S (_await), and the other
-        ranks' within ABORT_STORE_POLL_S, when they look for the key this leaves in the store
-        (written on a thread of its own: abort() returns at once, even when the store cannot
-        be reached). gloo cannot end a collective in flight (ProcessGroupGloo.abort() leaves
-        it running): the works are left to end in gloo's own timeout."""
+        ranks' within ABORT_STORE_POLL_S, when they look for the key this leaves in `store`
+        (the group's, which torch already calls gone; written on a thread of its own: abort()
+        returns at once, even when the store cannot be reached). gloo cannot end a
+        collective in flight (ProcessGroupGloo.abort() leaves it running): the works are
+        left to end in gloo's own timeout."""
         if self._aborts.mine is not None:
             return
         self._aborts.mine = reason
-        store, key, note = self._aborts.store, self._aborts.key, f"rank {self.rank} aborted the group ({reason})"
+        key, note = self._aborts.key, f"rank {self.rank} aborted the group ({reason})"
 
         def publish():
             try:
-                store.set(key, note)
+                store.set(key, note)  # (None: no group store to write to, an AttributeError)
             except Exception:  # noqa: BLE001 -- the peers still fail, in their timeouts
                 pass
         threading.Thread(target=publish, name="ringdp-abort-note", daemon=True).start()
@@ -948,7 +948,8 @@ class _Aborts:
     """Whether this communicator was aborted (CrossHost.abort): on this rank (`mine`: the
     reason), or on a peer (`seen`: what it left under `key` in the store, once read). The
     store is read on a thread of its own (look), never by a waiting call: across a dead link
-    a store call blocks for the store's own timeout."""
+    a store call blocks for the store's own timeout. `store`: a function that returns it
+    (Communicator._store, which raises once the group is gone: the store is not held)."""
 
     def __init__(self, store, key: str):
         self.store, self.key, self.mine, self.seen = store, key, None, None
@@ -962,7 +963,11 @@ class _Aborts:
         if self.seen is None and look and self.store is not None:
             t = self._looking
             if t is None or not t.is_alive():
-                t = self._looking = threading.Thread(target=self._read, args=(self.store,), name="ringdp-abort-look",
+                try:
+                    store = self.store()
+                except Exception:  # noqa: BLE001 -- the group is gone: nothing to look at
+                    return None
+                t = self._looking = threading.Thread(target=self._read, args=(store,), name="ringdp-abort-look",
                                                      daemon=True)
                 t.start()
             if wait_s > 0:

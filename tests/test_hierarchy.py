@@ -900,7 +900,7 @@ def _waiter(store):
     from ringdp import hosts
 
     h = hosts.CrossHost.__new__(hosts.CrossHost)
-    h._aborts, h._abandoned = hosts._Aborts(store, "k"), []
+    h._aborts, h._abandoned = hosts._Aborts(lambda: store, "k"), []
     return h
 
 
