@@ -176,7 +176,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("world", &ShmComm::world)
       .def_property_readonly("calls", &ShmComm::calls)
       .def_property_readonly("aborted", &ShmComm::is_aborted)
-      .def_property_readonly("abort_requested", &ShmComm::abort_requested)
       .def_property_readonly("arena_in_use", &ShmComm::arena_in_use)
       .def_property_readonly("oneshot_bytes", &ShmComm::oneshot_bytes)
       .def("unlink_own", &ShmComm::unlink_own)

@@ -1292,10 +1292,10 @@ class Communicator:
             self._torn_down = True
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
             shm, across = self._inhost_endpoint(), self.across
+            if across is not None:  # (first: an in-host step the abort fails finds it marked) a cross-host
+                across.abort("ProcessGroup.abort() was called", self._last_store())  # wait ends too, everywhere
             if isinstance(shm, _C.ShmComm):
                 shm.abort("ProcessGroup.abort() was called")
-            if across is not None:  # a cross-host wait in flight ends too, here and on the other ranks
-                across.abort("ProcessGroup.abort() was called", self._last_store())
         mine = self._lock_owner == threading.get_ident()
         got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:

@@ -223,8 +223,9 @@ class CrossHost:
             _let_go(groups, left)
 
     def _leave(self, works) -> None:
-        """Keep `works`, left in flight, until close() (those already done go)."""
-        self._abandoned = [w for w in self._abandoned if not w.is_completed()] + list(works)
+        """Keep `works`, left in flight, until close() (those already done go; each once)."""
+        kept = [w for w in self._abandoned if not w.is_completed()]
+        self._abandoned = kept + [w for w in works if not any(w is k for k in kept)]
 
     def _drain(self, works) -> None:
         """A call that fails midway (a later piece's in-host step raised: a peer of the host
@@ -235,7 +236,7 @@ class CrossHost:
         aborted = self._aborts.mine is not None or self._aborts.seen is not None
         left = []
         for w in works:
-            if w is None or any(w is a for a in self._abandoned):
+            if w is None:
                 continue
             gloo = hasattr(w, "is_completed")  # (a CUDA CrossHost's work only orders streams: always)
             if not (aborted and gloo):
@@ -678,7 +679,7 @@ class CrossHost:
             try:
                 step()
             except RingError as e:
-                if self._aborts.mine is not None or getattr(self.inhost, "abort_requested", False):
+                if self._aborts.mine is not None:
                     raise  # this rank's abort() (ProcessGroup.abort): no call check, it would wait for the hosts
                 failure = e
         group, ranks = self._check_group()

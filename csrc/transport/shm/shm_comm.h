@@ -116,7 +116,6 @@ class ShmComm final : public Endpoint {
   // fail fast naming it and `why`. Poisons the communicator.
   void request_abort(const std::string& why);
   bool is_aborted() const { return !poison_.empty() || abort_requested_.load(std::memory_order_acquire); }
-  bool abort_requested() const { return abort_requested_.load(std::memory_order_acquire); }
 
   // Largest message the one-shot path takes (its buffer).
   size_t oneshot_bytes() const { return geo_.oneshot_bytes; }
