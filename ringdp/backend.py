@@ -489,6 +489,23 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             return self._nccl
         return self._gloo
 
+    def _delegated(self, name, *args, outputs=None, **kwargs):
+        """The inner group's `name`(*args) for the tensors in `args` (gloo for CPU, nccl for
+        CUDA). gloo gets contiguous copies of non-contiguous CPU tensors, copied back when
+        its Work completes: gloo (torch 2.13) writes a strided tensor's result as if it were
+        contiguous in allreduce, reduce_scatter (list), broadcast, reduce and scatter, a
+        wrong result with no error (pytorch issues 192920, 129337), and refuses one in
+        send/recv and all_to_all_single. `outputs`: the future's value (None: the inner
+        future's, each copy in it replaced by its tensor)."""
+        tensors = _tensors_in(args)
+        inner = self._inner(tensors)
+        pairs = _contiguous_copies(tensors) if inner is self._gloo else None
+        if not pairs:
+            w = getattr(inner, name)(*args, **kwargs)
+            return w if outputs is None else _Chain([w], outputs)
+        w = getattr(inner, name)(*_swap(args, {id(t): c for t, c in pairs}), **kwargs)
+        return _StagedWork(w, pairs, outputs)
+
     def _use_ringdp_cuda(self) -> bool:
         if not _C.WITH_CUDA:
             return False
@@ -548,15 +565,15 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         # several tensors: c10d's multi-tensor form, one logical tensor reduced over every
         # entry of every rank (gloo's; nccl refuses it): the inner group's
         if len(tensors) != 1 or not self._native(tensors, opts.reduceOp):
-            return self._inner(tensors).allreduce(tensors, _premultiplied(tensors, opts, AllreduceOptions))
+            return self._delegated("allreduce", tensors, _premultiplied(tensors, opts, AllreduceOptions))
         return self._all_reduce_each(tensors, opts.reduceOp, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         if opts is None:
             opts = AllreduceCoalescedOptions()
         if not self._native(tensors, opts.reduceOp):
-            return self._inner(tensors).allreduce_coalesced(tensors,
-                                                            _premultiplied(tensors, opts, AllreduceCoalescedOptions))
+            return self._delegated("allreduce_coalesced", tensors,
+                                   _premultiplied(tensors, opts, AllreduceCoalescedOptions))
         return self._all_reduce_each(tensors, opts.reduceOp, opts)
 
     # -- reduce-scatter -------------------------------------------------------------------
@@ -590,8 +607,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
             if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
                 input = input.clone()
-            return self._inner([input])._reduce_scatter_base(output, input,
-                                                              _premultiplied([input], opts, ReduceScatterOptions))
+            return self._delegated("_reduce_scatter_base", output, input,
+                                   _premultiplied([input], opts, ReduceScatterOptions))
         # a contiguous input: a view of it (kept: copied before a PREMUL_SUM's multiply); another: a copy
         keep = input.is_contiguous()
         flat = input.reshape(-1) if keep else input.contiguous().view(-1)
@@ -615,7 +632,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             if _op_of(opts.reduceOp)[1] is not None and not out.is_cuda:  # (premultiplied copies, never the inputs)
                 input_tensor_lists = [[t.clone() for t in ts] for ts in input_tensor_lists]
                 opts = _premultiplied([t for ts in input_tensor_lists for t in ts], opts, ReduceScatterOptions)
-            return self._inner([out]).reduce_scatter(output_tensors, input_tensor_lists, opts)
+            return self._delegated("reduce_scatter", output_tensors, input_tensor_lists, opts)
         flat = torch.cat([t.reshape(-1) for t in ins])
         return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts),
                                          async_op=_async(opts))
@@ -628,7 +645,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if (native is None or not self._native([output, input])
                 or output.numel() != input.numel() * self._size_):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
-            return _Chain([self._inner([input])._allgather_base(output, input, opts)], [output])
+            return self._delegated("_allgather_base", output, input, opts, outputs=[output])
         (out,), copy_back = _staged([output])
         return RingWork([native(out, input.contiguous(), async_op=_async(opts), timeout=_timeout_s(opts))], [output],
                         copy_back, cuda_devices=_devices([output]))
@@ -648,7 +665,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if (native is None or len(input_tensors) != 1 or len(outs) != self._size_
                 or not self._native([inp, *outs]) or any(o.shape != inp.shape or o.dtype != outs[0].dtype for o in outs)):
             # (its future's value as the native one's, the output lists, not gloo's first list)
-            return _Chain([self._inner(input_tensors).allgather(output_tensors, input_tensors, opts)], output_tensors)
+            return self._delegated("allgather", output_tensors, input_tensors, opts, outputs=output_tensors)
         # (of the outputs' dtype: one other than the input's is refused, as gloo refuses it, never cast)
         flat = torch.empty((self._size_ * inp.numel(),), dtype=outs[0].dtype, device=inp.device)
 
@@ -668,7 +685,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         # several tensors: c10d's multi-tensor form (the root's opts.rootTensor into every
         # entry of every rank: gloo's; nccl refuses it): the inner group's
         if native is None or len(tensors) != 1 or not self._native(tensors):
-            return self._inner(tensors).broadcast(tensors, opts)
+            return self._delegated("broadcast", tensors, opts)
         (run,), copy_back = _staged(tensors)
         return RingWork([native(run, opts.rootRank, async_op=_async(opts), timeout=_timeout_s(opts))],
                         tensors, copy_back, cuda_devices=_devices(tensors))
@@ -840,6 +857,80 @@ def _chain(works, outputs):
     return works[0] if len(works) == 1 else _Chain(works, outputs)
 
 
+class _CopyBack:
+    """Copies each (tensor, copy) pair's copy back into its tensor, once, whichever thread
+    asks first (_StagedWork)."""
+
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self._lock = threading.Lock()
+        self._done = False
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self._done:
+                for t, c in self.pairs:
+                    t.copy_(c)
+                self._done = True
+
+
+class _StagedWork(dist.Work):
+    """An inner gloo group's Work that ran on contiguous copies of non-contiguous CPU tensors
+    (ProcessGroupRingdp._delegated): each copy is copied back into its tensor once, by the
+    first of wait(), is_completed() answering True or the future's completion, so that the
+    tensors hold the result whichever of them the caller uses. get_future(): the inner
+    Work's future (gloo has none for some calls: send, recv, ...) then the copy-back; its
+    value is the inner one's with the copies replaced by their tensors (`outputs` if given)."""
+
+    def __init__(self, work, pairs, outputs=None):
+        super().__init__()
+        self._work = work
+        self._back = _CopyBack(pairs)
+        self._outputs = outputs
+        self._lock = threading.Lock()
+        self._tf = None
+
+    def wait(self, timeout=timedelta(0)):
+        self._work.wait(timeout) if timeout else self._work.wait()
+        self._back()
+        return True
+
+    def is_completed(self):
+        if not self._work.is_completed():
+            return False
+        if self._work.is_success():
+            self._back()
+        return True
+
+    def is_success(self):
+        return self.is_completed() and self._work.is_success()
+
+    def exception(self):
+        return self._work.exception()
+
+    def _source_rank(self):  # (recv_anysource's: torch's dist.recv(src=None) asks for it)
+        return self._work._source_rank()
+
+    def get_future(self):
+        with self._lock:
+            if self._tf is None:
+                back, outputs, originals = self._back, self._outputs, {id(c): t for t, c in self._back.pairs}
+
+                def then(f):  # (holds no reference to this Work: the inner future keeps it)
+                    value = f.value()  # (raises the inner failure: nothing is copied back then)
+                    back()
+                    return outputs if outputs is not None else _swap(value, originals)
+
+                self._tf = self._work.get_future().then(then)
+            return self._tf
+
+    def result(self):
+        self.wait()
+        if self._outputs is not None:
+            return self._outputs
+        return _swap(self._work.result(), {id(c): t for t, c in self._back.pairs})
+
+
 # Everything else goes to the inner group of the tensors' device (gloo for CPU).
 def _tensors_in(args) -> list:
     """The tensors among `args`, in nested lists and tuples too (not recursive: a nested
@@ -854,9 +945,30 @@ def _tensors_in(args) -> list:
     return found
 
 
+def _contiguous_copies(tensors) -> list:
+    """[(t, a contiguous copy of t)] for each distinct non-contiguous dense CPU tensor of
+    `tensors` (ProcessGroupRingdp._delegated)."""
+    pairs, seen = [], set()
+    for t in tensors:
+        if t.layout == torch.strided and t.is_cpu and not t.is_contiguous() and id(t) not in seen:
+            seen.add(id(t))
+            pairs.append((t, t.contiguous()))
+    return pairs
+
+
+def _swap(obj, by_id: dict):
+    """`obj` with each tensor whose id is a key of `by_id` replaced by its value, in nested
+    lists and tuples too (their copies; everything else as it is)."""
+    if isinstance(obj, torch.Tensor):
+        return by_id.get(id(obj), obj)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_swap(x, by_id) for x in obj)
+    return obj
+
+
 def _delegate(name, inner_name=None):
     def method(self, *args, **kwargs):
-        return getattr(self._inner(_tensors_in(args)), inner_name or name)(*args, **kwargs)
+        return self._delegated(inner_name or name, *args, **kwargs)
 
     method.__name__ = name
     method.__doc__ = f"{name}: on the inner gloo (CPU) / nccl (CUDA) group."

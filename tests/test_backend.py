@@ -1560,6 +1560,87 @@ def test_non_contiguous_tensors_run_natively(pool):
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
 
 
+def case_non_contiguous_delegated(rank, world):
+    """What ringdp leaves to its inner gloo group (ops and dtypes it does not reduce, and the
+    collectives it does not run) with non-contiguous CPU tensors: gloo writes a strided
+    view's result as if it were contiguous (allreduce, reduce_scatter list, broadcast,
+    reduce, scatter: a wrong result, no error; pytorch issue 192920) and refuses one in
+    send/recv and all_to_all_single. The backend hands gloo contiguous copies and copies
+    them back: every value right, the bytes between the view's elements untouched, async
+    Works and their futures too (a future's value holds the caller's tensors)."""
+    import ringdp  # noqa: F401 -- registers the backend
+    g = dist.new_group(backend="cpu:ringdp", timeout=timedelta(seconds=10))
+    gr = lambda r: dist.get_global_rank(g, r)  # noqa: E731
+    out = {}
+
+    def strided(n, values, dtype=torch.float32):
+        """A view of n elements at stride 2 over a buffer of -1s; the buffer too."""
+        base = torch.full((n, 2), -1, dtype=dtype)
+        v = base[:, 1]
+        v.copy_(values)
+        return v, base
+
+    def keep(name, got, want, base):
+        out[name] = (got.clone(), want)
+        out[name + " (between)"] = (base[:, 0].clone(), torch.full_like(base[:, 0], -1))
+
+    i = torch.arange(5)
+    for async_op in (False, True):
+        a = " async" if async_op else ""
+        t, base = strided(5, i + 1 + rank)
+        w = dist.all_reduce(t, op=dist.ReduceOp.PRODUCT, group=g, async_op=async_op)
+        if async_op:
+            assert w.get_future().wait()[0] is t  # (the caller's tensor, not the copy)
+            w.wait()
+        want = torch.ones(5)
+        for r in range(world):
+            want = want * (i + 1 + r)
+        keep("all_reduce PRODUCT" + a, t, want, base)
+        t, base = strided(5, (i + 10 * rank) if rank == 1 else torch.zeros(5), torch.uint8)
+        w = dist.broadcast(t, gr(1), group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        keep("broadcast uint8" + a, t, (i + 10).to(torch.uint8), base)
+        t, base = strided(3, torch.zeros(3), torch.uint8)
+        ins = [torch.arange(3, dtype=torch.uint8) + q + rank for q in range(world)]
+        w = dist.reduce_scatter(t, ins, group=g, async_op=async_op)
+        if async_op:
+            w.wait()
+        keep("reduce_scatter uint8" + a, t, sum(torch.arange(3) + rank + r for r in range(world)).to(torch.uint8), base)
+    t, base = strided(4, i[:4] + 1.0)
+    dist.reduce(t, gr(0), group=g)
+    if rank == 0:
+        keep("reduce", t, (i[:4] + 1.0) * world, base)
+    t, base = strided(4, torch.zeros(4))
+    dist.scatter(t, [torch.full((4,), 5.0 + r) for r in range(world)] if rank == 0 else None, src=gr(0), group=g)
+    keep("scatter", t, torch.full((4,), 5.0 + rank), base)
+    if rank < 2:
+        t, base = strided(4, i[:4] + 3.0 if rank == 0 else torch.zeros(4))
+        if rank == 0:
+            dist.send(t, gr(1), group=g)
+            dist.send(t, gr(1), group=g)
+        else:
+            dist.recv(t, gr(0), group=g)
+            keep("send/recv", t, i[:4] + 3.0, base)
+            t, base = strided(4, torch.zeros(4))
+            sender = dist.recv(t, group=g)  # from any source: its Work tells which
+            keep("recv from any source", t, i[:4] + 3.0, base)
+            out["recv from any source: sender"] = (torch.tensor(sender), torch.tensor(gr(0)))
+    o, obase = strided(world, torch.zeros(world))
+    inp, _ = strided(world, torch.arange(world, dtype=torch.float32) + 100 * rank)
+    dist.all_to_all_single(o, inp, group=g)
+    keep("all_to_all_single", o, torch.arange(world, dtype=torch.float32) * 100 + rank, obase)
+    dist.destroy_process_group(g)
+    return out
+
+
+def test_non_contiguous_tensors_delegated_through_copies(pool):
+    for r, out in enumerate(pool.run(case_non_contiguous_delegated)):
+        assert len(out) == 2 * (6 + 2 + 1) + (3 if r == 1 else 0), (r, sorted(out))  # (reduce on 0, recv on 1)
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
 def case_abort(rank, world):
     """torch's _abort_process_group on a ringdp group whose peer has not joined its call
     yet: it returns at once (gloo's does; it waited up to the timeout for the calls queued
