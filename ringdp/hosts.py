@@ -803,7 +803,9 @@ class CrossHost:
         row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
         row[:_HEADER] = torch.tensor(mine + [nbytes if fused else 0], dtype=torch.int64)
         if fused:
-            row[_HEADER:].view(torch.uint8)[:nbytes].copy_(payload.reshape(-1).view(torch.uint8))
+            # (typed, not as bytes: a one-element view may have a stride other than 1, which
+            # torch calls contiguous but cannot view as bytes)
+            row[_HEADER:].view(torch.uint8)[:nbytes].view(payload.dtype).copy_(payload.reshape(-1))
         mine = row
         every = torch.empty(len(ranks) * mine.numel(), dtype=torch.int64)
         # Whom a failed check tells at once (a rejected in-host call): this host's peers, who

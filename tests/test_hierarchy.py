@@ -227,6 +227,34 @@ def test_later_groups_after_set_up(hosts, path):
         assert (p, flat) == (path, "flat") and ok and same, (r, p, flat, ok, same)
 
 
+def case_one_element_views(rank, world, hosts):
+    """One-element views at stride 2 (torch calls them contiguous, but cannot view them as
+    bytes): their data goes with the call check (a fused payload). It raised "self.stride(-1)
+    must be 1 to view Float as Byte" on every rank (found by tests/_fuzz.py)."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    base = torch.full((1, 2), -1.0)
+    t = base[:, 1]
+    t.fill_(rank + 1.0)
+    ringdp.all_reduce(t)
+    out = {"all_reduce": (base.clone(), torch.tensor([[-1.0, world * (world + 1) / 2]]))}
+    src = torch.full((1, 2), -1.0)
+    x = src[:, 1]
+    x.fill_(10.0 + rank)
+    o = torch.zeros(world)
+    ringdp.all_gather_into_tensor(o, x)
+    out["all_gather_into_tensor"] = (o, 10.0 + torch.arange(world, dtype=torch.float32))
+    return out
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "ab"])
+def test_one_element_views_across_hosts(hosts):
+    for r, out in enumerate(values(run_ranks(case_one_element_views, len(hosts), list(hosts), timeout=120))):
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
 def case_collectives(rank, world, hosts, hierarchy=None):
     """reduce_scatter_tensor, all_gather_into_tensor and broadcast across hosts: the closed
     forms of tests/test_collectives.py (every rank's values depend on rank and index, every
