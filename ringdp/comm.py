@@ -355,7 +355,7 @@ class Communicator:
                 f"runs the CPU collectives hierarchically (README 'Across hosts'); registered memory "
                 f"(ringdp.empty) needs an in-host step (not with RINGDP_HIERARCHY=0 or one rank per host); "
                 f"CUDA tensors across hosts use the NCCL transport.")
-            self.across = hosts.CrossHost.create(self, group)
+            self.across = hosts.CrossHost.create(self)
         else:
             self._shm = self._connect_shm()
 

@@ -64,8 +64,8 @@ ringdp.destroy(), as after any CUDA rejection.
 
 The cross-host gloo groups are never the backend's inner gloo group (ringdp/backend.py):
 these steps run on ringdp's worker thread and would interleave with the inner group's
-calls differently on different ranks. They are called through the group's own methods,
-since a backend's group is a bare ProcessGroupGloo that torch.distributed does not know.
+calls differently on different ranks. They are called through the group's own methods:
+each is a bare ProcessGroupGloo that torch.distributed does not know (CrossHost.create).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types, policy
 from ._native import RingError
-from .rendezvous import Rendezvous
+from .rendezvous import LookupStore, Rendezvous
 
 _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, ...)
@@ -149,20 +149,24 @@ class CrossHost:
         self._aborts = _Aborts(comm._store, f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
         self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: _let_go)
         self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
+        self._lookup = None  # the LookupStore under the gloo groups (create)
 
     @classmethod
-    def create(cls, comm, group) -> "CrossHost":
+    def create(cls, comm) -> "CrossHost":
         """Set the cross-host collectives up (collective, every rank of the group): the path,
         this host's shared-memory endpoint (through the communicator's own set-up) and the
         gloo group(s) across hosts, each with the cross-host part of ringdp's timeout
         (policy.cross_host_timeout).
 
-        A group of any backend: the gloo groups are torch.distributed groups made with
-        dist.new_group(use_local_synchronization=True) (only their members call it). A group
-        of ringdp's backend sets up inside init_process_group/new_group, where new_group cannot
-        run (the group being made is not registered yet): its gloo groups are ProcessGroupGloo
-        objects made directly on the backend's store under a prefix of the communicator's and
-        the subgroup's (as the backend's inner gloo group is), ranks numbered as in its group."""
+        A group of any backend: the gloo groups are ProcessGroupGloo objects made by their
+        members only, on the group's store under a prefix of the communicator's and the
+        subgroup's (as the backend's inner gloo group is), ranks numbered as in its group,
+        through a LookupStore, so that they hold no store. Not torch.distributed groups
+        (dist.new_group): a group made with local synchronization is named after the number
+        of groups its rank knows, which differs between ranks that are members of different
+        groups (a,a,b,b with subgroups [1,2,3] and [0,3]: ranks 1 and 3 waited for each other
+        under two names until the timeout); and a group of ringdp's backend sets up inside
+        init_process_group/new_group, where new_group cannot run."""
         path = policy.cross_host_path(comm.local_sizes, comm.config.hierarchy)
         by_host = _by_host(comm)
         if path == policy.FLAT:
@@ -177,24 +181,14 @@ class CrossHost:
             rdv = Rendezvous(f"{comm.rendezvous._prefix}host{k}/", comm.local_rank, comm.local_size, comm.timeout,
                              store=comm._store)
             inhost = comm._connect_shm(rdv, by_host[k])  # (its messages name the group's ranks)
-        def gloo_group(members, name):
-            timeout = timedelta(seconds=policy.cross_host_timeout(comm.timeout))
-            if comm._backend:
-                store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", comm._store())
-                return ProcessGroupGloo(store, members.index(comm.rank), len(members), timeout=timeout)
-            granks = list(range(comm.world)) if comm._world_group else dist.get_process_group_ranks(group)
-            return dist.new_group([granks[r] for r in members], backend="gloo", timeout=timeout,
-                                  use_local_synchronization=True)
-
-        cross = gloo_group(members, name) if members else None
-        if not members and not comm._backend:
-            # Every rank makes one torch.distributed group here, the leaders' non-leaders a
-            # group of their own (never used): torch names a group made with local
-            # synchronization after the number of groups the rank knows, so ranks that made
-            # different numbers would name their next common group differently and wait for
-            # each other until the timeout (another communicator's, or the user's own).
-            gloo_group([comm.rank], f"alone{comm.rank}")
-        return cls(comm, path, inhost, cross, members if members else [])
+        cross, lookup = None, LookupStore(comm._store)
+        if members:
+            store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", lookup)
+            cross = ProcessGroupGloo(store, members.index(comm.rank), len(members),
+                                     timeout=timedelta(seconds=policy.cross_host_timeout(comm.timeout)))
+        made = cls(comm, path, inhost, cross, members if members else [])
+        made._lookup = lookup  # (the Python object must live as long as the group: torch calls its methods)
+        return made
 
     def set_timeout(self, secs: float) -> None:
         """The cross-host gloo groups' default timeout from now on: policy.cross_host_timeout
@@ -211,11 +205,11 @@ class CrossHost:
         return max(1, -(-policy.two_level_piece_bytes(nbytes, self.config.hier_piece_bytes) // unit))
 
     def close(self) -> None:
-        """Let the endpoint and the gloo group go (a backend's ProcessGroupGloo holds the store).
+        """Let the endpoint and the gloo groups go (they hold no store: create).
         A gloo group with a work still in flight (left by an abort or a failed call) goes on a
         thread of its own once its works end: its destructor waits for them (gloo's timeout)."""
-        groups = (self.cross, self.checker, self.whole)
-        self.inhost = self.cross = self.checker = self.whole = None
+        groups = (self.cross, self.checker, self.whole, self._lookup)
+        self.inhost = self.cross = self.checker = self.whole = self._lookup = None
         self._buffers.clear()
         self._aborts.store = None
         left, self._abandoned = [w for w in self._abandoned if not w.is_completed()], []

@@ -10,10 +10,58 @@ communicator's timeout.
 from __future__ import annotations
 
 import time
+import weakref
 
 import torch.distributed as dist
 
 from ._native import RingError
+
+
+class LookupStore(dist.Store):
+    """A torch.distributed Store for torch objects that keep the store they are given (the
+    ProcessGroupGloo groups ringdp makes across hosts: ringdp/hosts.py): each call goes to
+    the store that `base()` returns at that moment (a communicator's `_store`, held weakly),
+    so that such an object holds no store, and no communicator, itself. Holding the store
+    would keep rank 0's TCPStore server listening after
+    torch.distributed.destroy_process_group() (Rendezvous's doc); once the group is gone a
+    call raises the communicator's RingError. The Python object must be kept as long as the
+    torch object that holds it lives: once it is collected, torch's calls of its methods fail
+    ("Not implemented")."""
+
+    def __init__(self, base):
+        super().__init__()
+        self._base = weakref.WeakMethod(base) if hasattr(base, "__self__") else base
+
+    def _store(self) -> dist.Store:
+        base = self._base() if isinstance(self._base, weakref.WeakMethod) else self._base
+        if base is None:
+            raise RingError("ringdp: the communicator whose store this was is gone")
+        return base()
+
+    def set(self, key, value):
+        return self._store().set(key, value)
+
+    def get(self, key):
+        return self._store().get(key)
+
+    def add(self, key, value):
+        return self._store().add(key, value)
+
+    def compare_set(self, key, expected, desired):
+        return self._store().compare_set(key, expected, desired)
+
+    def delete_key(self, key):
+        return self._store().delete_key(key)
+
+    def num_keys(self):
+        return self._store().num_keys()
+
+    def check(self, keys):
+        return self._store().check(keys)
+
+    def wait(self, keys, timeout=None):
+        store = self._store()
+        return store.wait(keys) if timeout is None else store.wait(keys, timeout)
 
 
 class Rendezvous:

@@ -227,6 +227,57 @@ def test_later_groups_after_set_up(hosts, path):
         assert (p, flat) == (path, "flat") and ok and same, (r, p, flat, ok, same)
 
 
+def case_groups_known_differ(rank, world, hosts):
+    """The user's own groups first, [1, 2, 3] and [0, 3]: ranks 1 and 3 are members of
+    different numbers of them (torch then names a group made with local synchronization
+    differently on the two). ringdp then sets up across hosts on the default group; its
+    cross-host groups must not depend on that count (they did: ranks 1 and 3 waited for
+    each other under two names until the timeout). Then the default group is destroyed:
+    rank 0's store port is free (ringdp's gloo groups hold no store)."""
+    import socket
+    from datetime import timedelta
+
+    import ringdp
+
+    os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    store = dist.distributed_c10d._get_default_store()
+    while not hasattr(store, "port"):  # PrefixStores over run_ranks' TCPStore
+        store = store.underlying_store
+    port = store.port
+    del store
+    for members in ([1, 2, 3], [0, 3]):
+        dist.new_group(members, backend="gloo", timeout=timedelta(seconds=20))
+    t0 = time.monotonic()
+    c = ringdp.init(timeout=20)
+    t = value(rank, 1001, world=world)
+    ringdp.all_reduce(t)
+    took = time.monotonic() - t0
+    ok = torch.equal(t, expected("SUM", world, 1001, torch.float32))
+    path = c.cross_path
+    del c
+    dist.barrier()
+    dist.destroy_process_group()
+    listened = None
+    if rank == 0:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                listened = False
+            except OSError:
+                listened = True
+    return path, ok, took, listened
+
+
+@pytest.mark.parametrize("hosts,path", [("aabb", "two_level"), ("aaab", "leaders")])
+def test_cross_host_groups_whatever_groups_a_rank_knows(hosts, path):
+    for r, (p, ok, took, listened) in enumerate(values(run_ranks(case_groups_known_differ, 4, list(hosts),
+                                                                 timeout=120))):
+        assert (p, ok) == (path, True), (r, p, ok)
+        assert took < 15, f"rank {r}: set-up and one all-reduce took {took:.1f} s (waited for a peer?)"
+        assert listened in ((False,) if r == 0 else (None,)), f"rank {r}: the store port still listened: {listened}"
+
+
 def case_one_element_views(rank, world, hosts):
     """One-element views at stride 2 (torch calls them contiguous, but cannot view them as
     bytes): their data goes with the call check (a fused payload). It raised "self.stride(-1)
