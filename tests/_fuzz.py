@@ -1,0 +1,502 @@
+"""Random programs of collectives, checked against closed forms: a differential fuzzer.
+
+A program is a list of calls drawn from a seed, the same on every rank (as every real
+program's calls must be): all-reduce (every op with a closed form), reduce-scatter and
+all-gather (tensor and list forms), broadcast from any root, the coalesced forms, barriers,
+and a delegated collective, through torch.distributed's API on a ringdp group or through
+ringdp's own functions, on the whole group or a subgroup, synchronous or asynchronous.
+Asynchronous works pile up and are waited for at random points in an order of each rank's
+own; ranks also sleep a little at random, so that they reach each call at different times.
+Tensors come plain, as views into a larger buffer whose other bytes must stay untouched, as
+strided views, or from ringdp's registered memory.
+
+Every input is tests/_closed_form.py's v(r, i) (small integers: every reduction is exact in
+every dtype used, whatever the order of the arithmetic), so each result is checked bitwise
+against what it must be, on every rank, which also shows that the ranks agree.
+
+With --mismatches N, N calls of each program (among those ringdp's engine runs) have one
+rank, the victim, call with another count, op or root than its peers: every member must
+raise a RingError for it, and every call after it must still be right (README "Failures":
+a mismatch leaves the communicator usable).
+
+    python tests/_fuzz.py --world 3 --seeds 0:200            # a campaign (fresh ranks per batch)
+    python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 2
+    python tests/_fuzz.py --world 2 --seeds 17 --show         # print one program
+
+tests/test_fuzz.py runs a few seeds of each set-up in the test suite.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _closed_form import value  # noqa: E402
+
+SIZES = (0, 1, 2, 3, 7, 13, 64, 257, 1001, 4099, 10007, 65537)  # elements per rank (a block, for the halves)
+DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+GUARD = 3  # a view's buffer holds GUARD elements of sentinel before and after it
+SENTINEL = 77  # (v(r, i) is at most 12 + 2 (n - 1) < 77 for n <= 32)
+
+# The set-ups a campaign runs in: (backend of the default group, environment). Small slots
+# and pieces make the multi-slice and pipelined paths run with small tensors.
+SETUPS = {
+    "backend": ("cpu:ringdp", {}),
+    "backend-small-slots": ("cpu:ringdp", {"RINGDP_SLOT_BYTES": "4096", "RINGDP_FIFO_SLOTS": "2",
+                                           "RINGDP_ONESHOT_BYTES": "4096"}),
+    "gloo-default": ("gloo", {}),  # ringdp's functions on a gloo group; dist.* on a ringdp subgroup
+}
+
+
+# ==================================================================== the program
+def _reductions(dtype):
+    """The ops a call of `dtype` may draw, with a closed form over small integers."""
+    ops = ["SUM", "MIN", "MAX"]
+    if dtype.is_floating_point:
+        ops += ["AVG", "PREMUL_SUM"]
+    if dtype in (torch.int32, torch.int64, torch.float64):
+        ops.append("PRODUCT")  # 18^4 fits; not fp16/bf16 (inexact), nor uint8
+    if not dtype.is_floating_point:
+        ops += ["BAND", "BOR", "BXOR"]
+    return ops
+
+
+def make_program(seed: int, world: int, subgroups: list[list[int]], length: int = 40, hosts=None,
+                 mismatches: int = 0) -> list[dict]:
+    """The calls of program `seed` (identical on every rank). `hosts`: each rank's host id
+    (None: one host); a group with one rank per host has no registered memory (its calls
+    have no in-host step: ringdp.empty refuses it). `mismatches`: calls where one rank (the
+    "victim") calls with another count, op or root than its peers (_twist): every member
+    must raise a RingError for that call, and every later call must be right (README
+    "Failures": a mismatch leaves the communicator usable)."""
+    rng = random.Random(seed)
+    groups = [list(range(world))] + subgroups
+    calls = []
+    for _ in range(length):
+        members = rng.choice(groups)
+        kind = rng.choices(["all_reduce", "reduce_scatter", "all_gather", "broadcast", "coalesced", "barrier",
+                            "delegated"], weights=[8, 4, 4, 3, 2, 1, 1])[0]
+        dtype = rng.choice(DTYPES)
+        op = rng.choice(_reductions(dtype))
+        api = rng.choice(["dist", "ringdp"])
+        if kind in ("coalesced", "barrier", "delegated") or op not in ("SUM", "MIN", "MAX", "AVG") \
+                or dtype == torch.uint8:
+            api = "dist"  # ringdp's own functions take SUM, AVG, MIN and MAX, and no uint8
+        if kind == "reduce_scatter" and op in ("PRODUCT", "BAND", "BOR", "BXOR"):
+            op = "SUM"  # torch's reduce-scatter has no bitwise ops on gloo either
+        form = rng.choice(["plain", "view", "strided", "registered"])
+        if form == "registered" and hosts and len({hosts[r] for r in members}) == len(members) > 1:
+            form = "view"
+        if (api == "ringdp" and form == "strided") or (form == "registered" and dtype == torch.uint8):
+            form = "plain"  # ringdp's functions take contiguous tensors (the backend copies); no uint8 arena
+        calls.append({
+            "kind": kind, "members": members, "dtype": dtype, "op": op, "api": api, "form": form,
+            "count": rng.choice(SIZES), "root": rng.randrange(len(members)),
+            "list": rng.random() < 0.3,  # reduce_scatter / all_gather: the list forms
+            "factor": rng.choice([0.5, 0.25, 2.0]),
+            "async": rng.random() < 0.5,
+            "wait_after": rng.random() < 0.3,  # then wait for some of the pending works
+        })
+    eligible = [k for k, c in enumerate(calls) if _twistable(c)]
+    for k in rng.sample(eligible, min(mismatches, len(eligible))):
+        c = calls[k]
+        c["victim"] = rng.randrange(len(c["members"]))
+        # (not PREMUL_SUM's op: it is SUM of premultiplied inputs, so SUM beside it is each
+        # rank scaling its own input, not a mismatch)
+        c["twist"] = rng.choice(["count", "root"] if c["kind"] == "broadcast" and len(c["members"]) > 1 else
+                                ["count", "op"] if c["kind"] in ("all_reduce", "reduce_scatter")
+                                and c["op"] != "PREMUL_SUM" else ["count"])
+        if c["twist"] == "op":  # (an op of the same family, native on every rank)
+            c["twisted_op"] = {"SUM": "MAX", "MAX": "MIN", "MIN": "SUM", "AVG": "SUM"}[c["op"]]
+    return calls
+
+
+def _twistable(call) -> bool:
+    """Whether a call runs on ringdp's own engine whatever one rank changes in it (a
+    mismatch there is ringdp's to catch: one on the inner gloo group may end the process,
+    as gloo does on a size mismatch)."""
+    if call["kind"] not in ("all_reduce", "reduce_scatter", "all_gather", "broadcast"):
+        return False
+    if call["dtype"] == torch.uint8 or call["op"] not in ("SUM", "MIN", "MAX", "AVG", "PREMUL_SUM"):
+        return call["kind"] in ("all_gather", "broadcast") and call["dtype"] != torch.uint8
+    return True
+
+
+def _twist(call, me: int, n: int) -> dict:
+    """The call as this rank makes it: its own unless it is the call's victim."""
+    if call.get("victim") != me:
+        return call
+    c = dict(call)
+    if c["twist"] == "count":
+        c["count"] = c["count"] + 1
+    elif c["twist"] == "op":
+        c["op"] = c["twisted_op"]
+    else:
+        c["root"] = (c["root"] + 1) % n
+    return c
+
+
+def describe(call: dict) -> str:
+    c = dict(call)
+    c["dtype"] = str(c["dtype"]).replace("torch.", "")
+    keys = ("kind", "members", "dtype", "op", "api", "form", "count", "root", "list", "async")
+    text = " ".join(f"{k}={c[k]}" for k in keys)
+    if "victim" in c:
+        text += f" MISMATCH: member {c['victim']} changes the {c['twist']}"
+    return text
+
+
+# ==================================================================== closed forms
+def _inputs(count, dtype, n):
+    return [value(r, count, torch.float64, world=n) for r in range(n)]
+
+
+def expected(op: str, n: int, count: int, dtype, factor: float = 1.0) -> torch.Tensor:
+    """`op` over the n ranks' v(r, i), i < count, computed exactly, as `dtype`."""
+    xs = _inputs(count, dtype, n)
+    if op in ("BAND", "BOR", "BXOR"):
+        ints = [x.to(torch.int64) for x in xs]
+        fn = {"BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
+        e = ints[0]
+        for x in ints[1:]:
+            e = fn(e, x)
+        return e.to(dtype)
+    stack = torch.stack(xs) if count else torch.zeros(n, 0, dtype=torch.float64)
+    e = {"SUM": lambda: stack.sum(0), "AVG": lambda: stack.sum(0) / n, "MIN": lambda: stack.min(0).values,
+         "MAX": lambda: stack.max(0).values, "PRODUCT": lambda: stack.prod(0),
+         "PREMUL_SUM": lambda: (stack * factor).sum(0)}[op]()
+    return e.to(dtype)
+
+
+def _op(name: str, factor: float):
+    if name == "PREMUL_SUM":
+        return dist._make_nccl_premul_sum(factor)
+    return getattr(dist.ReduceOp, name)
+
+
+# ==================================================================== running a program
+class _Tensor:
+    """A tensor of `count` elements in one of the forms, and the check that the bytes
+    around it (a view's guards, a strided view's other column) were left alone."""
+
+    def __init__(self, form, count, dtype, group):
+        self.form = form
+        if form == "view":
+            self.base = torch.full((count + 2 * GUARD,), SENTINEL, dtype=dtype)
+            self.t = self.base[GUARD:GUARD + count]
+        elif form == "strided":
+            self.base = torch.full((count, 2), SENTINEL, dtype=dtype)
+            self.t = self.base[:, 1]
+        elif form == "registered":
+            import ringdp
+
+            self.base = None
+            self.t = ringdp.empty(count, dtype=dtype, group=group)
+        else:
+            self.base = None
+            self.t = torch.empty(count, dtype=dtype)
+
+    def fill(self, src):
+        self.t.copy_(src)
+        return self
+
+    def untouched(self) -> str | None:
+        if self.form == "view":
+            around = torch.cat([self.base[:GUARD], self.base[-GUARD:]])
+        elif self.form == "strided":
+            around = self.base[:, 0]
+        else:
+            return None
+        if not bool((around == SENTINEL).all()):
+            return f"bytes around the {self.form} tensor were written: {around.tolist()[:8]}"
+        return None
+
+
+def _run_call(call, me, n, groups):
+    """Issue one call; `groups`: (the group for torch.distributed's API, the group for
+    ringdp's functions). Returns (work or None, check: () -> error or None)."""
+    import ringdp
+
+    g = groups[1] if call["api"] == "ringdp" else groups[0]
+    kind, dtype, count = call["kind"], call["dtype"], call["count"]
+    op, api, asy = call["op"], call["api"], call["async"]
+    red = _op(op, call["factor"])
+    v = lambda r, k: value(r, k, dtype, world=n)  # noqa: E731
+
+    def compare(got, want, what="result"):
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"{what}: {got.dtype} {tuple(got.shape)} where {want.dtype} {tuple(want.shape)} was due"
+        if not torch.equal(got, want):
+            bad = (got.double() - want.double()).abs()
+            i = int(bad.argmax())
+            return f"{what}: wrong at {int((bad > 0).sum())} of {got.numel()} elements, e.g. [{i}] {got[i].item()} " \
+                   f"where {want[i].item()} was due"
+        return None
+
+    if kind == "barrier":
+        return dist.barrier(group=g, async_op=asy), lambda: None
+    if kind == "delegated":  # what ringdp leaves to its inner gloo group, between native calls
+        out = torch.empty(n, dtype=torch.int64)
+        w = dist.all_to_all_single(out, torch.arange(n, dtype=torch.int64) + 100 * me, group=g, async_op=asy)
+        return w, lambda: compare(out, torch.arange(n, dtype=torch.int64) * 100 + me)
+    if kind == "all_reduce":
+        t = _Tensor(call["form"], count, dtype, g).fill(v(me, count))
+        if api == "ringdp":
+            w = ringdp.all_reduce(t.t, op=red, group=g, async_op=asy)
+        else:
+            w = dist.all_reduce(t.t, op=red, group=g, async_op=asy)
+        return w, lambda: compare(t.t, expected(op, n, count, dtype, call["factor"])) or t.untouched()
+    if kind == "coalesced":
+        sizes = [count, (count * 7 + 3) % 5000, 1]
+        ts = [v(me, k) for k in sizes]
+        want = [expected(op, n, k, dtype, call["factor"]) for k in sizes]
+        if op in ("SUM", "MIN", "MAX") and call["list"]:
+            w = dist.all_reduce_coalesced(ts, op=red, group=g, async_op=asy)
+        else:  # the coalescing manager, as DDP's and FSDP's code reach it
+            with dist._coalescing_manager(group=g, async_ops=True) as cm:
+                for t in ts:
+                    dist.all_reduce(t, op=red, group=g)
+            w = cm if asy else cm.wait()
+        return w, lambda: next((e for e in (compare(a, b, f"tensor {j}") for j, (a, b) in enumerate(zip(ts, want)))
+                                if e), None)
+    if kind == "reduce_scatter":
+        inp = v(me, n * count)
+        out = _Tensor(call["form"], count, dtype, g).fill(torch.full((count,), SENTINEL, dtype=dtype))
+        want = expected(op, n, n * count, dtype, call["factor"])[me * count:(me + 1) * count]
+        if api == "ringdp":
+            w = ringdp.reduce_scatter_tensor(out.t, inp, op=red, group=g, async_op=asy)
+        elif call["list"]:
+            w = dist.reduce_scatter(out.t, list(inp.split(count)) if count else [torch.empty(0, dtype=dtype)] * n,
+                                    op=red, group=g, async_op=asy)
+        else:
+            w = dist.reduce_scatter_tensor(out.t, inp, op=red, group=g, async_op=asy)
+        keep = inp.clone()
+        return w, lambda: compare(out.t, want) or out.untouched() or compare(inp, keep, "input (must not change)")
+    if kind == "all_gather":
+        inp = _Tensor(call["form"], count, dtype, g).fill(v(me, count))
+        want = torch.cat([v(q, count) for q in range(n)])
+        if call["list"] and api == "dist":
+            outs = [torch.full((count,), SENTINEL, dtype=dtype) for _ in range(n)]
+            w = dist.all_gather(outs, inp.t, group=g, async_op=asy)
+            return w, lambda: compare(torch.cat(outs), want) or inp.untouched()
+        out = _Tensor(call["form"], n * count, dtype, g).fill(torch.full((n * count,), SENTINEL, dtype=dtype))
+        if api == "ringdp":
+            w = ringdp.all_gather_into_tensor(out.t, inp.t, group=g, async_op=asy)
+        else:
+            w = dist.all_gather_into_tensor(out.t, inp.t, group=g, async_op=asy)
+        return w, lambda: compare(out.t, want) or out.untouched() or inp.untouched()
+    if kind == "broadcast":
+        root = call["root"]
+        src = root if g is None else dist.get_global_rank(g, root)
+        t = _Tensor(call["form"], count, dtype, g).fill(v(me, count) + 1 if me == root else
+                                                      torch.full((count,), SENTINEL - 1, dtype=dtype))
+        if api == "ringdp":
+            w = ringdp.broadcast(t.t, src, group=g, async_op=asy)
+        else:
+            w = dist.broadcast(t.t, src, group=g, async_op=asy)
+        return w, lambda: compare(t.t, v(root, count) + 1) or t.untouched()
+    raise ValueError(f"unknown call kind {kind!r}")
+
+
+def _raised(e: BaseException) -> str:
+    """What a call raised, and where in ringdp (the innermost frame of the package)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if "/ringdp/" in f.filename]
+    where = f" (at ringdp/{frames[-1].filename.rsplit('/ringdp/', 1)[1]}:{frames[-1].lineno})" if frames else ""
+    return f"raised {type(e).__name__}: {str(e).splitlines()[0][:300]}{where}"
+
+
+def run_program(rank: int, seed: int, calls: list[dict], groups: dict) -> list[str]:
+    """Run the calls on this rank; returns what went wrong ("call k (...): why")."""
+    rng_wait = random.Random(seed * 1000 + rank)  # this rank's own wait order and timing
+    pending, errors = [], []
+
+    def settle(item):
+        k, w, check = item
+        try:
+            if w is not None:
+                w.wait()
+            err = check()
+            if "victim" in calls[k]:
+                err = "no error for a mismatched call" + (f" (and: {err})" if err else "")
+        except Exception as e:  # a RingError or torch's: the call failed
+            err = None if "victim" in calls[k] and type(e).__name__ == "RingError" else _raised(e)
+        if err:
+            errors.append(f"call {k} ({describe(calls[k])}): {err}")
+
+    for k, call in enumerate(calls):
+        members = call["members"]
+        if rank in members:
+            me, n = members.index(rank), len(members)
+            if rng_wait.random() < 0.2:
+                time.sleep(rng_wait.random() * 0.003)
+            try:
+                w, check = _run_call(_twist(call, me, n), me, n, groups[tuple(members)])
+            except Exception as e:
+                if "victim" in call and type(e).__name__ == "RingError":
+                    continue  # (the mismatch, caught at once: the program goes on)
+                errors.append(f"call {k} ({describe(call)}): {_raised(e)}")
+                break  # the ranks are out of step now: what follows would only repeat it
+            item = (k, w if call["async"] else None, check)
+            if call["async"]:
+                pending.append(item)
+            else:
+                settle(item)
+        if call["wait_after"] and pending:
+            rng_wait.shuffle(pending)
+            cut = rng_wait.randrange(len(pending) + 1)
+            for item in pending[:cut]:
+                settle(item)
+            del pending[:cut]
+    rng_wait.shuffle(pending)
+    for item in pending:
+        settle(item)
+    return errors
+
+
+def subgroups_for(world: int) -> list[list[int]]:
+    """The subgroups a program of `world` ranks draws from besides the whole group."""
+    if world >= 4:
+        return [[1, 2, 3], [0, world - 1]]
+    if world == 3:
+        return [[0, 2]]
+    return []
+
+
+def case_campaign(rank, world, seeds, length=40, mismatches=0, hosts=None):
+    """Every seed's program on this rank (one process group for all of them, so that
+    communicators live across programs, as in a long job). Returns {seed: errors}."""
+    import ringdp  # noqa: F401 -- registers the backend
+
+    from datetime import timedelta
+
+    limit = timedelta(seconds=float(os.environ.get("RINGDP_TIMEOUT_S", "20")))  # every group's: a hang is an error
+    if "ringdp" in str(dist.get_backend()):
+        dist.distributed_c10d._set_pg_timeout(limit)
+    subs = subgroups_for(world)
+    # members -> (the group of torch.distributed's calls, the group of ringdp's functions).
+    # A gloo default group: dist.* on a ringdp group of every rank, ringdp's functions on the
+    # gloo group (two communicators of the same ranks, their calls interleaved).
+    whole = None if "ringdp" in str(dist.get_backend()) else dist.new_group(backend="cpu:ringdp", timeout=limit)
+    groups = {tuple(range(world)): (whole, None)}
+    for members in subs:  # every rank makes every group, in the same order
+        sub = dist.new_group(members, backend="cpu:ringdp", timeout=limit)
+        groups[tuple(members)] = (sub, sub)
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * limit.total_seconds()))  # where the ranks agree to go on, apart from what is tested
+    results = {}
+    for seed in seeds:
+        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches), groups)
+        results[seed] = errors
+        failed = torch.tensor([len(errors)])
+        dist.all_reduce(failed, group=control)
+        if failed.item():
+            break  # a failed program may leave the ranks out of step: every rank stops at the first
+    return results
+
+
+def host_env(hosts: str | None, world: int) -> dict | None:
+    """RINGDP_HOST_ID per rank for a layout such as "a,a,b,b" (None: one host)."""
+    if not hosts:
+        return None
+    ids = hosts.split(",")
+    if len(ids) != world:
+        raise ValueError(f"--hosts names {len(ids)} hosts for {world} ranks")
+    return ids
+
+
+def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = None, length: int = 40,
+                 timeout: float = 600, mismatches: int = 0) -> dict:
+    """Run the seeds' programs on `world` fresh ranks; returns {rank: {seed: errors}}."""
+    from _dist import run_ranks
+
+    backend, env = SETUPS[setup]
+    env = {"RINGDP_TIMEOUT_S": "20", **env}
+    ids = host_env(hosts, world)
+    fn = case_campaign if ids is None else _HostCampaign(ids, backend)
+    res = run_ranks(fn, world, list(seeds), length, mismatches, timeout=timeout, env=env, backend=backend)
+    out = {}
+    for r, item in enumerate(res):
+        if item is None:
+            out[r] = {"?": [f"rank {r} never reported"]}
+        elif item[0] != "ok":
+            out[r] = {"?": [f"rank {r} failed outside a call: {item[1]}"]}
+        else:
+            out[r] = item[1]
+    return out
+
+
+class _HostCampaign:
+    """case_campaign with RINGDP_HOST_ID set per rank (simulated hosts): the default group is
+    made again on run_ranks' store once it is set, so that every group sees the hosts."""
+
+    def __init__(self, ids, backend):
+        self.ids, self.backend = ids, backend
+        self.__name__ = "case_campaign_hosts"
+
+    def __call__(self, rank, world, seeds, length, mismatches):
+        from datetime import timedelta
+
+        os.environ["RINGDP_HOST_ID"] = self.ids[rank]
+        store = dist.distributed_c10d._get_default_store()  # (rank 0 serves it while it is held)
+        dist.destroy_process_group()
+        dist.init_process_group(self.backend, store=dist.PrefixStore("fuzz-hosts/", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
+        out = case_campaign(rank, world, seeds, length, mismatches, self.ids)
+        del store
+        return out
+
+
+def failures(out: dict) -> list[str]:
+    return [f"rank {r} seed {s}: {e}" for r, per in out.items() for s, errs in per.items() for e in errs]
+
+
+def _seeds(text: str):
+    if ":" in text:
+        a, b = text.split(":")
+        return range(int(a), int(b))
+    return [int(x) for x in text.split(",")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seeds", default="0:20", help="A:B (a range) or a comma list")
+    ap.add_argument("--setup", default="backend", choices=sorted(SETUPS))
+    ap.add_argument("--hosts", help="simulated hosts, one id per rank: a,a,b,b")
+    ap.add_argument("--length", type=int, default=40, help="calls per program")
+    ap.add_argument("--batch", type=int, default=25, help="programs per set of fresh ranks")
+    ap.add_argument("--mismatches", type=int, default=0,
+                    help="calls per program where one rank calls with another count, op or root")
+    ap.add_argument("--show", action="store_true", help="print the programs instead of running them")
+    a = ap.parse_args(argv)
+    seeds = list(_seeds(a.seeds))
+    import _fuzz  # the ranks import this module by name (not as __main__)
+
+    if a.show:
+        for s in seeds:
+            for k, c in enumerate(_fuzz.make_program(s, a.world, subgroups_for(a.world), a.length,
+                                                     _fuzz.host_env(a.hosts, a.world), a.mismatches)):
+                print(f"seed {s} call {k}: {describe(c)}")
+        return 0
+    bad, t0 = [], time.monotonic()
+    for i in range(0, len(seeds), a.batch):
+        batch = seeds[i:i + a.batch]
+        out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches)
+        ran = min(len(per) for per in out.values())
+        bad += _fuzz.failures(out)
+        print(f"seeds {batch[0]}..{batch[-1]}: {ran} programs ran, {len(_fuzz.failures(out))} failures "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
+    for line in bad:
+        print(line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Random programs of collectives against closed forms (tests/_fuzz.py): a few seeds of each
+set-up per run, some with mismatched calls (every member must raise, and the calls after
+must be right). `python tests/_fuzz.py` runs longer campaigns; the seeds here are fixed so
+that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`)."""
+import pytest
+
+import _fuzz
+
+# (world, set-up, simulated hosts, seeds, mismatched calls per program): fresh ranks each
+CAMPAIGNS = [
+    (2, "backend", None, range(0, 12), 0),
+    (3, "backend", None, range(100, 108), 0),
+    (3, "backend-small-slots", None, range(200, 208), 0),
+    (3, "gloo-default", None, range(300, 306), 0),
+    (4, "backend", "a,a,b,b", range(400, 406), 0),
+    (4, "backend", "a,a,a,b", range(500, 506), 0),
+    (4, "gloo-default", "a,a,b,b", range(600, 606), 0),
+    (3, "backend", None, range(700, 706), 2),
+    (4, "backend", "a,a,b,b", range(800, 804), 2),
+]
+
+
+def _id(world, setup, hosts, seeds, mismatches):
+    return f"w{world}-{setup}-{hosts.replace(',', '') if hosts else 'onehost'}" + ("-mismatch" if mismatches else "")
+
+
+@pytest.mark.parametrize("world,setup,hosts,seeds,mismatches", CAMPAIGNS, ids=[_id(*c) for c in CAMPAIGNS])
+def test_random_programs(world, setup, hosts, seeds, mismatches):
+    out = _fuzz.run_campaign(world, seeds, setup, hosts, length=40, timeout=300, mismatches=mismatches)
+    bad = _fuzz.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    ran = [len(per) for per in out.values()]
+    assert ran == [len(seeds)] * world, f"programs run per rank: {ran}"
+
+
+def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
+    """The generator is a pure function of the seed (every rank draws the same calls), and
+    a few seeds draw every kind of call, API, tensor form and group."""
+    a = _fuzz.make_program(7, 4, _fuzz.subgroups_for(4), 40)
+    b = _fuzz.make_program(7, 4, _fuzz.subgroups_for(4), 40)
+    assert a == b
+    calls = [c for s in range(20) for c in _fuzz.make_program(s, 4, _fuzz.subgroups_for(4), 40)]
+    for key, want in [("kind", {"all_reduce", "reduce_scatter", "all_gather", "broadcast", "coalesced", "barrier",
+                                "delegated"}),
+                      ("api", {"dist", "ringdp"}), ("form", {"plain", "view", "strided", "registered"}),
+                      ("async", {True, False})]:
+        assert {c[key] for c in calls} == want, key
+    assert {tuple(c["members"]) for c in calls} == {(0, 1, 2, 3), (1, 2, 3), (0, 3)}
+    # a group with one rank per host has no registered memory (ringdp.empty refuses it)
+    hosts = ["a", "a", "b", "b"]
+    assert not any(c["form"] == "registered" and c["members"] == [0, 3]
+                   for s in range(20) for c in _fuzz.make_program(s, 4, _fuzz.subgroups_for(4), 40, hosts))
+    # mismatches: one member of a call that ringdp's engine runs changes its count, op or root
+    twisted = [c for s in range(30) for c in _fuzz.make_program(s, 3, _fuzz.subgroups_for(3), 40, None, 2)
+               if "victim" in c]
+    assert len(twisted) == 60 and all(_fuzz._twistable(c) for c in twisted)
+    assert {c["twist"] for c in twisted} == {"count", "op", "root"}
+    c = next(c for c in twisted if c["twist"] == "count")
+    assert _fuzz._twist(c, c["victim"], 3)["count"] == c["count"] + 1
+    assert _fuzz._twist(c, (c["victim"] + 1) % 3, 3) is c
+
+
+def test_closed_forms():
+    """The closed forms the programs are checked against, by hand for 3 ranks."""
+    import torch
+
+    # v(r, i) = i % 13 + 2 ((r + i) % 3): at i = 0..2, ranks 0, 1, 2 hold [0, 3, 6], [2, 5, 2], [4, 1, 4]
+    assert _fuzz.expected("SUM", 3, 3, torch.int64).tolist() == [6, 9, 12]
+    assert _fuzz.expected("PRODUCT", 3, 3, torch.int64).tolist() == [0, 15, 48]
+    assert _fuzz.expected("BXOR", 3, 3, torch.int64).tolist() == [0 ^ 2 ^ 4, 3 ^ 5 ^ 1, 6 ^ 2 ^ 4]
+    assert _fuzz.expected("PREMUL_SUM", 3, 3, torch.float32, 0.5).tolist() == [3.0, 4.5, 6.0]
+    assert _fuzz.expected("AVG", 3, 3, torch.bfloat16).tolist() == [2.0, 3.0, 4.0]
