@@ -19,8 +19,14 @@ rank, the victim, call with another count, op or root than its peers: every memb
 raise a RingError for it, and every call after it must still be right (README "Failures":
 a mismatch leaves the communicator usable).
 
+With --kill, each program has one rank SIGKILL itself before a call of its second half: the
+others must end the program (a RingError; gloo's error for what runs on the inner group)
+within twice the timeout, with no wrong result on the way, then exit with 0 and leave no
+/dev/shm name behind.
+
     python tests/_fuzz.py --world 3 --seeds 0:200            # a campaign (fresh ranks per batch)
     python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 2
+    python tests/_fuzz.py --world 4 --hosts a,a,a,b --seeds 0:20 --kill
     python tests/_fuzz.py --world 2 --seeds 17 --show         # print one program
 
 tests/test_fuzz.py runs a few seeds of each set-up in the test suite.
@@ -68,13 +74,14 @@ def _reductions(dtype):
 
 
 def make_program(seed: int, world: int, subgroups: list[list[int]], length: int = 40, hosts=None,
-                 mismatches: int = 0) -> list[dict]:
+                 mismatches: int = 0, kill: bool = False) -> list[dict]:
     """The calls of program `seed` (identical on every rank). `hosts`: each rank's host id
     (None: one host); a group with one rank per host has no registered memory (its calls
     have no in-host step: ringdp.empty refuses it). `mismatches`: calls where one rank (the
     "victim") calls with another count, op or root than its peers (_twist): every member
     must raise a RingError for that call, and every later call must be right (README
-    "Failures": a mismatch leaves the communicator usable)."""
+    "Failures": a mismatch leaves the communicator usable). `kill`: one rank SIGKILLs itself
+    before one call of the second half (that call's "kill": its rank; killed_by)."""
     rng = random.Random(seed)
     groups = [list(range(world))] + subgroups
     calls = []
@@ -114,7 +121,14 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
                                 and c["op"] != "PREMUL_SUM" else ["count"])
         if c["twist"] == "op":  # (an op of the same family, native on every rank)
             c["twisted_op"] = {"SUM": "MAX", "MAX": "MIN", "MIN": "SUM", "AVG": "SUM"}[c["op"]]
+    if kill:
+        calls[rng.randrange(length // 2, length)]["kill"] = rng.randrange(world)
     return calls
+
+
+def killed_by(calls: list[dict]) -> int | None:
+    """The rank a program kills (None: none)."""
+    return next((c["kill"] for c in calls if "kill" in c), None)
 
 
 def _twistable(call) -> bool:
@@ -149,6 +163,8 @@ def describe(call: dict) -> str:
     text = " ".join(f"{k}={c[k]}" for k in keys)
     if "victim" in c:
         text += f" MISMATCH: member {c['victim']} changes the {c['twist']}"
+    if "kill" in c:
+        text += f" (rank {c['kill']} is SIGKILLed before it)"
     return text
 
 
@@ -313,10 +329,27 @@ def _raised(e: BaseException) -> str:
     return f"raised {type(e).__name__}: {str(e).splitlines()[0][:300]}{where}"
 
 
-def run_program(rank: int, seed: int, calls: list[dict], groups: dict) -> list[str]:
-    """Run the calls on this rank; returns what went wrong ("call k (...): why")."""
+def _after_a_death(call, e: BaseException) -> bool:
+    """Whether `e` is what a call may raise once a peer died: ringdp's RingError; for what
+    runs on the inner gloo group (or gloo's part of a barrier), whatever gloo raises."""
+    if type(e).__name__ == "RingError":
+        return True
+    return call["kind"] in ("delegated", "barrier", "coalesced") or call["dtype"] == torch.uint8 \
+        or call["op"] not in ("SUM", "MIN", "MAX", "AVG", "PREMUL_SUM")
+
+
+def run_program(rank: int, seed: int, calls: list[dict], groups: dict, report: dict | None = None) -> list[str]:
+    """Run the calls on this rank; returns what went wrong ("call k (...): why"). A program
+    that kills a rank (make_program's `kill`): that rank SIGKILLs itself before its call;
+    any call of the others may then raise (_after_a_death: a rank behind the victim sees the
+    death in an earlier call), and the first that does ends the program there; no call may
+    give a wrong result. `report` gets "ended_by", what ended it, and "after_kill_s", the
+    seconds from when this rank passed the killing call (or ended before it) to the end."""
     rng_wait = random.Random(seed * 1000 + rank)  # this rank's own wait order and timing
     pending, errors = [], []
+    report = {} if report is None else report
+    if killed_by(calls) is not None:
+        report["kills"] = True
 
     def settle(item):
         k, w, check = item
@@ -327,11 +360,39 @@ def run_program(rank: int, seed: int, calls: list[dict], groups: dict) -> list[s
             if "victim" in calls[k]:
                 err = "no error for a mismatched call" + (f" (and: {err})" if err else "")
         except Exception as e:  # a RingError or torch's: the call failed
+            if "kills" in report and _after_a_death(calls[k], e):
+                report["ended_by"] = f"call {k}: {_raised(e)}"
+                raise _Ended() from None
             err = None if "victim" in calls[k] and type(e).__name__ == "RingError" else _raised(e)
         if err:
             errors.append(f"call {k} ({describe(calls[k])}): {err}")
 
+    try:
+        _run_calls(rank, calls, groups, rng_wait, pending, errors, settle, report)
+    except _Ended:  # (the works still pending end too, each within its timeout, as a program's should)
+        for _k, w, _check in pending:
+            try:
+                if w is not None:
+                    w.wait()
+            except Exception:  # noqa: BLE001 -- a peer died: their failure is expected
+                pass
+    if "kills" in report:
+        report["after_kill_s"] = time.monotonic() - report.pop("killed_at", time.monotonic())
+    return errors
+
+
+class _Ended(Exception):
+    """A call failed after a peer died, as it may: the program ends there (run_program)."""
+
+
+def _run_calls(rank, calls, groups, rng_wait, pending, errors, settle, report):
+    """run_program's loop: issue each call this rank takes part in, settle works as drawn."""
     for k, call in enumerate(calls):
+        if "kill" in call:
+            if call["kill"] == rank:
+                sys.stdout.flush()
+                os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
+            report["killed_at"] = time.monotonic()
         members = call["members"]
         if rank in members:
             me, n = members.index(rank), len(members)
@@ -342,6 +403,9 @@ def run_program(rank: int, seed: int, calls: list[dict], groups: dict) -> list[s
             except Exception as e:
                 if "victim" in call and type(e).__name__ == "RingError":
                     continue  # (the mismatch, caught at once: the program goes on)
+                if "kills" in report and _after_a_death(call, e):
+                    report["ended_by"] = f"call {k}: {_raised(e)}"
+                    raise _Ended() from None
                 errors.append(f"call {k} ({describe(call)}): {_raised(e)}")
                 break  # the ranks are out of step now: what follows would only repeat it
             item = (k, w if call["async"] else None, check)
@@ -358,7 +422,6 @@ def run_program(rank: int, seed: int, calls: list[dict], groups: dict) -> list[s
     rng_wait.shuffle(pending)
     for item in pending:
         settle(item)
-    return errors
 
 
 def subgroups_for(world: int) -> list[list[int]]:
@@ -370,9 +433,11 @@ def subgroups_for(world: int) -> list[list[int]]:
     return []
 
 
-def case_campaign(rank, world, seeds, length=40, mismatches=0, hosts=None):
+def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts=None):
     """Every seed's program on this rank (one process group for all of them, so that
-    communicators live across programs, as in a long job). Returns {seed: errors}."""
+    communicators live across programs, as in a long job). Returns {seed: errors}. `kill`:
+    one seed, whose program kills a rank; the others return at its end, with "_kill": what
+    ended it and how long after the killing call (run_program)."""
     import ringdp  # noqa: F401 -- registers the backend
 
     from datetime import timedelta
@@ -389,7 +454,17 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, hosts=None):
     for members in subs:  # every rank makes every group, in the same order
         sub = dist.new_group(members, backend="cpu:ringdp", timeout=limit)
         groups[tuple(members)] = (sub, sub)
-    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * limit.total_seconds()))  # where the ranks agree to go on, apart from what is tested
+    # where the ranks agree to go on, apart from what is tested
+    control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * limit.total_seconds()))
+    if kill:
+        (seed,), report = seeds, {}
+        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, kill=True),
+                             groups, report)
+        bound = 2 * limit.total_seconds() + 5
+        if report.get("after_kill_s", 0) > bound:
+            errors.append(f"the program went on {report['after_kill_s']:.1f} s after the killing call "
+                          f"(bound: {bound:g} s, twice the timeout and 5 s)")
+        return {seed: errors, "_kill": report}
     results = {}
     for seed in seeds:
         errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches), groups)
@@ -412,15 +487,44 @@ def host_env(hosts: str | None, world: int) -> dict | None:
 
 
 def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = None, length: int = 40,
-                 timeout: float = 600, mismatches: int = 0) -> dict:
-    """Run the seeds' programs on `world` fresh ranks; returns {rank: {seed: errors}}."""
+                 timeout: float = 600, mismatches: int = 0, kill: bool = False) -> dict:
+    """Run the seeds' programs on `world` fresh ranks; returns {rank: {seed: errors}}.
+    `kill`: fresh ranks for each seed, whose program kills a rank (make_program); the others
+    must end the program (and exit, with 0) without a wrong result or a hang, and leave no
+    shared-memory name behind; each rank's "_kill" lists its run_program reports."""
     from _dist import run_ranks
 
     backend, env = SETUPS[setup]
-    env = {"RINGDP_TIMEOUT_S": "20", **env}
+    env = {"RINGDP_TIMEOUT_S": "10" if kill else "20", **env}
     ids = host_env(hosts, world)
     fn = case_campaign if ids is None else _HostCampaign(ids, backend)
-    res = run_ranks(fn, world, list(seeds), length, mismatches, timeout=timeout, env=env, backend=backend)
+    if not kill:
+        return _outcomes(run_ranks(fn, world, list(seeds), length, mismatches, False, timeout=timeout, env=env,
+                                   backend=backend))
+    out = {r: {} for r in range(world)}
+    for seed in seeds:
+        victim = killed_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=True))
+        before = _shm_names()
+        codes = []
+        res = run_ranks(fn, world, [seed], length, mismatches, True, timeout=timeout, env=env, backend=backend,
+                        allow_missing=(victim,), exitcodes=codes)
+        res[victim] = ("ok", {seed: []})
+        for r, per in _outcomes(res).items():
+            report = per.pop("_kill", None)
+            out[r].update(per)
+            if report is not None:
+                out[r].setdefault("_kill", []).append(report)
+        left = sorted(_shm_names() - before)
+        if left:
+            out[victim].setdefault(seed, []).append(f"shared-memory names left: {left}")
+        for r, code in enumerate(codes):
+            if r != victim and code != 0:
+                out[r].setdefault(seed, []).append(f"exit code {code} (None: still running 10 s after its report)")
+    return out
+
+
+def _outcomes(res) -> dict:
+    """run_ranks' results as {rank: {seed: errors}}."""
     out = {}
     for r, item in enumerate(res):
         if item is None:
@@ -432,6 +536,14 @@ def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = 
     return out
 
 
+def _shm_names() -> set:
+    """ringdp's names in /dev/shm now."""
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("ringdp")}
+    except OSError:
+        return set()
+
+
 class _HostCampaign:
     """case_campaign with RINGDP_HOST_ID set per rank (simulated hosts): the default group is
     made again on run_ranks' store once it is set, so that every group sees the hosts."""
@@ -440,7 +552,7 @@ class _HostCampaign:
         self.ids, self.backend = ids, backend
         self.__name__ = "case_campaign_hosts"
 
-    def __call__(self, rank, world, seeds, length, mismatches):
+    def __call__(self, rank, world, seeds, length, mismatches, kill):
         from datetime import timedelta
 
         os.environ["RINGDP_HOST_ID"] = self.ids[rank]
@@ -448,13 +560,14 @@ class _HostCampaign:
         dist.destroy_process_group()
         dist.init_process_group(self.backend, store=dist.PrefixStore("fuzz-hosts/", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        out = case_campaign(rank, world, seeds, length, mismatches, self.ids)
+        out = case_campaign(rank, world, seeds, length, mismatches, kill, self.ids)
         del store
         return out
 
 
 def failures(out: dict) -> list[str]:
-    return [f"rank {r} seed {s}: {e}" for r, per in out.items() for s, errs in per.items() for e in errs]
+    return [f"rank {r} seed {s}: {e}" for r, per in out.items() for s, errs in per.items()
+            if not str(s).startswith("_") for e in errs]
 
 
 def _seeds(text: str):
@@ -474,6 +587,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=25, help="programs per set of fresh ranks")
     ap.add_argument("--mismatches", type=int, default=0,
                     help="calls per program where one rank calls with another count, op or root")
+    ap.add_argument("--kill", action="store_true",
+                    help="each program SIGKILLs one rank in its second half (fresh ranks per program)")
     ap.add_argument("--show", action="store_true", help="print the programs instead of running them")
     a = ap.parse_args(argv)
     seeds = list(_seeds(a.seeds))
@@ -482,17 +597,19 @@ def main(argv=None) -> int:
     if a.show:
         for s in seeds:
             for k, c in enumerate(_fuzz.make_program(s, a.world, subgroups_for(a.world), a.length,
-                                                     _fuzz.host_env(a.hosts, a.world), a.mismatches)):
+                                                     _fuzz.host_env(a.hosts, a.world), a.mismatches, a.kill)):
                 print(f"seed {s} call {k}: {describe(c)}")
         return 0
     bad, t0 = [], time.monotonic()
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
-        out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches)
-        ran = min(len(per) for per in out.values())
+        out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches, kill=a.kill)
+        ran = min(len([s for s in per if not str(s).startswith("_")]) for per in out.values())
         bad += _fuzz.failures(out)
+        after = [k.get("after_kill_s", 0.0) for per in out.values() for k in per.get("_kill", [])]
         print(f"seeds {batch[0]}..{batch[-1]}: {ran} programs ran, {len(_fuzz.failures(out))} failures "
-              f"({time.monotonic() - t0:.0f} s)", flush=True)
+              f"({time.monotonic() - t0:.0f} s)" + (f"; the survivors ended at most {max(after):.1f} s after the "
+                                                    f"killing call" if after else ""), flush=True)
     for line in bad:
         print(line)
     return 1 if bad else 0

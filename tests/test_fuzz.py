@@ -18,6 +18,8 @@ CAMPAIGNS = [
     (3, "backend", None, range(700, 706), 2),
     (4, "backend", "a,a,b,b", range(800, 804), 2),
 ]
+# (world, simulated hosts, seeds): programs that SIGKILL one rank, fresh ranks for each
+KILLS = [(3, None, range(900, 903)), (4, "a,a,b,b", range(950, 952))]
 
 
 def _id(world, setup, hosts, seeds, mismatches):
@@ -31,6 +33,18 @@ def test_random_programs(world, setup, hosts, seeds, mismatches):
     assert not bad, "\n".join(bad[:20])
     ran = [len(per) for per in out.values()]
     assert ran == [len(seeds)] * world, f"programs run per rank: {ran}"
+
+
+@pytest.mark.parametrize("world,hosts,seeds", KILLS,
+                         ids=[f"w{w}-{h.replace(',', '') if h else 'onehost'}" for w, h, _ in KILLS])
+def test_random_programs_with_a_rank_killed(world, hosts, seeds):
+    """The survivors end the program (a RingError, or gloo's error on the inner group)
+    within twice the timeout, with no wrong result, exit with 0, and leave no /dev/shm name."""
+    out = _fuzz.run_campaign(world, seeds, "backend", hosts, length=40, timeout=300, kill=True)
+    bad = _fuzz.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    reports = [k for per in out.values() for k in per.get("_kill", [])]
+    assert len(reports) == (world - 1) * len(seeds), reports  # (every survivor of every program)
 
 
 def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
@@ -58,6 +72,12 @@ def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
     c = next(c for c in twisted if c["twist"] == "count")
     assert _fuzz._twist(c, c["victim"], 3)["count"] == c["count"] + 1
     assert _fuzz._twist(c, (c["victim"] + 1) % 3, 3) is c
+    # a killing program: the same calls, one of its second half marked with the rank to kill
+    plain = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40)
+    killing = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40, kill=True)
+    marked = [k for k, c in enumerate(killing) if "kill" in c]
+    assert len(marked) == 1 and marked[0] >= 20 and _fuzz.killed_by(killing) in range(4)
+    assert [{k: v for k, v in c.items() if k != "kill"} for c in killing] == plain
 
 
 def test_closed_forms():
