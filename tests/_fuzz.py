@@ -57,6 +57,16 @@ SETUPS = {
     "backend-small-slots": ("cpu:ringdp", {"RINGDP_SLOT_BYTES": "4096", "RINGDP_FIFO_SLOTS": "2",
                                            "RINGDP_ONESHOT_BYTES": "4096"}),
     "gloo-default": ("gloo", {}),  # ringdp's functions on a gloo group; dist.* on a ringdp subgroup
+    # the settings that pick other paths: small async calls inline, one algorithm forced,
+    # tensors adopted into registered memory, pipelines of small pieces across hosts (with
+    # --hosts), gloo on the whole group across hosts, the trace (an observer) on
+    "inline-async": ("cpu:ringdp", {"RINGDP_INLINE_ASYNC_MAX_BYTES": "65536"}),
+    "oneshot": ("cpu:ringdp", {"RINGDP_ALGO": "oneshot"}),
+    "ring": ("cpu:ringdp", {"RINGDP_ALGO": "ring"}),
+    "adopt": ("cpu:ringdp", {"RINGDP_BACKEND_ADOPT_MIN_BYTES": "0"}),
+    "small-pieces": ("cpu:ringdp", {"RINGDP_HIER_PIECE_BYTES": "4096"}),
+    "flat": ("cpu:ringdp", {"RINGDP_HIERARCHY": "0"}),
+    "trace": ("cpu:ringdp", {"RINGDP_TRACE": "/tmp/ringdp-fuzz-trace/{rank}"}),
 }
 
 
@@ -74,10 +84,11 @@ def _reductions(dtype):
 
 
 def make_program(seed: int, world: int, subgroups: list[list[int]], length: int = 40, hosts=None,
-                 mismatches: int = 0, kill: bool = False) -> list[dict]:
+                 mismatches: int = 0, kill: bool = False, flat: bool = False) -> list[dict]:
     """The calls of program `seed` (identical on every rank). `hosts`: each rank's host id
-    (None: one host); a group with one rank per host has no registered memory (its calls
-    have no in-host step: ringdp.empty refuses it). `mismatches`: calls where one rank (the
+    (None: one host); a group with one rank per host, or across hosts with `flat`
+    (RINGDP_HIERARCHY=0), has no registered memory (its calls have no in-host step:
+    ringdp.empty refuses it). `mismatches`: calls where one rank (the
     "victim") calls with another count, op or root than its peers (_twist): every member
     must raise a RingError for that call, and every later call must be right (README
     "Failures": a mismatch leaves the communicator usable). `kill`: one rank SIGKILLs itself
@@ -98,8 +109,9 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
         if kind == "reduce_scatter" and op in ("PRODUCT", "BAND", "BOR", "BXOR"):
             op = "SUM"  # torch's reduce-scatter has no bitwise ops on gloo either
         form = rng.choice(["plain", "view", "strided", "registered"])
-        if form == "registered" and hosts and len({hosts[r] for r in members}) == len(members) > 1:
-            form = "view"
+        if form == "registered" and hosts and (len({hosts[r] for r in members}) == len(members) > 1
+                                               or (flat and len({hosts[r] for r in members}) > 1)):
+            form = "view"  # (no in-host step: ringdp.empty refuses it)
         if (api == "ringdp" and form == "strided") or (form == "registered" and dtype == torch.uint8):
             form = "plain"  # ringdp's functions take contiguous tensors (the backend copies); no uint8 arena
         calls.append({
@@ -424,6 +436,11 @@ def _run_calls(rank, calls, groups, rng_wait, pending, errors, settle, report):
         settle(item)
 
 
+def _flat() -> bool:
+    """Whether this rank runs groups across hosts flat (RINGDP_HIERARCHY=0)."""
+    return os.environ.get("RINGDP_HIERARCHY") == "0"
+
+
 def subgroups_for(world: int) -> list[list[int]]:
     """The subgroups a program of `world` ranks draws from besides the whole group."""
     if world >= 4:
@@ -458,8 +475,8 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * limit.total_seconds()))
     if kill:
         (seed,), report = seeds, {}
-        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, kill=True),
-                             groups, report)
+        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, kill=True,
+                                                      flat=_flat()), groups, report)
         bound = 2 * limit.total_seconds() + 5
         if report.get("after_kill_s", 0) > bound:
             errors.append(f"the program went on {report['after_kill_s']:.1f} s after the killing call "
@@ -467,7 +484,8 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
         return {seed: errors, "_kill": report}
     results = {}
     for seed in seeds:
-        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches), groups)
+        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, flat=_flat()),
+                             groups)
         results[seed] = errors
         failed = torch.tensor([len(errors)])
         dist.all_reduce(failed, group=control)
@@ -503,7 +521,8 @@ def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = 
                                    backend=backend))
     out = {r: {} for r in range(world)}
     for seed in seeds:
-        victim = killed_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=True))
+        victim = killed_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=True,
+                                        flat=env.get("RINGDP_HIERARCHY") == "0"))
         before = _shm_names()
         codes = []
         res = run_ranks(fn, world, [seed], length, mismatches, True, timeout=timeout, env=env, backend=backend,
@@ -597,7 +616,8 @@ def main(argv=None) -> int:
     if a.show:
         for s in seeds:
             for k, c in enumerate(_fuzz.make_program(s, a.world, subgroups_for(a.world), a.length,
-                                                     _fuzz.host_env(a.hosts, a.world), a.mismatches, a.kill)):
+                                                     _fuzz.host_env(a.hosts, a.world), a.mismatches, a.kill,
+                                                     SETUPS[a.setup][1].get("RINGDP_HIERARCHY") == "0")):
                 print(f"seed {s} call {k}: {describe(c)}")
         return 0
     bad, t0 = [], time.monotonic()

@@ -17,6 +17,10 @@ CAMPAIGNS = [
     (4, "gloo-default", "a,a,b,b", range(600, 606), 0),
     (3, "backend", None, range(700, 706), 2),
     (4, "backend", "a,a,b,b", range(800, 804), 2),
+    (3, "inline-async", None, range(1100, 1104), 0),
+    (3, "adopt", None, range(1200, 1204), 1),
+    (4, "small-pieces", "a,a,b,b", range(1300, 1304), 0),
+    (4, "flat", "a,a,a,b", range(1400, 1404), 0),
 ]
 # (world, simulated hosts, seeds): programs that SIGKILL one rank, fresh ranks for each
 KILLS = [(3, None, range(900, 903)), (4, "a,a,b,b", range(950, 952))]
