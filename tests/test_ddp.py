@@ -508,12 +508,15 @@ def case_join(rank, world, counts, divide_by_initial_world_size=True, per_rank=3
         ddp.register_comm_hook(None, getattr(comm_hooks, hook))
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    b_grad_defined = []  # unused: per step of this rank, whether `b` has a gradient
     try:
         with ddp.join(divide_by_initial_world_size=divide_by_initial_world_size, throw_on_early_termination=throw):
             for s in range(counts[rank]):
                 x, y = batch(s, world * per_rank, d_in=d, d_out=4)
                 opt.zero_grad()
                 ((fwd(ddp, shard(x, rank, world), rank) - shard(y, rank, world)) ** 2).mean().backward()
+                if unused:
+                    b_grad_defined.append(ddp.module.b.weight.grad is not None)
                 opt.step()
     except RuntimeError as e:
         if not throw:
@@ -536,7 +539,7 @@ def case_join(rank, world, counts, divide_by_initial_world_size=True, per_rank=3
     (sum(((fwd(ref, shard(x, r, world), r) - shard(y, r, world)) ** 2).mean() for r in range(world)) / world).backward()
     ropt.step()
     return {"diff": max_diff(params_of(ddp.module), params_of(ref)), "params": params_of(ddp.module),
-            "layout": ddp.bucket_layout}
+            "layout": ddp.bucket_layout, "b_grad_defined": b_grad_defined}
 
 
 def case_state_dict(rank, world, tmpdir):
@@ -1113,6 +1116,12 @@ def test_join_with_unused_parameters_or_hook(pool, unused, hook, tol):
         assert out["diff"] < tol, f"rank {r}: {out['diff']}"
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
+    if unused:
+        # `b` (rank 0's only) has a gradient while rank 0 trains, and none once rank 0 has
+        # joined: a parameter no training rank uses keeps its gradient untouched, as without
+        # join. (torch's DDP gives it a zero gradient there, which SGD's momentum then moves:
+        # its joined rank adds its usage map of earlier steps, never reset, to the others'.)
+        assert res[1]["b_grad_defined"] == [True, True, False, False], res[1]["b_grad_defined"]
 
 
 def test_join_throw_on_early_termination(pool):

@@ -1,10 +1,13 @@
 """Random programs of collectives against closed forms (tests/_fuzz.py): a few seeds of each
 set-up per run, some with mismatched calls (every member must raise, and the calls after
 must be right). `python tests/_fuzz.py` runs longer campaigns; the seeds here are fixed so
-that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`)."""
+that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`).
+Random training runs (tests/_fuzz_ddp.py): RingDDP and stock DDP on cpu:ringdp against
+torch's DDP on gloo, step by step (`python tests/_fuzz_ddp.py --world W --seeds S`)."""
 import pytest
 
 import _fuzz
+import _fuzz_ddp
 
 # (world, set-up, simulated hosts, seeds, mismatched calls per program): fresh ranks each
 CAMPAIGNS = [
@@ -94,3 +97,40 @@ def test_closed_forms():
     assert _fuzz.expected("BXOR", 3, 3, torch.int64).tolist() == [0 ^ 2 ^ 4, 3 ^ 5 ^ 1, 6 ^ 2 ^ 4]
     assert _fuzz.expected("PREMUL_SUM", 3, 3, torch.float32, 0.5).tolist() == [3.0, 4.5, 6.0]
     assert _fuzz.expected("AVG", 3, 3, torch.bfloat16).tolist() == [2.0, 3.0, 4.0]
+
+
+# (world, simulated hosts, seeds): random training runs (tests/_fuzz_ddp.py), fresh ranks each
+TRAININGS = [(2, None, range(0, 20)), (3, None, range(10, 30)), (4, "a,a,b,b", range(0, 10)),
+             (4, "a,a,a,b", range(10, 18))]
+
+
+@pytest.mark.parametrize("world,hosts,seeds", TRAININGS,
+                         ids=[f"w{w}-{h.replace(',', '') if h else 'onehost'}" for w, h, _ in TRAININGS])
+def test_random_training_runs(world, hosts, seeds):
+    """Each step of RingDDP and of stock DDP on cpu:ringdp matches torch's DDP on gloo, and
+    every rank ends with the same parameters; torch's DDP refuses none of these runs."""
+    out = _fuzz_ddp.run_seeds(world, seeds, timeout=300, hosts=hosts)
+    bad = _fuzz_ddp.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    assert [sorted(per) for per in out.values()] == [list(seeds)] * world
+    skipped = [(s, e) for s, errs in out[0].items() for e in errs if e.startswith("skipped")]
+    assert not skipped, skipped
+
+
+def test_training_runs_cover_the_options():
+    """The seeds of TRAININGS draw every extra, hook, optimizer and bucket size, uneven inputs
+    (with a branch no rank that still trains uses), static graphs and no_sync steps; the
+    draw is a pure function of the seed."""
+    runs = [_fuzz_ddp.make_run(s, w) for w, _, seeds in TRAININGS for s in seeds]
+    assert _fuzz_ddp.make_run(7, 3) == _fuzz_ddp.make_run(7, 3)
+    assert {e for r in runs for e in r["extras"]} == {"tied", "frozen", "step_branch", "rank_branch", "batchnorm"}
+    assert {r["hook"] for r in runs} == {None, "fp16", "bf16"}
+    assert {r["optimizer"] for r in runs} == {"sgd", "adam"}
+    assert {r["bucket_cap_mb"] for r in runs} == {1e-6, 1e-4, 2e-3, 25.0}
+    for key in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "set_to_none"):
+        assert {r[key] for r in runs} == {True, False}, key
+    assert any(r["uneven"] and {"rank_branch", "step_branch"} & set(r["extras"]) for r in runs)
+    assert any(r["uneven"] and "batchnorm" in r["extras"] and r["broadcast_buffers"] for r in runs)
+    assert any(any(m > 1 for m in r["micro"][:r["steps"]]) for r in runs)
+    # the tolerance: 1e-9 without a hook, looser through one (tolerance())
+    assert [_fuzz_ddp.tolerance({"hook": h}) for h in (None, "fp16", "bf16")] == [1e-9, 1e-3, 1e-2]

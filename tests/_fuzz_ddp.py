@@ -1,0 +1,349 @@
+"""Random data-parallel training runs, RingDDP and stock DDP on ringdp against torch's DDP
+on gloo: a differential fuzzer of the training path.
+
+A run is drawn from a seed, the same on every rank: a model (a stack of Linear layers of
+random widths; some of: a tied weight used twice, a frozen layer, a branch used only on some
+steps, a branch used on some ranks only, a BatchNorm1d whose buffers DDP broadcasts), DDP's
+options (bucket_cap_mb from one parameter per bucket to one bucket, find_unused_parameters,
+gradient_as_bucket_view, static_graph where the graph allows it, broadcast_buffers), an
+optimizer (SGD with momentum or Adam), a compression comm hook (fp16, bf16) or none, and a
+few steps, some of them accumulated under no_sync, or uneven inputs (each rank its own
+number of steps, inside Join). Each rank trains four copies of the model from the same
+start, in float64:
+
+    torch    torch.nn.parallel.DistributedDataParallel on the gloo default group (the reference)
+    ring     ringdp.RingDDP on the gloo default group (ringdp's communicator over it)
+    stock    torch's DistributedDataParallel on a cpu:ringdp group
+    ring_pg  ringdp.RingDDP on that cpu:ringdp group (the backend's communicator, shared)
+
+and after every step each copy's parameters (and buffers) must equal the reference's within
+1e-9 (relative; the sums are reduced in another order; looser through a half-precision
+hook: tolerance()), and at the end be bitwise identical on every rank. A run that torch's
+DDP refuses is reported as skipped, not as a failure.
+
+    python tests/_fuzz_ddp.py --world 2 --seeds 0:50
+    python tests/_fuzz_ddp.py --world 4 --hosts a,a,b,b --seeds 0:50   # simulated hosts
+    python tests/_fuzz_ddp.py --world 3 --seeds 7 --show
+
+tests/test_fuzz.py runs a few seeds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.join import Join
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+D_IN, D_OUT = 6, 3
+RTOL = 1e-9
+
+
+# ==================================================================== the run
+def make_run(seed: int, world: int) -> dict:
+    """What run `seed` trains and how (identical on every rank)."""
+    rng = random.Random(seed)
+    widths = [rng.choice([1, 3, 8, 17, 40]) for _ in range(rng.randint(1, 3))]
+    extras = {x for x in ("tied", "frozen", "step_branch", "rank_branch", "batchnorm") if rng.random() < 0.35}
+    run = {
+        "widths": widths,
+        "extras": sorted(extras),
+        "bucket_cap_mb": rng.choice([1e-6, 1e-4, 2e-3, 25.0]),
+        "find_unused_parameters": rng.random() < 0.5,
+        "gradient_as_bucket_view": rng.random() < 0.5,
+        "static_graph": rng.random() < 0.3,
+        "broadcast_buffers": rng.random() < 0.7,
+        "optimizer": rng.choice(["sgd", "adam"]),
+        "momentum": 0.9,
+        "steps": rng.randint(2, 4),
+        "micro": [rng.choice([1, 1, 2, 3]) for _ in range(4)],  # forward/backward per step (the first ones no_sync)
+        "per_rank": rng.choice([1, 2, 5]),
+        "set_to_none": rng.random() < 0.5,
+        # uneven inputs: rank r trains steps + uneven[r] steps, all of them inside Join
+        "uneven": [rng.randint(0, 2) for _ in range(world)] if rng.random() < 0.3 else None,
+        # a compression comm hook: torch's on torch's DDP, ringdp's on RingDDP (not inside Join)
+        "hook": rng.choice([None, None, None, "fp16", "bf16"]),
+    }
+    if "batchnorm" in extras:
+        run["per_rank"] = max(2, run["per_rank"])  # (BatchNorm1d trains on at least 2 samples)
+    if run["uneven"] is not None:
+        run["micro"] = [1] * 4  # (no no_sync inside Join: kept simple)
+        run["hook"] = None
+        # torch's DDP with static_graph inside Join: a joined rank's shadow collectives do not
+        # match (gloo aborts the process: "Received data size doesn't match expected size")
+        run["static_graph"] = False
+        if "rank_branch" in extras or "step_branch" in extras:
+            # A parameter that no rank still training uses: torch's DDP gives it a zero
+            # gradient, as a joined rank's shadow adds its usage map of earlier steps (never
+            # reset) to the others'; RingDDP leaves its gradient untouched, as both do without
+            # join (torch PR 28883). Without momentum, SGD moves neither.
+            run["optimizer"], run["momentum"] = "sgd", 0.0
+    if run["hook"] is not None:
+        # (SGD: Adam divides by a gradient's size, so that a rounding of a gradient near 0
+        # can move a parameter by a whole step)
+        run["optimizer"] = "sgd"
+    # what torch's DDP needs: a parameter unused on some ranks or steps needs
+    # find_unused_parameters, and static_graph a graph that never changes
+    if "rank_branch" in extras or "step_branch" in extras:
+        run["find_unused_parameters"] = True
+        run["static_graph"] = False
+    return run
+
+
+class Net(nn.Module):
+    """The run's model: Linear layers D_IN -> widths -> D_OUT with tanh between, and extras."""
+
+    def __init__(self, run: dict):
+        super().__init__()
+        dims = [D_IN] + run["widths"] + [D_OUT]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+        extras = set(run["extras"])
+        self.tied = nn.Linear(D_OUT, D_OUT) if "tied" in extras else None  # applied twice
+        self.frozen = nn.Linear(D_IN, D_IN) if "frozen" in extras else None
+        if self.frozen is not None:
+            self.frozen.requires_grad_(False)
+        self.step_branch = nn.Linear(D_IN, D_OUT) if "step_branch" in extras else None
+        self.rank_branch = nn.Linear(D_IN, D_OUT) if "rank_branch" in extras else None
+        self.bn = nn.BatchNorm1d(D_IN) if "batchnorm" in extras else None
+
+    def forward(self, x, step: int, rank: int):
+        if self.bn is not None:
+            x = self.bn(x)
+        if self.frozen is not None:
+            x = self.frozen(x)
+        h = x
+        for i, layer in enumerate(self.layers):
+            h = layer(h)
+            if i < len(self.layers) - 1:
+                h = torch.tanh(h)
+        if self.tied is not None:
+            h = self.tied(torch.tanh(self.tied(h)))
+        if self.step_branch is not None and step % 2 == 0:  # every rank alike
+            h = h + self.step_branch(x)
+        if self.rank_branch is not None and rank % 2 == 1:  # some ranks only
+            h = h + self.rank_branch(x)
+        return h
+
+
+def tolerance(run: dict) -> float:
+    """How far a copy's parameters may be from the reference's, relative (and absolute).
+    Without a hook the gradients' sums differ only in their order: 1e-9. Through a
+    half-precision hook they differ by a rounding of a half-precision value where the sums'
+    order or the hooks differ (torch's casts, then divides by the world size; ringdp's
+    divides in the gradients' dtype, then casts), a relative 2^-11 (fp16) or 2^-8 (bf16) of
+    a gradient, and SGD (lr 0.05, a few steps) moves a parameter by much less: measured at
+    most 5e-5 (fp16) and 2e-4 (bf16) after the first step at world 2-4. 1e-3 and 1e-2 still catch what a
+    bucket left out, counted twice or divided wrongly moves."""
+    return {None: RTOL, "fp16": 1e-3, "bf16": 1e-2}[run["hook"]]
+
+
+def describe(run: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in run.items())
+
+
+def _data(seed: int, step: int, micro: int, n: int):
+    g = torch.Generator().manual_seed(seed * 7919 + step * 101 + micro)
+    return torch.randn(n, D_IN, generator=g, dtype=torch.float64), torch.randn(n, D_OUT, generator=g,
+                                                                                dtype=torch.float64)
+
+
+# ==================================================================== training
+def _wrap(kind: str, run: dict, ring_group):
+    import ringdp
+
+    torch.manual_seed(12345)
+    model = Net(run).double()
+    kw = {k: run[k] for k in ("bucket_cap_mb", "find_unused_parameters", "gradient_as_bucket_view", "static_graph",
+                              "broadcast_buffers")}
+    if kind == "torch":
+        ddp, hooks, state = nn.parallel.DistributedDataParallel(model, **kw), default_hooks, None
+    elif kind == "ring":
+        ddp, hooks, state = ringdp.RingDDP(model, **kw), ringdp.comm_hooks, None
+    elif kind == "ring_pg":
+        ddp = ringdp.RingDDP(model, process_group=ring_group, **kw)
+        hooks, state = ringdp.comm_hooks, ring_group
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=ring_group, **kw)
+        hooks, state = default_hooks, ring_group
+    if run["hook"] is not None:
+        hook = getattr(hooks, f"{run['hook']}_compress_hook")
+        if run["hook"] == "bf16" and kind in ("torch", "stock"):
+            # torch's DDP.register_comm_hook refuses its bf16 hook without CUDA and NCCL (a
+            # check of the build, not of the hook, which runs on CPU): registered as it would
+            dist._register_comm_hook(ddp.reducer, state, hook)
+        else:
+            ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def _state(ddp) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in list(ddp.module.parameters()) + list(ddp.module.buffers())]
+
+
+def _train(kind, run, seed, rank, world, ring_group) -> list[list[torch.Tensor]]:
+    """The states after each step of one copy (the first: after wrapping; the last: after
+    Join, where the ranks take the model of a rank that joined last)."""
+    ddp = _wrap(kind, run, ring_group)
+    opt = (torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=run["momentum"]) if run["optimizer"] == "sgd"
+           else torch.optim.Adam(ddp.parameters(), lr=0.01))
+    states = [_state(ddp)]
+    steps = run["steps"] + (run["uneven"][rank] if run["uneven"] else 0)
+    with (Join([ddp]) if run["uneven"] else _Nothing()):
+        for step in range(steps):
+            _step(ddp, opt, run, seed, step, rank, world)
+            states.append(_state(ddp))
+    if run["uneven"]:
+        states.append(_state(ddp))
+    return states
+
+
+def _step(ddp, opt, run, seed, step, rank, world):
+    """One optimizer step: its micro-batches, all but the last under no_sync."""
+    opt.zero_grad(set_to_none=run["set_to_none"])
+    micro = run["micro"][step] if step < len(run["micro"]) else 1
+    for m in range(micro):
+        x, y = _data(seed, step, m, world * run["per_rank"])
+        x, y = x[rank::world], y[rank::world]  # this rank's shard
+        with (ddp.no_sync() if m < micro - 1 else _Nothing()):
+            loss = ((ddp(x, step, rank) - y) ** 2).mean()
+            loss.backward()
+    opt.step()
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def case_runs(rank, world, seeds, hosts=None):
+    """Every seed's run on this rank: {seed: errors (empty: every copy matched torch's)}.
+    `hosts`: each rank's RINGDP_HOST_ID (simulated hosts: RingDDP's communicator on the
+    default group and the cpu:ringdp group both span them); None: one host."""
+    if hosts is not None:
+        os.environ["RINGDP_HOST_ID"] = hosts[rank]  # (read when ringdp makes a communicator)
+    import ringdp  # noqa: F401 -- registers the backend
+
+    torch.set_num_threads(1)
+    ring_group = dist.new_group(backend="cpu:ringdp")
+    if hosts is not None:  # (the layout took: both groups' communicators span the hosts)
+        from ringdp.comm import get_communicator
+
+        for group in (None, ring_group):
+            seen = get_communicator(group).hosts
+            if len(set(seen)) != len(set(hosts)):
+                raise RuntimeError(f"simulated hosts {hosts}: the communicator sees {seen}")
+    out = {}
+    for seed in seeds:
+        run = make_run(seed, world)
+        if run["static_graph"] and any(m > 1 for m in run["micro"][:run["steps"]]):
+            run["static_graph"] = False  # (no_sync with static_graph: torch's DDP supports it; kept simple)
+        try:
+            ref = _train("torch", run, seed, rank, world, ring_group)
+        except Exception as e:  # noqa: BLE001 -- a run torch's DDP refuses: not ringdp's to match
+            out[seed] = [f"skipped: torch's DDP raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+            dist.barrier()
+            continue
+        errors, tol, finals = [], tolerance(run), {}
+        for kind in ("ring", "stock", "ring_pg"):
+            try:
+                got = _train(kind, run, seed, rank, world, ring_group)
+            except Exception as e:  # noqa: BLE001 -- reported
+                errors.append(f"{kind}: raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                break  # (the ranks may be out of step now)
+            finals[kind] = got[-1]
+            for step, (a, b) in enumerate(zip(got, ref)):
+                bad = [i for i, (x, y) in enumerate(zip(a, b))
+                       if not torch.allclose(x, y, rtol=tol, atol=tol)]
+                if bad:
+                    worst = max((a[i] - b[i]).abs().max().item() for i in bad)
+                    when = "wrap" if step == 0 else "join" if step == len(got) - 1 and run["uneven"] else step - 1
+                    errors.append(f"{kind}: after step {when}: tensors {bad} differ from torch's DDP (max {worst:.3g})")
+                    break
+        out[seed] = errors + _identical(finals, Net(run), world)
+        dist.barrier()
+    dist.destroy_process_group(ring_group)
+    return out
+
+
+def _identical(finals: dict, net: nn.Module, world: int) -> list[str]:
+    """Every rank ends with the same parameters in each copy (collective: every rank gathers
+    them, each checks against rank 0's; not the buffers, which differ between ranks without
+    broadcast_buffers). Only when every rank trained every copy (else the ranks may be out
+    of step)."""
+    ran = torch.tensor([len(finals)], dtype=torch.int64)
+    dist.all_reduce(ran, op=dist.ReduceOp.MIN)
+    if ran.item() < 3:
+        return []
+    nparams = sum(1 for _ in net.parameters())
+    errors = []
+    for kind, state in sorted(finals.items()):
+        flat = torch.cat([t.reshape(-1) for t in state[:nparams]])
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat)
+        if not all(torch.equal(every[0], e) for e in every):
+            errors.append(f"{kind}: the ranks end with different parameters")
+    return errors
+
+
+def run_seeds(world: int, seeds, timeout: float = 600, hosts: str | None = None) -> dict:
+    """{rank: {seed: errors}} of run_ranks over `world` fresh ranks; `hosts`: a layout such
+    as "a,a,b,b" (simulated hosts), None: one host."""
+    from _dist import run_ranks
+
+    ids = hosts.split(",") if hosts else None
+    if ids is not None and len(ids) != world:
+        raise ValueError(f"hosts {hosts!r} names {len(ids)} hosts for {world} ranks")
+    res = run_ranks(case_runs, world, list(seeds), ids, timeout=timeout, env={"RINGDP_TIMEOUT_S": "60"})
+    out = {}
+    for r, item in enumerate(res):
+        out[r] = item[1] if item is not None and item[0] == "ok" else {"?": [f"rank {r}: {item}"]}
+    return out
+
+
+def failures(out: dict) -> list[str]:
+    return [f"rank {r} seed {s}: {e}" for r, per in out.items() for s, errs in per.items() for e in errs
+            if not e.startswith("skipped")]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--seeds", default="0:20", help="A:B (a range) or a comma list")
+    ap.add_argument("--batch", type=int, default=20, help="runs per set of fresh ranks")
+    ap.add_argument("--hosts", default=None, help="each rank's simulated host, e.g. a,a,b,b")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds for a batch")
+    ap.add_argument("--show", action="store_true", help="print the runs instead of training them")
+    a = ap.parse_args(argv)
+    import _fuzz_ddp  # the ranks import this module by name (not as __main__)
+
+    seeds = list(range(*map(int, a.seeds.split(":")))) if ":" in a.seeds else [int(x) for x in a.seeds.split(",")]
+    if a.show:
+        for s in seeds:
+            print(f"seed {s}: {_fuzz_ddp.describe(_fuzz_ddp.make_run(s, a.world))}")
+        return 0
+    bad, skipped, t0 = [], 0, time.monotonic()
+    for i in range(0, len(seeds), a.batch):
+        batch = seeds[i:i + a.batch]
+        out = _fuzz_ddp.run_seeds(a.world, batch, a.timeout, a.hosts)
+        bad += _fuzz_ddp.failures(out)
+        skipped += sum(1 for errs in out[0].values() for e in errs if e.startswith("skipped"))
+        print(f"seeds {batch[0]}..{batch[-1]}: {len(_fuzz_ddp.failures(out))} failures, {skipped} skipped so far "
+              f"({time.monotonic() - t0:.0f} s)", flush=True)
+    for line in bad:
+        print(line)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
