@@ -1,5 +1,5 @@
-"""Random data-parallel training runs, RingDDP and stock DDP on ringdp against torch's DDP
-on gloo: a differential fuzzer of the training path.
+"""Random data-parallel training runs, RingDDP and stock DDP (or FSDP2) on ringdp against
+torch's DDP (FSDP2) on gloo: a differential fuzzer of the training path.
 
 A run is drawn from a seed, the same on every rank: a model (a stack of Linear layers of
 random widths; some of: a tied weight used twice, a frozen layer, a branch used only on some
@@ -21,9 +21,19 @@ and after every step each copy's parameters (and buffers) must equal the referen
 hook: tolerance()), and at the end be bitwise identical on every rank. A run that torch's
 DDP refuses is reported as skipped, not as a failure.
 
+`--fsdp` draws FSDP2 runs instead (make_fsdp_run): a stack of Linear layers of random widths
+(parameters of sizes the world size does not divide), fully_shard on each layer and the
+root or on the root alone, reshard_after_forward or not, the mixed-precision policy
+(bfloat16 parameters, float32 reduction) or none, SGD or Adam, gradient accumulation
+(set_requires_gradient_sync(False)), set_gradient_divide_factor (PREMUL_SUM, which gloo
+lacks: twice the learning rate instead). Each rank trains it over the gloo default group
+and over a cpu:ringdp group; each step's shards must match within 1e-9 (1e-5 with the
+mixed-precision policy).
+
     python tests/_fuzz_ddp.py --world 2 --seeds 0:50
     python tests/_fuzz_ddp.py --world 4 --hosts a,a,b,b --seeds 0:50   # simulated hosts
     python tests/_fuzz_ddp.py --world 3 --seeds 7 --show
+    python tests/_fuzz_ddp.py --world 3 --seeds 0:50 --fsdp
 
 tests/test_fuzz.py runs a few seeds.
 """
@@ -45,6 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 D_IN, D_OUT = 6, 3
 RTOL = 1e-9
+TOL_MIXED = 1e-5
 
 
 # ==================================================================== the run
@@ -226,10 +237,11 @@ class _Nothing:
         return False
 
 
-def case_runs(rank, world, seeds, hosts=None):
+def case_runs(rank, world, seeds, hosts=None, fsdp=False):
     """Every seed's run on this rank: {seed: errors (empty: every copy matched torch's)}.
     `hosts`: each rank's RINGDP_HOST_ID (simulated hosts: RingDDP's communicator on the
-    default group and the cpu:ringdp group both span them); None: one host."""
+    default group and the cpu:ringdp group both span them); None: one host. `fsdp`: the
+    seeds' FSDP2 runs (make_fsdp_run) instead of their DDP runs."""
     if hosts is not None:
         os.environ["RINGDP_HOST_ID"] = hosts[rank]  # (read when ringdp makes a communicator)
     import ringdp  # noqa: F401 -- registers the backend
@@ -245,35 +257,128 @@ def case_runs(rank, world, seeds, hosts=None):
                 raise RuntimeError(f"simulated hosts {hosts}: the communicator sees {seen}")
     out = {}
     for seed in seeds:
-        run = make_run(seed, world)
-        if run["static_graph"] and any(m > 1 for m in run["micro"][:run["steps"]]):
-            run["static_graph"] = False  # (no_sync with static_graph: torch's DDP supports it; kept simple)
-        try:
-            ref = _train("torch", run, seed, rank, world, ring_group)
-        except Exception as e:  # noqa: BLE001 -- a run torch's DDP refuses: not ringdp's to match
-            out[seed] = [f"skipped: torch's DDP raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
-            dist.barrier()
-            continue
-        errors, tol, finals = [], tolerance(run), {}
-        for kind in ("ring", "stock", "ring_pg"):
-            try:
-                got = _train(kind, run, seed, rank, world, ring_group)
-            except Exception as e:  # noqa: BLE001 -- reported
-                errors.append(f"{kind}: raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-                break  # (the ranks may be out of step now)
-            finals[kind] = got[-1]
-            for step, (a, b) in enumerate(zip(got, ref)):
-                bad = [i for i, (x, y) in enumerate(zip(a, b))
-                       if not torch.allclose(x, y, rtol=tol, atol=tol)]
-                if bad:
-                    worst = max((a[i] - b[i]).abs().max().item() for i in bad)
-                    when = "wrap" if step == 0 else "join" if step == len(got) - 1 and run["uneven"] else step - 1
-                    errors.append(f"{kind}: after step {when}: tensors {bad} differ from torch's DDP (max {worst:.3g})")
-                    break
-        out[seed] = errors + _identical(finals, Net(run), world)
+        out[seed] = (_fsdp_seed if fsdp else _ddp_seed)(seed, rank, world, ring_group)
         dist.barrier()
     dist.destroy_process_group(ring_group)
     return out
+
+
+def _ddp_seed(seed, rank, world, ring_group) -> list[str]:
+    """Run `seed`'s DDP run in each copy; its errors on this rank."""
+    run = make_run(seed, world)
+    if run["static_graph"] and any(m > 1 for m in run["micro"][:run["steps"]]):
+        run["static_graph"] = False  # (no_sync with static_graph: torch's DDP supports it; kept simple)
+    try:
+        ref = _train("torch", run, seed, rank, world, ring_group)
+    except Exception as e:  # noqa: BLE001 -- a run torch's DDP refuses: not ringdp's to match
+        return [f"skipped: torch's DDP raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+    errors, finals = [], {}
+    for kind in ("ring", "stock", "ring_pg"):
+        try:
+            got = _train(kind, run, seed, rank, world, ring_group)
+        except Exception as e:  # noqa: BLE001 -- reported
+            errors.append(f"{kind}: raised {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            break  # (the ranks may be out of step now)
+        finals[kind] = got[-1]
+        errors += _differ(kind, got, ref, tolerance(run), "torch's DDP", joined=bool(run["uneven"]))
+    return errors + _identical(finals, Net(run), world)
+
+
+def _differ(kind: str, got, ref, tol: float, what: str, joined: bool = False) -> list[str]:
+    """The first state of `got` (one per step, the first after wrapping; `joined`: the last
+    after Join) not within `tol` of the reference's: an error naming the step and tensors."""
+    for step, (a, b) in enumerate(zip(got, ref)):
+        bad = [i for i, (x, y) in enumerate(zip(a, b)) if not torch.allclose(x, y, rtol=tol, atol=tol)]
+        if bad:
+            worst = max((a[i] - b[i]).abs().max().item() for i in bad)
+            when = "wrap" if step == 0 else "join" if joined and step == len(got) - 1 else step - 1
+            return [f"{kind}: after step {when}: tensors {bad} differ from {what} (max {worst:.3g})"]
+    return []
+
+
+# ==================================================================== FSDP2 runs (--fsdp)
+def make_fsdp_run(seed: int, world: int) -> dict:
+    """What FSDP2 run `seed` trains and how (identical on every rank)."""
+    rng = random.Random(seed)
+    run = {
+        "widths": [rng.choice([1, 3, 8, 17, 40]) for _ in range(rng.randint(1, 3))],
+        "shard": rng.choice(["layers", "root"]),  # fully_shard each Linear, then the root; or the root alone
+        "reshard_after_forward": rng.random() < 0.5,
+        "mixed": rng.random() < 0.3,  # MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+        "optimizer": rng.choice(["sgd", "adam"]),
+        "steps": rng.randint(2, 4),
+        # forward/backward per step, the first ones with set_requires_gradient_sync(False)
+        "micro": [rng.choice([1, 1, 2, 3]) for _ in range(4)],
+        "per_rank": rng.choice([1, 2, 5]),
+        # set_gradient_divide_factor(2 x world) on the cpu:ringdp copy: FSDP2 reduce-scatters
+        # with PREMUL_SUM(1 / (2 world)), which gloo lacks; that copy takes twice the gloo
+        # copy's learning rate, and SGD (linear in the gradient) the same steps
+        "premul": rng.random() < 0.25,
+    }
+    if run["mixed"] or run["premul"]:
+        run["optimizer"] = "sgd"  # (as with a hook: Adam would turn a rounding near 0 into a step)
+    return run
+
+
+def _fsdp_train(group, run, seed, rank, world, premul: bool = False) -> list[list[torch.Tensor]]:
+    """This rank's shards after each step of one FSDP2 copy over `group`; `premul`: with
+    the gradients divided by 2 x world and twice the learning rate."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(12345)
+    dims = [D_IN] + run["widths"] + [D_OUT]
+    layers = []
+    for a, b in zip(dims[:-1], dims[1:]):
+        layers += [nn.Linear(a, b), nn.Tanh()]
+    model = nn.Sequential(*layers[:-1]).double()
+    kw = {"mesh": DeviceMesh.from_group(group, "cpu"), "reshard_after_forward": run["reshard_after_forward"]}
+    if run["mixed"]:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if run["shard"] == "layers":
+        for m in model:
+            if isinstance(m, nn.Linear):
+                fully_shard(m, **kw)
+    fully_shard(model, **kw)
+    if premul:
+        for m in model.modules():
+            if hasattr(m, "set_gradient_divide_factor"):  # (the fully_shard-ed modules)
+                m.set_gradient_divide_factor(2.0 * world)
+    lr = 0.1 if premul else 0.05  # (half the gradient, twice the rate)
+    opt = (torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9) if run["optimizer"] == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=0.01))
+    states = [[p.to_local().detach().clone() for p in model.parameters()]]
+    for step in range(run["steps"]):
+        opt.zero_grad()
+        micro = run["micro"][step]
+        for m in range(micro):
+            x, y = _data(seed, step, m, world * run["per_rank"])
+            model.set_requires_gradient_sync(m == micro - 1)
+            ((model(x[rank::world]).double() - y[rank::world]) ** 2).mean().backward()
+        opt.step()
+        states.append([p.to_local().detach().clone() for p in model.parameters()])
+    return states
+
+
+def _fsdp_seed(seed, rank, world, ring_group) -> list[str]:
+    """Run `seed`'s FSDP2 run over gloo (the reference) and over the cpu:ringdp group; the
+    errors on this rank: each step's shards must match within fsdp_tolerance()."""
+    run = make_fsdp_run(seed, world)
+    try:
+        ref = _fsdp_train(dist.group.WORLD, run, seed, rank, world)
+    except Exception as e:  # noqa: BLE001 -- a run torch's FSDP2 refuses on gloo: not ringdp's to match
+        return [f"skipped: FSDP2 on gloo raised {type(e).__name__}: {str(e).splitlines()[0][:200]}"]
+    try:
+        got = _fsdp_train(ring_group, run, seed, rank, world, premul=run["premul"])
+    except Exception as e:  # noqa: BLE001 -- reported
+        return [f"fsdp: raised {type(e).__name__}: {str(e).splitlines()[0][:300]}"]
+    return _differ("fsdp", got, ref, fsdp_tolerance(run), "FSDP2 on gloo")
+
+
+def fsdp_tolerance(run: dict) -> float:
+    """1e-9 in float64 (the reduce-scatters' sums in another order); with the mixed-precision
+    policy the gradients are reduced in float32: TOL_MIXED."""
+    return TOL_MIXED if run["mixed"] else RTOL
 
 
 def _identical(finals: dict, net: nn.Module, world: int) -> list[str]:
@@ -296,15 +401,15 @@ def _identical(finals: dict, net: nn.Module, world: int) -> list[str]:
     return errors
 
 
-def run_seeds(world: int, seeds, timeout: float = 600, hosts: str | None = None) -> dict:
+def run_seeds(world: int, seeds, timeout: float = 600, hosts: str | None = None, fsdp: bool = False) -> dict:
     """{rank: {seed: errors}} of run_ranks over `world` fresh ranks; `hosts`: a layout such
-    as "a,a,b,b" (simulated hosts), None: one host."""
+    as "a,a,b,b" (simulated hosts), None: one host; `fsdp`: the FSDP2 runs."""
     from _dist import run_ranks
 
     ids = hosts.split(",") if hosts else None
     if ids is not None and len(ids) != world:
         raise ValueError(f"hosts {hosts!r} names {len(ids)} hosts for {world} ranks")
-    res = run_ranks(case_runs, world, list(seeds), ids, timeout=timeout, env={"RINGDP_TIMEOUT_S": "60"})
+    res = run_ranks(case_runs, world, list(seeds), ids, fsdp, timeout=timeout, env={"RINGDP_TIMEOUT_S": "60"})
     out = {}
     for r, item in enumerate(res):
         out[r] = item[1] if item is not None and item[0] == "ok" else {"?": [f"rank {r}: {item}"]}
@@ -323,6 +428,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=20, help="runs per set of fresh ranks")
     ap.add_argument("--hosts", default=None, help="each rank's simulated host, e.g. a,a,b,b")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for a batch")
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 runs (fully_shard) instead of DDP runs")
     ap.add_argument("--show", action="store_true", help="print the runs instead of training them")
     a = ap.parse_args(argv)
     import _fuzz_ddp  # the ranks import this module by name (not as __main__)
@@ -330,12 +436,13 @@ def main(argv=None) -> int:
     seeds = list(range(*map(int, a.seeds.split(":")))) if ":" in a.seeds else [int(x) for x in a.seeds.split(",")]
     if a.show:
         for s in seeds:
-            print(f"seed {s}: {_fuzz_ddp.describe(_fuzz_ddp.make_run(s, a.world))}")
+            make = _fuzz_ddp.make_fsdp_run if a.fsdp else _fuzz_ddp.make_run
+            print(f"seed {s}: {_fuzz_ddp.describe(make(s, a.world))}")
         return 0
     bad, skipped, t0 = [], 0, time.monotonic()
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
-        out = _fuzz_ddp.run_seeds(a.world, batch, a.timeout, a.hosts)
+        out = _fuzz_ddp.run_seeds(a.world, batch, a.timeout, a.hosts, a.fsdp)
         bad += _fuzz_ddp.failures(out)
         skipped += sum(1 for errs in out[0].values() for e in errs if e.startswith("skipped"))
         print(f"seeds {batch[0]}..{batch[-1]}: {len(_fuzz_ddp.failures(out))} failures, {skipped} skipped so far "

@@ -99,17 +99,20 @@ def test_closed_forms():
     assert _fuzz.expected("AVG", 3, 3, torch.bfloat16).tolist() == [2.0, 3.0, 4.0]
 
 
-# (world, simulated hosts, seeds): random training runs (tests/_fuzz_ddp.py), fresh ranks each
-TRAININGS = [(2, None, range(0, 20)), (3, None, range(10, 30)), (4, "a,a,b,b", range(0, 10)),
-             (4, "a,a,a,b", range(10, 18))]
+# (DDP or FSDP2 runs, world, simulated hosts, seeds): random training runs
+# (tests/_fuzz_ddp.py), fresh ranks each
+TRAININGS = [("ddp", 2, None, range(0, 20)), ("ddp", 3, None, range(10, 30)), ("ddp", 4, "a,a,b,b", range(0, 10)),
+             ("ddp", 4, "a,a,a,b", range(10, 18)),
+             ("fsdp", 2, None, range(8, 18)), ("fsdp", 3, None, range(0, 10)), ("fsdp", 4, "a,a,b,b", range(0, 8))]
 
 
-@pytest.mark.parametrize("world,hosts,seeds", TRAININGS,
-                         ids=[f"w{w}-{h.replace(',', '') if h else 'onehost'}" for w, h, _ in TRAININGS])
-def test_random_training_runs(world, hosts, seeds):
-    """Each step of RingDDP and of stock DDP on cpu:ringdp matches torch's DDP on gloo, and
-    every rank ends with the same parameters; torch's DDP refuses none of these runs."""
-    out = _fuzz_ddp.run_seeds(world, seeds, timeout=300, hosts=hosts)
+@pytest.mark.parametrize("mode,world,hosts,seeds", TRAININGS,
+                         ids=[f"{m}-w{w}-{h.replace(',', '') if h else 'onehost'}" for m, w, h, _ in TRAININGS])
+def test_random_training_runs(mode, world, hosts, seeds):
+    """DDP: each step of RingDDP and of stock DDP on cpu:ringdp matches torch's DDP on gloo,
+    and every rank ends with the same parameters. FSDP2: each step's shards on cpu:ringdp
+    match those on gloo. torch refuses none of these runs."""
+    out = _fuzz_ddp.run_seeds(world, seeds, timeout=300, hosts=hosts, fsdp=mode == "fsdp")
     bad = _fuzz_ddp.failures(out)
     assert not bad, "\n".join(bad[:20])
     assert [sorted(per) for per in out.values()] == [list(seeds)] * world
@@ -121,7 +124,7 @@ def test_training_runs_cover_the_options():
     """The seeds of TRAININGS draw every extra, hook, optimizer and bucket size, uneven inputs
     (with a branch no rank that still trains uses), static graphs and no_sync steps; the
     draw is a pure function of the seed."""
-    runs = [_fuzz_ddp.make_run(s, w) for w, _, seeds in TRAININGS for s in seeds]
+    runs = [_fuzz_ddp.make_run(s, w) for m, w, _, seeds in TRAININGS if m == "ddp" for s in seeds]
     assert _fuzz_ddp.make_run(7, 3) == _fuzz_ddp.make_run(7, 3)
     assert {e for r in runs for e in r["extras"]} == {"tied", "frozen", "step_branch", "rank_branch", "batchnorm"}
     assert {r["hook"] for r in runs} == {None, "fp16", "bf16"}
@@ -134,3 +137,12 @@ def test_training_runs_cover_the_options():
     assert any(any(m > 1 for m in r["micro"][:r["steps"]]) for r in runs)
     # the tolerance: 1e-9 without a hook, looser through one (tolerance())
     assert [_fuzz_ddp.tolerance({"hook": h}) for h in (None, "fp16", "bf16")] == [1e-9, 1e-3, 1e-2]
+    # FSDP2 runs: sharded per layer and at the root only, resharded after forward or not,
+    # with and without the mixed-precision policy, both optimizers, gradient accumulation
+    fsdp = [_fuzz_ddp.make_fsdp_run(s, w) for m, w, _, seeds in TRAININGS if m == "fsdp" for s in seeds]
+    assert {r["shard"] for r in fsdp} == {"layers", "root"}
+    assert {r["reshard_after_forward"] for r in fsdp} == {r["mixed"] for r in fsdp} == {True, False}
+    assert {r["optimizer"] for r in fsdp} == {"sgd", "adam"}
+    assert any(any(m > 1 for m in r["micro"][:r["steps"]]) for r in fsdp)
+    assert {r["premul"] for r in fsdp} == {True, False}
+    assert not any((r["mixed"] or r["premul"]) and r["optimizer"] == "adam" for r in fsdp)
