@@ -3,7 +3,8 @@ torch's DDP (FSDP2) on gloo: a differential fuzzer of the training path.
 
 A run is drawn from a seed, the same on every rank: a model (a stack of Linear layers of
 random widths; some of: a tied weight used twice, a frozen layer, a branch used only on some
-steps, a branch used on some ranks only, a BatchNorm1d whose buffers DDP broadcasts), DDP's
+steps, a branch used on some ranks only, a BatchNorm1d whose buffers DDP broadcasts, an
+nn.Embedding with sparse gradients looked up by rows the input picks), DDP's
 options (bucket_cap_mb from one parameter per bucket to one bucket, find_unused_parameters,
 gradient_as_bucket_view, static_graph where the graph allows it, broadcast_buffers), an
 optimizer (SGD with momentum or Adam), a compression comm hook (fp16, bf16) or none, and a
@@ -54,6 +55,7 @@ from torch.distributed.algorithms.join import Join
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 D_IN, D_OUT = 6, 3
+EMB_ROWS = 7
 RTOL = 1e-9
 TOL_MIXED = 1e-5
 
@@ -82,7 +84,13 @@ def make_run(seed: int, world: int) -> dict:
         "uneven": [rng.randint(0, 2) for _ in range(world)] if rng.random() < 0.3 else None,
         # a compression comm hook: torch's on torch's DDP, ringdp's on RingDDP (not inside Join)
         "hook": rng.choice([None, None, None, "fp16", "bf16"]),
+        # an nn.Embedding(sparse=True) looked up by indices made from the input: sparse gradients
+        "sparse": rng.random() < 0.25,
     }
+    if run["sparse"]:
+        # (torch's DDP gives a hook each sparse gradient as a bucket, which the compression
+        # hooks cannot cast; Adam takes no sparse gradient)
+        run["hook"], run["optimizer"] = None, "sgd"
     if "batchnorm" in extras:
         run["per_rank"] = max(2, run["per_rank"])  # (BatchNorm1d trains on at least 2 samples)
     if run["uneven"] is not None:
@@ -124,8 +132,11 @@ class Net(nn.Module):
         self.step_branch = nn.Linear(D_IN, D_OUT) if "step_branch" in extras else None
         self.rank_branch = nn.Linear(D_IN, D_OUT) if "rank_branch" in extras else None
         self.bn = nn.BatchNorm1d(D_IN) if "batchnorm" in extras else None
+        self.emb = nn.Embedding(EMB_ROWS, D_IN, sparse=True) if run.get("sparse") else None
 
     def forward(self, x, step: int, rank: int):
+        if self.emb is not None:  # (rows picked by the input: some rows on some ranks only)
+            x = x + self.emb((x[:, 0].abs() * 3).long() % EMB_ROWS)
         if self.bn is not None:
             x = self.bn(x)
         if self.frozen is not None:

@@ -129,8 +129,10 @@ def test_training_runs_cover_the_options():
     assert {e for r in runs for e in r["extras"]} == {"tied", "frozen", "step_branch", "rank_branch", "batchnorm"}
     assert {r["hook"] for r in runs} == {None, "fp16", "bf16"}
     assert {r["optimizer"] for r in runs} == {"sgd", "adam"}
+    assert any(r["sparse"] and r["uneven"] for r in runs) and any(r["sparse"] and r["micro"][0] > 1 for r in runs)
     assert {r["bucket_cap_mb"] for r in runs} == {1e-6, 1e-4, 2e-3, 25.0}
-    for key in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "set_to_none"):
+    for key in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "broadcast_buffers", "set_to_none",
+                "sparse"):
         assert {r[key] for r in runs} == {True, False}, key
     assert any(r["uneven"] and {"rank_branch", "step_branch"} & set(r["extras"]) for r in runs)
     assert any(r["uneven"] and "batchnorm" in r["extras"] and r["broadcast_buffers"] for r in runs)
