@@ -93,7 +93,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types, policy
 from ._eager import eager, eager_methods
 from ._native import _C
-from .comm import Communicator, HelpingFuture, RingError, _completed
+from .comm import Communicator, HelpingFuture, RingError, _completed, fail_future
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -201,7 +201,7 @@ class RingWork(dist.Work):
         there, and a hierarchical one on the hierarchy's stream, neither of which ringdp's
         stream had waited for (comm._run_cuda)."""
         if self._exc is not None:
-            tf.set_exception(self._exc)
+            fail_future(tf, self._exc)
             return
         if cuda:
             stream = cuda[-1][0].stream
@@ -845,7 +845,7 @@ def _chain_future(works, outputs):
             for f in futs:
                 f.wait()
         except BaseException as e:  # noqa: BLE001 -- handed to the waiter
-            tf.set_exception(e)
+            fail_future(tf, e)
             return
         tf.set_result(outputs)
 

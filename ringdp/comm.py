@@ -212,6 +212,39 @@ def _completed(tf: torch.futures.Future) -> torch.futures.Future:
     return tf
 
 
+class _Failure:
+    """A failed torch future's value, as torch's C++ code reads it (fail_future)."""
+
+    __slots__ = ("exc",)
+
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+    def __reduce_ex__(self, protocol):
+        # torch finds the tensors of a future's Python value by pickling it
+        # (torch._jit_internal._extract_tensors): this one raises its failure instead
+        raise self.exc
+
+
+def _raise_failure(value: _Failure):
+    raise value.exc
+
+
+def fail_future(tf: torch.futures.Future, exc: BaseException) -> None:
+    """Complete the torch future `tf` with the failure `exc`, so that both Python and torch's
+    C++ code reading it fail. torch's Future.set_exception (Python) sets no error that C++
+    sees: it completes the future with the exception as its value, and only Python's
+    wait()/value() raise it (through the future's unwrap function). C++ readers take that
+    value as a result: DDP's reducer without a comm hook asks it for its tensors, gets none
+    and reads past the end of the list (every surviving rank segfaulted when a peer died
+    during backward: tests/test_failures.py::test_peer_dies_in_training). Here the value
+    is a _Failure, which refuses to give its tensors by raising `exc`: DDP's backward then
+    raises a RuntimeError carrying exc's message (the rank and the problem); Python waiters
+    get `exc` itself, as from set_exception (which does the same with the bare exception)."""
+    tf._set_unwrap_func(_raise_failure)
+    tf.set_result(_Failure(exc))
+
+
 def _settle(fut: Future, error: BaseException | None) -> None:
     """A collective's future: its failure, or done."""
     if error is not None:
@@ -230,7 +263,7 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
         except BaseException as e:  # noqa: BLE001 -- handed to the waiter
             exc = e
     if exc is not None:
-        tf.set_exception(exc)
+        fail_future(tf, exc)
     elif cuda is not None:
         # the future's event: on ringdp's stream, after it waited for the collective's end (its
         # `done` event: recorded on ringdp's stream, or, for a call made on the worker, on the
@@ -516,6 +549,7 @@ class Communicator:
         worker = threading.Thread(target=self._run_worker, args=(q,), name=f"ringdp-worker-r{self.rank}", daemon=True)
         worker.start()
         self._queue, self._worker = q, worker
+        _working.add(self)  # (closed at exit if still open: _close_at_exit)
 
     def _run_worker(self, q: queue.Queue):
         while True:
@@ -1263,9 +1297,10 @@ class Communicator:
             self.across.set_timeout(secs)
         return secs
 
-    def close(self, wait: bool = True):
+    def close(self, wait: bool = True, limit: float | None = None):
         """Stop the worker and release the endpoints. Collective while the group is alive
-        (the CUDA endpoint's teardown barrier); local once the group was destroyed.
+        (the CUDA endpoint's teardown barrier); local once the group was destroyed. wait: the
+        worker's queued calls run first, within `limit` seconds (None: the timeout).
         wait=False (the backend's abort()): returns at once, waiting for nothing. The
         shared-memory endpoint is aborted (ShmComm.abort, from this thread): a call in flight
         on it fails within milliseconds, and peers blocked on this rank fail fast naming it;
@@ -1279,7 +1314,7 @@ class Communicator:
             self._closed = True
             if self._worker is not None:
                 self._queue.put(None)
-        limit = self.timeout if wait else 0.0
+        limit = (self.timeout if limit is None else limit) if wait else 0.0
         deadline = time.monotonic() + limit  # (one wait in all: the worker's call, then the lock)
         if wait and self._worker is not None and self._worker is not threading.current_thread():
             self._worker.join(timeout=limit)  # (from a callback on it: it stops after the callback)
@@ -1369,6 +1404,8 @@ def _on_stall(ref, report: str) -> None:
 
 
 _comms: dict[str, Communicator] = {}
+# Every communicator whose worker thread was started, until it is collected (_close_at_exit)
+_working: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 # The table's lock, held only to read or change it (never while a communicator is set up,
 # which waits for the peers). Reentrant: a signal handler that calls destroy() (a graceful
 # shutdown on torchrun's SIGTERM) may run on a thread that holds it.
@@ -1485,7 +1522,24 @@ def destroy(group=None):
 # under torch.compile: ringdp's calls run eagerly (ringdp/_eager.py)
 eager_methods(Communicator)
 eager_methods(Work)
-atexit.register(destroy)
+def _close_at_exit() -> None:
+    """At interpreter exit, while threads still run: destroy() (ringdp's own communicators),
+    then every communicator still open, a backend group's that torch never shut down
+    included (a script that ends without destroy_process_group), each waiting at most
+    policy.EXIT_WAIT_S for its worker. The workers are daemon threads: one still inside a
+    call when Python finalizes (calls queued behind a failure: DDP's buckets after a peer
+    died) dies taking back the GIL on its way out of C++, and the process ends in
+    std::terminate (exit code -6: tests/test_failures.py::test_peer_dies_in_training)."""
+    try:
+        destroy()
+    finally:
+        for c in list(_working):
+            if not c._closed:
+                with contextlib.suppress(Exception):  # (at exit: nothing to raise to)
+                    c.close(limit=policy.EXIT_WAIT_S)
+
+
+atexit.register(_close_at_exit)
 
 
 def build_info() -> dict:

@@ -88,6 +88,9 @@ SPIN_NS_OVERSUBSCRIBED = 2_000
 # begin_call, csrc/cuda/protocol.h timeout_ns). 1e7 s stays ~900x under the tightest limit,
 # so sums and shares of it (deadlines, cross_host_timeout) stay in range.
 MAX_TIMEOUT_S = 1e7
+# At interpreter exit a communicator still open (a backend group never destroyed) waits this
+# long for its worker's queued calls (comm._close_at_exit); the call's timeouts bound them too
+EXIT_WAIT_S = 10.0
 # RINGDP_SLOT_BYTES: csrc/transport/shm/shm_comm.cpp's rule (a slot holds whole cache lines
 # and at least a page).
 SLOT_MIN_BYTES = 4096

@@ -893,3 +893,80 @@ def test_empty_of_a_size_that_overflows_is_a_value_error():
                                                 "(2305843009213693952, 2)", "(-1, 4)"],
                                          ["torch.float32", "torch.float32", "torch.float64", "torch.float32"]):
         assert kind == "ValueError" and shape in msg and dtype in msg, (kind, msg)
+
+
+def _peer_dies_in_training(rank, world, kind, when, hosts):
+    """Training on ringdp (kind "ring": RingDDP on the gloo default group; "stock": torch's
+    DDP on a cpu:ringdp group), small buckets; the last rank SIGKILLs itself in step 2, in
+    its forward or in the middle of its backward (a gradient hook, after buckets reduced
+    later in the order have started). The others: (exception type, message, seconds from
+    step 2 to the error, ringdp's shared-memory names)."""
+    import threading
+
+    from torch import nn
+
+    if hosts:
+        os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    import torch.distributed as dist
+
+    import ringdp
+
+    torch.set_num_threads(1)
+    group = dist.new_group(backend="cpu:ringdp") if kind == "stock" else None
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+    ddp = (ringdp.RingDDP(model, bucket_cap_mb=0.05) if kind == "ring"
+           else nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05))
+    names = sorted(_shm_names())
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+    victim = rank == world - 1
+    state = {"step": 0}
+    if victim and when == "backward":  # (layer 0's weight: among the last gradients of the backward)
+        model[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if state["step"] == 2 else None)
+
+    def step(s):
+        state["step"] = s
+        x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s * world + rank))
+        out = ddp(x)
+        if victim and when == "forward" and s == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    for s in range(2):
+        step(s)
+    t0 = time.monotonic()
+    try:
+        for s in range(2, 6):
+            step(s)
+    except Exception as e:  # noqa: BLE001 -- what the survivor sees
+        took = time.monotonic() - t0
+        alive = [t.name for t in threading.enumerate() if t is not threading.main_thread() and not t.daemon]
+        return type(e).__name__, str(e), took, names, alive
+    return None, None, time.monotonic() - t0, names, []
+
+
+@pytest.mark.parametrize("hosts", [None, "aabb"], ids=["onehost", "aabb"])
+@pytest.mark.parametrize("when", ["forward", "backward"])
+@pytest.mark.parametrize("kind", ["ring", "stock"])
+def test_peer_dies_in_training(kind, when, hosts):
+    """A peer SIGKILLed in the middle of training: every survivor's step raises within the
+    timeout (5 s), naming the dead rank (on two hosts: the cross-host step that cannot reach
+    it, or the peer of its host that died), its process exits with 0, and nothing of
+    ringdp's is left in /dev/shm."""
+    world = 4 if hosts else 3
+    dead = world - 1
+    codes = []
+    res = run_ranks(_peer_dies_in_training, world, kind, when, hosts and list(hosts),
+                    env={"RINGDP_TIMEOUT_S": "5"}, allow_missing=(dead,), timeout=120, exitcodes=codes)
+    for r in range(dead):
+        status, value = res[r]
+        assert status == "ok", value
+        etype, msg, took, names, alive = value
+        assert msg is not None, f"rank {r}: trained on after rank {dead} died"
+        assert f"rank {dead}" in msg or "across hosts" in msg, (r, etype, msg)
+        assert took < 5 + 2 * SLACK_S, (r, took, msg)
+        assert codes[r] == 0, (r, codes)
+    left = _shm_names() & set(res[0][1][3])
+    assert not left, left
