@@ -1522,6 +1522,8 @@ def destroy(group=None):
 # under torch.compile: ringdp's calls run eagerly (ringdp/_eager.py)
 eager_methods(Communicator)
 eager_methods(Work)
+
+
 def _close_at_exit() -> None:
     """At interpreter exit, while threads still run: destroy() (ringdp's own communicators),
     then every communicator still open, a backend group's that torch never shut down

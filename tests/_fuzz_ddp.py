@@ -417,9 +417,9 @@ def run_seeds(world: int, seeds, timeout: float = 600, hosts: str | None = None,
     as "a,a,b,b" (simulated hosts), None: one host; `fsdp`: the FSDP2 runs."""
     from _dist import run_ranks
 
-    ids = hosts.split(",") if hosts else None
-    if ids is not None and len(ids) != world:
-        raise ValueError(f"hosts {hosts!r} names {len(ids)} hosts for {world} ranks")
+    from _fuzz import host_env
+
+    ids = host_env(hosts, world)
     res = run_ranks(case_runs, world, list(seeds), ids, fsdp, timeout=timeout, env={"RINGDP_TIMEOUT_S": "60"})
     out = {}
     for r, item in enumerate(res):
@@ -444,7 +444,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import _fuzz_ddp  # the ranks import this module by name (not as __main__)
 
-    seeds = list(range(*map(int, a.seeds.split(":")))) if ":" in a.seeds else [int(x) for x in a.seeds.split(",")]
+    from _fuzz import _seeds
+
+    seeds = list(_seeds(a.seeds))
     if a.show:
         for s in seeds:
             make = _fuzz_ddp.make_fsdp_run if a.fsdp else _fuzz_ddp.make_run
