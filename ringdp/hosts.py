@@ -1046,7 +1046,7 @@ class _Check:
             return  # this rank failed the call itself: it raises its own error (CrossHost._begin)
         failed = [(m, row[1]) for m, row in zip(self.ranks, rows) if row[0] == _FAILED]
         if failed:
-            why = "; ".join(f"rank {m}: {h._reason(m, n)}" for m, n in failed)
+            why = "; ".join(_said_by(m, h._reason(m, n)) for m, n in failed)
             h._fail(f"rank {h.rank}: {self.what.split()[0]} across hosts cannot run: "
                     f"{'a rank' if len(failed) == 1 else 'ranks'} failed it before any data moved: {why}",
                     self.tell, self.t, self.tag)
@@ -1074,6 +1074,12 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
+
+
+def _said_by(rank: int, reason: str) -> str:
+    """`reason` (a FAILED row's, from the store) attributed to `rank`, which most reasons
+    already name first (a RingError's text starts with its rank): "rank 2: ...", once."""
+    return reason if reason.startswith((f"rank {rank}:", f"rank {rank} ")) else f"rank {rank}: {reason}"
 
 
 def _reduce_rows(out, rows, code: int) -> None:

@@ -8,6 +8,7 @@ closed forms) and a host dying under them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -441,6 +442,8 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
             assert kind == "RingError", (r, name, kind, msg)
             # every message names the group's ranks, the in-host endpoint's too (not its local ones)
             assert msg.startswith(f"rank {r}:"), (r, name, msg)
+            # a failed rank's reason names it once, not "rank 1: rank 1: ..."
+            assert not re.search(r"rank (\d+): rank \1[: ]", msg), (r, name, msg)
             if "bad input" in name:
                 assert f"rank {bad}" in msg and needle in msg, (r, name, msg)
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
