@@ -897,10 +897,13 @@ def test_empty_of_a_size_that_overflows_is_a_value_error():
 
 def _peer_dies_in_training(rank, world, kind, when, hosts):
     """Training on ringdp (kind "ring": RingDDP on the gloo default group; "stock": torch's
-    DDP on a cpu:ringdp group), small buckets; the last rank SIGKILLs itself in step 2, in
-    its forward or in the middle of its backward (a gradient hook, after buckets reduced
-    later in the order have started). The others: (exception type, message, seconds from
-    step 2 to the error, ringdp's shared-memory names)."""
+    DDP on a cpu:ringdp group; "hook": the same with torch's fp16 compression hook, whose
+    futures are the hook's own; "fsdp": FSDP2, fully_shard per layer and at the root, on
+    that group: its all-gathers and reduce-scatters), small buckets; the last rank SIGKILLs
+    itself in step 2, in its forward or in the middle of its backward (a gradient hook,
+    after buckets reduced later in the order, or FSDP2's later layers' reduce-scatters,
+    have started). The others: (exception type, message, seconds from step 2 to the error,
+    ringdp's shared-memory names)."""
     import threading
 
     from torch import nn
@@ -912,17 +915,37 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
     import ringdp
 
     torch.set_num_threads(1)
-    group = dist.new_group(backend="cpu:ringdp") if kind == "stock" else None
+    group = dist.new_group(backend="cpu:ringdp") if kind != "ring" else None
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
-    ddp = (ringdp.RingDDP(model, bucket_cap_mb=0.05) if kind == "ring"
-           else nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05))
+    if kind == "ring":
+        ddp = ringdp.RingDDP(model, bucket_cap_mb=0.05)
+    elif kind == "fsdp":
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model[::2]:
+            fully_shard(layer, mesh=mesh)
+        ddp = fully_shard(model, mesh=mesh)
+    else:
+        ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
+        if kind == "hook":
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     names = sorted(_shm_names())
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     victim = rank == world - 1
     state = {"step": 0}
-    if victim and when == "backward":  # (layer 0's weight: among the last gradients of the backward)
-        model[0].weight.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL) if state["step"] == 2 else None)
+    if victim and when == "backward":
+        # the gradient of layer 1's output: after the last layers' gradients (their buckets,
+        # FSDP2's reduce-scatters) and before layer 0's (a hook on a parameter would not do
+        # for FSDP2: its gradients reach the unsharded parameters)
+        def arm(module, inputs, out):
+            if state["step"] == 2:
+                out.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
+        model[1].register_forward_hook(arm)
 
     def step(s):
         state["step"] = s
@@ -949,7 +972,7 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
 
 @pytest.mark.parametrize("hosts", [None, "aabb"], ids=["onehost", "aabb"])
 @pytest.mark.parametrize("when", ["forward", "backward"])
-@pytest.mark.parametrize("kind", ["ring", "stock"])
+@pytest.mark.parametrize("kind", ["ring", "stock", "hook", "fsdp"])
 def test_peer_dies_in_training(kind, when, hosts):
     """A peer SIGKILLed in the middle of training: every survivor's step raises within the
     timeout (5 s), naming the dead rank (on two hosts: the cross-host step that cannot reach
