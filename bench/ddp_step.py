@@ -8,7 +8,8 @@ Run it
 Model: an MLP of --layers Linear(H, H)+ReLU layers for each H in --hidden (the issue's
 target is H=2560, 4 layers: 26M parameters, 105 MB of float32 gradients), batch --batch
 per rank, SGD. One step = zero_grad, forward, MSE loss, backward (gradients averaged when
-it returns), optimizer step.
+it returns), optimizer step. --batchnorm puts a BatchNorm1d(H) after each Linear: buffers,
+which both DDPs broadcast from rank 0 before each forward (broadcast_buffers).
 
 Modes, all in the same run, on the same data and initial weights:
     none        the plain module: the compute alone, no communication
@@ -72,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
     p.add_argument("--hidden", default="1024,2560", help="comma-separated hidden sizes H")
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d(H) after each Linear (buffers)")
     p.add_argument("--batch", type=int, default=8, help="samples per rank")
     p.add_argument("--modes", default="none,torch,ring,ring_view")
     p.add_argument("--warmup", type=int, default=3)
@@ -95,14 +97,14 @@ def parse_args(argv=None):
     return a
 
 
-def build_model(hidden: int, layers: int):
+def build_model(hidden: int, layers: int, batchnorm: bool = False):
     import torch
     from torch import nn
 
     torch.manual_seed(0)
     mods = []
     for _ in range(layers):
-        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
+        mods += [nn.Linear(hidden, hidden)] + ([nn.BatchNorm1d(hidden)] if batchnorm else []) + [nn.ReLU()]
     return nn.Sequential(*mods)
 
 
@@ -167,7 +169,7 @@ def run(rank: int, world: int, args) -> dict | None:
     torch.set_num_threads(args.threads)
     rows = []
     for hidden in args.hidden:
-        models = {m: wrap(m, build_model(hidden, args.layers), args) for m in args.modes}
+        models = {m: wrap(m, build_model(hidden, args.layers, args.batchnorm), args) for m in args.modes}
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-3) for m in args.modes}
         g = torch.Generator().manual_seed(rank)
         data = [(torch.randn(args.batch, hidden, generator=g), torch.randn(args.batch, hidden, generator=g))
@@ -287,7 +289,8 @@ def main_rank(rank, world, args):
                 png = out.with_suffix(".png")
                 who = "RingDDP vs torch DDP(gloo)" if any(m.startswith("ring") for m in args.modes) else \
                     "stock DDP: ringdp vs gloo"
-                plot(rows, png, f"{who}: world {world}, {args.layers}x Linear(H,H)+ReLU, "
+                layer = "Linear(H,H)+BatchNorm1d+ReLU" if args.batchnorm else "Linear(H,H)+ReLU"
+                plot(rows, png, f"{who}: world {world}, {args.layers}x {layer}, "
                                 f"batch {args.batch}/rank, {args.threads} thread(s)/rank")
                 print(f"wrote {png}")
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
 
-from .comm import RingError, _group_key, _is_world, get_communicator, init
+from .comm import _SUPPORTED_DTYPES, RingError, _group_key, _is_world, get_communicator, init
 from .config import Config, trace_path
 from .buckets import GradBucket, Observer, assign_buckets, now_us
 from .reducer import Reducer
@@ -275,15 +275,21 @@ class RingDDP(nn.Module, Joinable):
 
     @torch.no_grad()
     def _broadcast_tensors(self, tensors: list[torch.Tensor], src: int) -> None:
-        """Broadcast `tensors` from group rank `src` through torch.distributed, coalesced
-        into flat tensors per dtype and device (at most BROADCAST_CHUNK_BYTES each)."""
+        """Broadcast `tensors` from group rank `src`, coalesced into flat tensors per dtype
+        and device (at most BROADCAST_CHUNK_BYTES each): CPU tensors of ringdp's dtypes on
+        ringdp's communicator (its failure guarantees: a dead peer is a RingError naming it,
+        within ringdp's timeout; on a gloo group, gloo's error named no rank; and ordered
+        with the reductions), others through torch.distributed (CUDA tensors too: ringdp's
+        CUDA broadcast has not run on a GPU yet, docs/cuda.md)."""
         if self.world_size == 1 or not tensors:
             return
         groups: dict[tuple, list[torch.Tensor]] = {}
         for t in tensors:
             groups.setdefault((t.dtype, t.device), []).append(t)
         gsrc = self._global_rank(src)
-        for ts in groups.values():
+        comm = get_communicator(self.process_group)
+        for (dtype, device), ts in groups.items():
+            ours = device.type == "cpu" and dtype in _SUPPORTED_DTYPES
             chunk, size = [], 0
             for t in ts + [None]:
                 if t is not None:
@@ -291,7 +297,10 @@ class RingDDP(nn.Module, Joinable):
                     size += t.numel() * t.element_size()
                 if chunk and (t is None or size >= BROADCAST_CHUNK_BYTES):
                     flat = torch.cat([c.detach().reshape(-1) for c in chunk])
-                    dist.broadcast(flat, src=gsrc, group=self.process_group)
+                    if ours:
+                        comm.broadcast(flat, src, tag="RingDDP broadcast")
+                    else:
+                        dist.broadcast(flat, src=gsrc, group=self.process_group)
                     if self.rank != src:
                         o = 0
                         for c in chunk:
@@ -437,7 +446,7 @@ class _RingJoinHook(JoinHook):
         """After all ranks joined: everyone takes the model of a rank that joined last."""
         ddp = self.ddp
         t = torch.tensor([ddp.rank if is_last_joiner else -1], dtype=torch.int64, device=ddp.join_device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ddp.process_group)
+        get_communicator(ddp.process_group).all_reduce(t, op=dist.ReduceOp.MAX, tag="RingDDP join end")
         src = int(t.item())
         if src >= 0:
             ddp._broadcast_state(src, buffers=ddp.forward_sync_buffers)  # as torch's _sync_final_model

@@ -375,7 +375,8 @@ def _close(text: str, value: float) -> bool:
 def test_readme_figures_match_their_files():
     """Figures README quotes from the committed files, recomputed from them: the registered
     / ordinary speed at 64 KiB-4 MiB (world 2), the H100 copy bandwidths, FSDP2's parameter
-    count, and the spin learner's best runs (the compare files keep each side's best)."""
+    count, the spin learner's best runs and RingDDP's broadcast on ringdp (the compare files
+    keep each side's best)."""
     import re
 
     from torch import nn
@@ -410,6 +411,13 @@ def test_readme_figures_match_their_files():
             r = best[z]
             assert _close(before, r["before_us"] / scale) and _close(after, r["after_us"] / scale), (busy, z, cell)
             assert _close(ratio, r["after_over_before"]), (busy, z, cell)
+
+    best = {tuple(r["key"]): r for r in report.load(RESULTS / "compare_ringddp_broadcast_ddp_step_cpu_w2.json")["rows"]}
+    before, after, ratio, big = re.search(r"Linear\(256\)\+BatchNorm1d, world 2, ([\d.]+) -> ([\d.]+) ms \(([\d.]+)x; "
+                                          r"at H=2560 ([\d.]+)x", text).groups()
+    small = best[256, "ring"]
+    assert _close(before, small["before_ms"]) and _close(after, small["after_ms"]), (before, after, small)
+    assert _close(ratio, small["after_over_before"]) and _close(big, best[2560, "ring"]["after_over_before"]), (ratio, big)
 
 
 def test_compare_takes_each_sides_best_run(tmp_path):

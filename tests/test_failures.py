@@ -900,7 +900,7 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
     DDP on a cpu:ringdp group; "hook": the same with torch's fp16 compression hook, whose
     futures are the hook's own; "fsdp": FSDP2, fully_shard per layer and at the root, on
     that group: its all-gathers and reduce-scatters), small buckets; the last rank SIGKILLs
-    itself in step 2, in its forward or in the middle of its backward (a gradient hook,
+    itself in step 2, before its forward or in the middle of its backward (a gradient hook,
     after buckets reduced later in the order, or FSDP2's later layers' reduce-scatters,
     have started). The others: (exception type, message, seconds from step 2 to the error,
     ringdp's shared-memory names)."""
@@ -917,7 +917,9 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
     torch.set_num_threads(1)
     group = dist.new_group(backend="cpu:ringdp") if kind != "ring" else None
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 4))
+    # (BatchNorm: buffers, which both DDPs broadcast before each forward)
+    model = nn.Sequential(nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(),
+                          nn.Linear(256, 4))
     if kind == "ring":
         ddp = ringdp.RingDDP(model, bucket_cap_mb=0.05)
     elif kind == "fsdp":
@@ -925,8 +927,9 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
         from torch.distributed.fsdp import fully_shard
 
         mesh = DeviceMesh.from_group(group, "cpu")
-        for layer in model[::2]:
-            fully_shard(layer, mesh=mesh)
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
         ddp = fully_shard(model, mesh=mesh)
     else:
         ddp = nn.parallel.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
@@ -939,20 +942,20 @@ def _peer_dies_in_training(rank, world, kind, when, hosts):
     victim = rank == world - 1
     state = {"step": 0}
     if victim and when == "backward":
-        # the gradient of layer 1's output: after the last layers' gradients (their buckets,
-        # FSDP2's reduce-scatters) and before layer 0's (a hook on a parameter would not do
-        # for FSDP2: its gradients reach the unsharded parameters)
+        # the gradient of the first Tanh's output: after the last layers' gradients (their
+        # buckets, FSDP2's reduce-scatters) and before layer 0's (a hook on a parameter would
+        # not do for FSDP2: its gradients reach the unsharded parameters)
         def arm(module, inputs, out):
             if state["step"] == 2:
                 out.register_hook(lambda g: os.kill(os.getpid(), signal.SIGKILL))
-        model[1].register_forward_hook(arm)
+        model[2].register_forward_hook(arm)
 
     def step(s):
         state["step"] = s
         x = torch.randn(8, 64, generator=torch.Generator().manual_seed(s * world + rank))
-        out = ddp(x)
-        if victim and when == "forward" and s == 2:
+        if victim and when == "forward" and s == 2:  # (the others then fail in their forward's broadcast)
             os.kill(os.getpid(), signal.SIGKILL)
+        out = ddp(x)
         out.pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
