@@ -355,8 +355,9 @@ def test_readme_commands_match_the_committed_results(monkeypatch):
 
             parsed = vars(ddp_step.parse_args(rest))
         # options added after a file was made (absent from its args) must be at the value
-        # that reproduces it: all_reduce only for --coll, one host for --hosts, nothing busy for --busy
-        added = {"coll": "all_reduce", "colls": ["all_reduce"], "hosts": 1, "busy": 0}
+        # that reproduces it: all_reduce only for --coll, one host for --hosts, nothing busy for
+        # --busy, no BatchNorm for --batchnorm
+        added = {"coll": "all_reduce", "colls": ["all_reduce"], "hosts": 1, "busy": 0, "batchnorm": False}
         for k in set(stored) | set(parsed):
             if k == "out_dir":
                 continue

@@ -34,6 +34,20 @@ def test_ddp_step_smoke(tmp_path):
     assert "ring step / torch DDP(gloo) step" in r.stdout
 
 
+def test_ddp_step_batchnorm_smoke(tmp_path):
+    """--batchnorm: a BatchNorm1d after each Linear (its weight and bias among the parameters)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RINGDP_TIMEOUT_S="60")
+    cmd = [sys.executable, str(ROOT / "bench" / "ddp_step.py"), "--world", "2", "--hidden", "64", "--layers", "2",
+           "--batchnorm", "--iters", "2", "--warmup", "1", "--rounds", "1", "--warmup-rounds", "0", "--modes",
+           "none,torch,ring,torch_ringdp", "--out-dir", str(tmp_path)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
+    doc = json.loads((tmp_path / "ddp_step_cpu_w2.json").read_text())
+    assert doc["args"]["batchnorm"] is True
+    assert [x["mode"] for x in doc["rows"]] == ["none", "torch", "ring", "torch_ringdp"]
+    assert all(x["params"] == 2 * (64 ** 2 + 64 + 2 * 64) and x["step_ms"] > 0 for x in doc["rows"])
+
+
 def test_fsdp_step_smoke(tmp_path):
     """bench/fsdp_step.py on a tiny model: gloo, ringdp and alone (the no-traffic floor) rows,
     gloo and ringdp train to the same losses."""
