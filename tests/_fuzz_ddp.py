@@ -36,6 +36,19 @@ mixed-precision policy).
     python tests/_fuzz_ddp.py --world 3 --seeds 7 --show
     python tests/_fuzz_ddp.py --world 3 --seeds 0:50 --fsdp
 
+`--kill` (DDP or FSDP2 runs) trains one copy on ringdp (drawn: RingDDP, stock DDP or RingDDP
+on the cpu:ringdp group; FSDP2 with --fsdp), fresh ranks for each seed, and one rank
+SIGKILLs itself at a drawn point: before a forward, in the middle of a backward (when the
+gradient of the first layer's output comes, after later layers' reductions started) or
+before the optimizer's step, of a drawn step and micro-batch (make_kill). Every survivor
+must raise within twice ringdp's timeout (10 s) of the last point it passed, naming the
+dead rank (or the cross-host step that cannot reach it), exit with 0, and leave no
+shared-memory name behind; it may finish without an error only when the victim died after
+its last collective (before its last optimizer step).
+
+    python tests/_fuzz_ddp.py --world 3 --seeds 0:40 --kill
+    python tests/_fuzz_ddp.py --world 4 --hosts a,a,b,b --seeds 0:40 --kill --fsdp
+
 tests/test_fuzz.py runs a few seeds.
 """
 from __future__ import annotations
@@ -210,33 +223,42 @@ def _state(ddp) -> list[torch.Tensor]:
     return [t.detach().clone() for t in list(ddp.module.parameters()) + list(ddp.module.buffers())]
 
 
-def _train(kind, run, seed, rank, world, ring_group) -> list[list[torch.Tensor]]:
+def _train(kind, run, seed, rank, world, ring_group, kill=None) -> list[list[torch.Tensor]]:
     """The states after each step of one copy (the first: after wrapping; the last: after
-    Join, where the ranks take the model of a rank that joined last)."""
+    Join, where the ranks take the model of a rank that joined last). `kill`: a _Kill."""
     ddp = _wrap(kind, run, ring_group)
+    kill = kill or _Kill()
+    kill.watch(ddp.module.layers[0])
     opt = (torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=run["momentum"]) if run["optimizer"] == "sgd"
            else torch.optim.Adam(ddp.parameters(), lr=0.01))
     states = [_state(ddp)]
     steps = run["steps"] + (run["uneven"][rank] if run["uneven"] else 0)
     with (Join([ddp]) if run["uneven"] else _Nothing()):
         for step in range(steps):
-            _step(ddp, opt, run, seed, step, rank, world)
+            _step(ddp, opt, run, seed, step, rank, world, kill)
             states.append(_state(ddp))
     if run["uneven"]:
         states.append(_state(ddp))
     return states
 
 
-def _step(ddp, opt, run, seed, step, rank, world):
+def _micro(run: dict, step: int) -> int:
+    """Forward/backward passes of step `step` (the first ones without gradient sync)."""
+    return run["micro"][step] if step < len(run["micro"]) else 1
+
+
+def _step(ddp, opt, run, seed, step, rank, world, kill):
     """One optimizer step: its micro-batches, all but the last under no_sync."""
     opt.zero_grad(set_to_none=run["set_to_none"])
-    micro = run["micro"][step] if step < len(run["micro"]) else 1
+    micro = _micro(run, step)
     for m in range(micro):
         x, y = _data(seed, step, m, world * run["per_rank"])
         x, y = x[rank::world], y[rank::world]  # this rank's shard
         with (ddp.no_sync() if m < micro - 1 else _Nothing()):
+            kill.at(step, m, "forward")
             loss = ((ddp(x, step, rank) - y) ** 2).mean()
             loss.backward()
+    kill.at(step, micro - 1, "optimizer")
     opt.step()
 
 
@@ -246,6 +268,38 @@ class _Nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+class _Kill:
+    """The kill points of one training copy (--kill): at(step, micro, phase) is called before
+    each forward ("forward") and optimizer step ("optimizer"), and, through watch(first
+    layer), when the gradient of the first layer's output comes ("backward": the later
+    layers' gradients are in, their reductions started). The victim SIGKILLs itself at
+    `point` (step, micro, phase); every rank notes when it passed a point (`last`: the
+    monotonic time). Without a point (the differential runs): nothing happens."""
+
+    def __init__(self, point=None, victim: int = -1, rank: int = -1):
+        self.point, self.victim, self.rank = point, victim, rank
+        self.last = time.monotonic()
+        self._where = (-1, -1)
+
+    def at(self, step: int, micro: int, phase: str) -> None:
+        self.last = time.monotonic()
+        if phase == "forward":
+            self._where = (step, micro)
+        if self.point == (step, micro, phase) and self.rank == self.victim:
+            sys.stdout.flush()
+            os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
+
+    def watch(self, layer: nn.Module) -> None:
+        if self.point is None or self.point[2] != "backward":
+            return
+
+        def arm(module, inputs, out):
+            if self._where == self.point[:2] and out.requires_grad:
+                where = self._where
+                out.register_hook(lambda g: self.at(*where, "backward"))
+        layer.register_forward_hook(arm)
 
 
 def case_runs(rank, world, seeds, hosts=None, fsdp=False):
@@ -331,9 +385,9 @@ def make_fsdp_run(seed: int, world: int) -> dict:
     return run
 
 
-def _fsdp_train(group, run, seed, rank, world, premul: bool = False) -> list[list[torch.Tensor]]:
+def _fsdp_train(group, run, seed, rank, world, premul: bool = False, kill=None) -> list[list[torch.Tensor]]:
     """This rank's shards after each step of one FSDP2 copy over `group`; `premul`: with
-    the gradients divided by 2 x world and twice the learning rate."""
+    the gradients divided by 2 x world and twice the learning rate. `kill`: a _Kill."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -343,6 +397,8 @@ def _fsdp_train(group, run, seed, rank, world, premul: bool = False) -> list[lis
     for a, b in zip(dims[:-1], dims[1:]):
         layers += [nn.Linear(a, b), nn.Tanh()]
     model = nn.Sequential(*layers[:-1]).double()
+    kill = kill or _Kill()
+    kill.watch(model[0])
     kw = {"mesh": DeviceMesh.from_group(group, "cpu"), "reshard_after_forward": run["reshard_after_forward"]}
     if run["mixed"]:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -365,7 +421,9 @@ def _fsdp_train(group, run, seed, rank, world, premul: bool = False) -> list[lis
         for m in range(micro):
             x, y = _data(seed, step, m, world * run["per_rank"])
             model.set_requires_gradient_sync(m == micro - 1)
+            kill.at(step, m, "forward")
             ((model(x[rank::world]).double() - y[rank::world]) ** 2).mean().backward()
+        kill.at(step, micro - 1, "optimizer")
         opt.step()
         states.append([p.to_local().detach().clone() for p in model.parameters()])
     return states
@@ -432,6 +490,105 @@ def failures(out: dict) -> list[str]:
             if not e.startswith("skipped")]
 
 
+# ==================================================================== --kill
+KILL_PHASES = ("forward", "backward", "optimizer")
+KILL_TIMEOUT_S = 10.0  # RINGDP_TIMEOUT_S of the kill runs
+KILL_SLACK_S = 10.0  # on top of twice the timeout: a loaded machine
+
+
+def make_kill(seed: int, world: int, fsdp: bool = False) -> dict:
+    """Where seed `seed`'s run (make_run, or make_fsdp_run) kills a rank: the copy that
+    trains ("kind"), the victim, and the point (step, micro-batch, phase) of its training at
+    which it SIGKILLs itself; "last": whether that point comes after its last collective."""
+    run = make_fsdp_run(seed, world) if fsdp else make_run(seed, world)
+    rng = random.Random(seed * 7919 + 17)
+    kind = "fsdp" if fsdp else rng.choice(["ring", "stock", "ring_pg"])
+    victim = rng.randrange(world)
+    steps = run["steps"] + (run["uneven"][victim] if run.get("uneven") else 0)
+    step = rng.randrange(steps)
+    micro = run["micro"][step] if fsdp else _micro(run, step)
+    phase = rng.choice(KILL_PHASES)
+    m = micro - 1 if phase == "optimizer" else rng.randrange(micro)
+    return {"kind": kind, "victim": victim, "point": (step, m, phase),
+            "last": phase == "optimizer" and step == steps - 1 and not run.get("uneven")}
+
+
+def case_kill(rank, world, seed, hosts=None, fsdp=False):
+    """Seed `seed`'s kill run on this rank (make_kill): the victim dies at its point; the
+    others return (exception type or None, its message, seconds from the last point passed
+    to the end)."""
+    if hosts is not None:
+        os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    import ringdp  # noqa: F401 -- registers the backend
+
+    torch.set_num_threads(1)
+    ring_group = dist.new_group(backend="cpu:ringdp")
+    k = make_kill(seed, world, fsdp)
+    kill = _Kill(k["point"], k["victim"], rank)
+    try:
+        if fsdp:
+            _fsdp_train(ring_group, make_fsdp_run(seed, world), seed, rank, world, kill=kill)
+        else:
+            _train(k["kind"], make_run(seed, world), seed, rank, world, ring_group, kill=kill)
+    except Exception as e:  # noqa: BLE001 -- what a survivor must see
+        return type(e).__name__, str(e)[:2000], time.monotonic() - kill.last
+    return None, None, time.monotonic() - kill.last
+
+
+def kill_errors(k: dict, world: int, res, codes, left, gloo: bool = False) -> dict:
+    """{rank: errors} of one kill run (case_kill's results, exit codes, shared-memory names
+    left). `gloo`: the run has collectives on gloo, whose errors name no rank (kill_on_gloo)."""
+    victim, bound = k["victim"], 2 * KILL_TIMEOUT_S + KILL_SLACK_S
+    out = {r: [] for r in range(world)}
+    if codes[victim] != -9:
+        out[victim].append(f"the victim did not die at {k['point']} (exit code {codes[victim]})")
+    if left:
+        out[victim].append(f"shared-memory names left: {sorted(left)}")
+    for r in range(world):
+        if r == victim:
+            continue
+        if res[r] is None or res[r][0] != "ok":
+            out[r].append(f"failed outside its training: {res[r]}")
+            continue
+        etype, msg, took = res[r][1]
+        if etype is None and not k["last"]:
+            out[r].append(f"trained on after rank {victim} died at {k['point']}")
+        if etype is not None and not gloo and f"rank {victim}" not in msg and "across hosts" not in msg:
+            out[r].append(f"{etype} names neither rank {victim} nor the cross-host step: {msg.splitlines()[0][:300]}")
+        if took > bound:
+            out[r].append(f"ended {took:.1f} s after its last point (bound {bound:g} s): {etype}")
+        if codes[r] != 0:
+            out[r].append(f"exit code {codes[r]}")
+    return out
+
+
+def kill_on_gloo(k: dict, run: dict | None) -> bool:
+    """Whether kill run `k` of DDP run `run` (None: FSDP2) has collectives on gloo, which may
+    be the ones that meet the death: sparse gradients (torch's DDP and RingDDP reduce them
+    through the process group: its inner gloo group on cpu:ringdp), and torch's Join's own
+    all-reduces on RingDDP's process group, the gloo default group for kind "ring"."""
+    return run is not None and (run["sparse"] or (k["kind"] == "ring" and run["uneven"] is not None))
+
+
+def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None, fsdp: bool = False) -> dict:
+    """{rank: {seed: errors}} of each seed's kill run on `world` fresh ranks."""
+    from _dist import run_ranks
+
+    from _fuzz import _shm_names, host_env
+
+    ids = host_env(hosts, world)
+    out = {r: {} for r in range(world)}
+    for seed in seeds:
+        k = make_kill(seed, world, fsdp)
+        before, codes = _shm_names(), []
+        res = run_ranks(case_kill, world, seed, ids, fsdp, timeout=timeout, allow_missing=(k["victim"],),
+                        exitcodes=codes, env={"RINGDP_TIMEOUT_S": str(KILL_TIMEOUT_S)})
+        gloo = kill_on_gloo(k, None if fsdp else make_run(seed, world))
+        for r, errs in kill_errors(k, world, res, codes, _shm_names() - before, gloo).items():
+            out[r][seed] = errs
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=2)
@@ -440,6 +597,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", default=None, help="each rank's simulated host, e.g. a,a,b,b")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for a batch")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 runs (fully_shard) instead of DDP runs")
+    ap.add_argument("--kill", action="store_true",
+                    help="one copy on ringdp, one rank SIGKILLed at a drawn point (fresh ranks per seed)")
     ap.add_argument("--show", action="store_true", help="print the runs instead of training them")
     a = ap.parse_args(argv)
     import _fuzz_ddp  # the ranks import this module by name (not as __main__)
@@ -450,12 +609,13 @@ def main(argv=None) -> int:
     if a.show:
         for s in seeds:
             make = _fuzz_ddp.make_fsdp_run if a.fsdp else _fuzz_ddp.make_run
-            print(f"seed {s}: {_fuzz_ddp.describe(make(s, a.world))}")
+            print(f"seed {s}: {_fuzz_ddp.describe(make(s, a.world))}"
+                  + (f" kill={_fuzz_ddp.make_kill(s, a.world, a.fsdp)}" if a.kill else ""))
         return 0
     bad, skipped, t0 = [], 0, time.monotonic()
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
-        out = _fuzz_ddp.run_seeds(a.world, batch, a.timeout, a.hosts, a.fsdp)
+        out = (_fuzz_ddp.run_kills if a.kill else _fuzz_ddp.run_seeds)(a.world, batch, a.timeout, a.hosts, a.fsdp)
         bad += _fuzz_ddp.failures(out)
         skipped += sum(1 for errs in out[0].values() for e in errs if e.startswith("skipped"))
         print(f"seeds {batch[0]}..{batch[-1]}: {len(_fuzz_ddp.failures(out))} failures, {skipped} skipped so far "

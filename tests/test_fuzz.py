@@ -3,7 +3,8 @@ set-up per run, some with mismatched calls (every member must raise, and the cal
 must be right). `python tests/_fuzz.py` runs longer campaigns; the seeds here are fixed so
 that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`).
 Random training runs (tests/_fuzz_ddp.py): RingDDP and stock DDP on cpu:ringdp against
-torch's DDP on gloo, step by step (`python tests/_fuzz_ddp.py --world W --seeds S`)."""
+torch's DDP on gloo, step by step (`python tests/_fuzz_ddp.py --world W --seeds S`), and
+with one rank killed (`... --kill`)."""
 import pytest
 
 import _fuzz
@@ -118,6 +119,39 @@ def test_random_training_runs(mode, world, hosts, seeds):
     assert [sorted(per) for per in out.values()] == [list(seeds)] * world
     skipped = [(s, e) for s, errs in out[0].items() for e in errs if e.startswith("skipped")]
     assert not skipped, skipped
+
+
+# (DDP or FSDP2 runs, world, simulated hosts, seeds): random training runs in which one rank
+# SIGKILLs itself (tests/_fuzz_ddp.py --kill), fresh ranks for each seed
+TRAINING_KILLS = [("ddp", 3, None, range(0, 12)), ("ddp", 4, "a,a,b,b", range(0, 4)), ("fsdp", 3, None, range(0, 6)),
+                  ("fsdp", 4, "a,a,b,b", range(0, 3))]
+
+
+@pytest.mark.parametrize("mode,world,hosts,seeds", TRAINING_KILLS,
+                         ids=[f"{m}-w{w}-{h.replace(',', '') if h else 'onehost'}" for m, w, h, _ in TRAINING_KILLS])
+def test_random_training_runs_with_a_rank_killed(mode, world, hosts, seeds):
+    """Every survivor raises within twice the timeout of its last point, naming the dead
+    rank (or the cross-host step; gloo's errors, for what runs on gloo, name none), exits
+    with 0, and no shared-memory name is left; it trains on to the end only when the
+    victim died after its last collective."""
+    out = _fuzz_ddp.run_kills(world, seeds, hosts=hosts, fsdp=mode == "fsdp")
+    bad = _fuzz_ddp.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    assert [sorted(per) for per in out.values()] == [list(seeds)] * world
+
+
+def test_training_kills_cover_the_points():
+    """The seeds of TRAINING_KILLS kill in every phase, train every DDP copy (RingDDP, stock
+    DDP and RingDDP on cpu:ringdp), kill inside Join and under no_sync (a micro-batch before
+    the last), and some kill after the victim's last collective."""
+    kills = [(m, _fuzz_ddp.make_kill(s, w, m == "fsdp"), s, w) for m, w, _, seeds in TRAINING_KILLS for s in seeds]
+    assert {k["point"][2] for _, k, _, _ in kills} == set(_fuzz_ddp.KILL_PHASES)
+    assert {k["kind"] for m, k, _, _ in kills if m == "ddp"} == {"ring", "stock", "ring_pg"}
+    assert any(m == "ddp" and _fuzz_ddp.make_run(s, w)["uneven"] for m, _, s, w in kills)
+    assert any(k["point"][1] < _fuzz_ddp._micro(_fuzz_ddp.make_run(s, w), k["point"][0]) - 1
+               for m, k, s, w in kills if m == "ddp")
+    assert any(k["last"] for _, k, _, _ in kills)
+    assert _fuzz_ddp.make_kill(5, 3) == _fuzz_ddp.make_kill(5, 3)
 
 
 def test_training_runs_cover_the_options():
