@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import pickle
 import warnings
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -36,6 +37,7 @@ _MiB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_MB = 1
 BROADCAST_CHUNK_BYTES = 256 * _MiB  # start-up broadcast: one flat tensor per dtype, at most this
+JOIN_DRAIN_S = 2.0  # how long a failed step inside join() waits for torch's Join all-reduce it started
 
 
 class RingDDP(nn.Module, Joinable):
@@ -425,9 +427,19 @@ class _RingJoinHook(JoinHook):
         return vals[0] > 0
 
     def pre_forward(self) -> None:
-        """A rank that trains, before each forward inside join()."""
+        """A rank that trains, before each forward inside join(). torch's Join all-reduces
+        on the process group (`work`, started here): a failed control all-reduce (a peer
+        died) still waits for it, at most JOIN_DRAIN_S, before it raises: a gloo collective
+        left in flight aborted the process at exit ("terminate called without an active
+        exception", tests/_fuzz_ddp.py --kill, world 3 seed 69)."""
         work = Join.notify_join_context(self.ddp)
-        self._control_allreduce(active=True)
+        try:
+            self._control_allreduce(active=True)
+        except BaseException:
+            if work is not None:
+                with contextlib.suppress(Exception):  # (its own failure: the peer is gone)
+                    work.wait(timeout=timedelta(seconds=JOIN_DRAIN_S))
+            raise
         if work is not None:
             work.wait()
 

@@ -122,8 +122,10 @@ def test_random_training_runs(mode, world, hosts, seeds):
 
 
 # (DDP or FSDP2 runs, world, simulated hosts, seeds): random training runs in which one rank
-# SIGKILLs itself (tests/_fuzz_ddp.py --kill), fresh ranks for each seed
-TRAINING_KILLS = [("ddp", 3, None, range(0, 12)), ("ddp", 4, "a,a,b,b", range(0, 4)), ("fsdp", 3, None, range(0, 6)),
+# SIGKILLs itself (tests/_fuzz_ddp.py --kill), fresh ranks for each seed (world 3 seed 69:
+# RingDDP inside Join on gloo, whose survivors aborted at exit in 10 of 25 runs before the
+# Join hook waited for torch's Join all-reduce)
+TRAINING_KILLS = [("ddp", 3, None, [*range(0, 12), 69]), ("ddp", 4, "a,a,b,b", range(0, 4)), ("fsdp", 3, None, range(0, 6)),
                   ("fsdp", 4, "a,a,b,b", range(0, 3))]
 
 
