@@ -667,7 +667,9 @@ class CrossHost:
         (policy.check_payload_bytes) it travels with the check, and the members' payloads
         come back, in member (host) order, as tensors of its dtype and size: the caller makes
         its cross-host step's result from them instead of running it (one gloo round trip
-        instead of two). None: it did not go."""
+        instead of two). None: it did not go. A payload function that raises fails the call
+        on this rank as a failed step would (a FAILED row, then a RingError with its error
+        as the cause), and this host's peers, past the step, meet a rejected in-host call."""
         failure = None
         if step is not None:
             try:
@@ -679,7 +681,15 @@ class CrossHost:
         group, ranks = self._check_group()
         rows = None
         if callable(payload):  # made from the step's result
-            payload = payload() if failure is None else None
+            try:
+                payload = payload() if failure is None else None
+            except Exception as e:  # noqa: BLE001 -- this rank fails the call after the step; everyone must hear it
+                payload = None
+                failure = RingError(f"rank {self.rank}: {what} across hosts failed after its first in-host step: "
+                                    f"{type(e).__name__}: {e}")
+                failure.__cause__ = e
+                # this host's peers passed the step: they meet a rejected in-host call next
+                self._tell(str(failure), self.inhost, t, tag)
         if group is not None:  # (no data with the check where its rows cannot take it: a CUDA CrossHost)
             check = self._check(what, tensor, code, root, t, tag, group, ranks,
                                 None if failure is None else str(failure), payload if self.fuse else None)
@@ -924,10 +934,15 @@ class CrossHost:
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
     def _fail(self, msg: str, tell, timeout_s: float, tag: str):
-        """Tell this host's peers (`tell`: reject their next in-host call), then raise. A CUDA
-        CrossHost poisons its CUDA endpoint first (also a rank alone on its host, which has
-        no peer to tell): its NCCL steps abort, so that nothing queued waits on a dead peer
-        and the rejection, queued behind them, goes out."""
+        """Tell this host's peers (_tell), then raise."""
+        self._tell(msg, tell, timeout_s, tag)
+        raise RingError(msg) from None
+
+    def _tell(self, msg: str, tell, timeout_s: float, tag: str) -> None:
+        """Tell this host's peers that this rank fails the call (`tell`: reject their next
+        in-host call). A CUDA CrossHost poisons its CUDA endpoint first (also a rank alone
+        on its host, which has no peer to tell): its NCCL steps abort, so that nothing
+        queued waits on a dead peer and the rejection, queued behind them, goes out."""
         if self.poison is not None:
             try:
                 self.poison(msg[:400])
@@ -938,7 +953,6 @@ class CrossHost:
                 tell.reject(msg[:400], timeout_s, tag)
             except Exception:  # noqa: BLE001 -- the peers' own failure, or they failed too
                 pass
-        raise RingError(msg) from None
 
 
 class _Aborts:

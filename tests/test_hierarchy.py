@@ -479,6 +479,47 @@ def case_host_ranks_disagree(rank, world, hosts):
     return out, torch.equal(t, expected("SUM", world, 4099, torch.float32))
 
 
+def case_leader_fails_after_its_step(rank, world, hosts, n):
+    """Uneven hosts: the leader of the first host (rank 0) fails its reduce_scatter_tensor
+    after the call's first in-host step, while making what its cross-host step sends (an
+    error injected there): (error type, message, seconds) per rank, then whether the same
+    call right after gives the closed form."""
+    import ringdp
+    from ringdp import hosts as hosts_mod
+
+    _as_host(rank, hosts, timeout=20)
+    real = hosts_mod.CrossHost._host_segments
+    if rank == 0:
+        def broken(self, *args):
+            raise MemoryError("injected: no memory for the host segments")
+        hosts_mod.CrossHost._host_segments = broken
+    t0 = time.monotonic()
+    try:
+        ringdp.reduce_scatter_tensor(torch.empty(n), value(rank, world * n, world=world))
+        got = (None, "no error", time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001
+        got = (type(e).__name__, str(e), time.monotonic() - t0)
+    hosts_mod.CrossHost._host_segments = real
+    out = torch.empty(n)
+    ringdp.reduce_scatter_tensor(out, value(rank, world * n, world=world))
+    return got, torch.equal(out, expected("SUM", world, world * n, torch.float32)[rank * n:(rank + 1) * n])
+
+
+@pytest.mark.parametrize("n", [3, 50000], ids=["with-the-check", "own-step"])
+def test_a_leader_that_fails_after_its_first_step_fails_everywhere(n):
+    """The leader's own error becomes a RingError with it as the cause; its host's peers
+    (who passed the step and are in no check) and the other host (through the check) fail
+    within seconds, not the 20 s timeout, naming rank 0; the communicator works after. (It
+    raised the bare error without taking part in the call check: every other rank waited
+    for its timeout.)"""
+    res = values(run_ranks(case_leader_fails_after_its_step, 4, list("aaab"), n, timeout=180))
+    for r, ((kind, msg, took), ok_after) in enumerate(res):
+        assert kind == "RingError" and "rank 0" in msg, (r, kind, msg)
+        assert took < 10, (r, took, msg)
+        assert ok_after, f"rank {r}: the next reduce_scatter_tensor is wrong"
+    assert "injected" in res[0][0][1] and "MemoryError" in res[0][0][1], res[0]
+
+
 @pytest.mark.parametrize("hosts", ["aabb", "aaabb"])
 def test_ranks_of_a_host_that_disagree_fail_everywhere(hosts):
     res = values(run_ranks(case_host_ranks_disagree, len(hosts), list(hosts), timeout=150))
