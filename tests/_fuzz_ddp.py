@@ -499,18 +499,20 @@ KILL_SLACK_S = 10.0  # on top of twice the timeout: a loaded machine
 def make_kill(seed: int, world: int, fsdp: bool = False) -> dict:
     """Where seed `seed`'s run (make_run, or make_fsdp_run) kills a rank: the copy that
     trains ("kind"), the victim, and the point (step, micro-batch, phase) of its training at
-    which it SIGKILLs itself; "last": whether that point comes after its last collective."""
+    which it SIGKILLs itself; "last": whether that point comes after its last collective;
+    "gloo": whether the run has collectives on gloo (kill_on_gloo)."""
     run = make_fsdp_run(seed, world) if fsdp else make_run(seed, world)
     rng = random.Random(seed * 7919 + 17)
     kind = "fsdp" if fsdp else rng.choice(["ring", "stock", "ring_pg"])
     victim = rng.randrange(world)
     steps = run["steps"] + (run["uneven"][victim] if run.get("uneven") else 0)
     step = rng.randrange(steps)
-    micro = run["micro"][step] if fsdp else _micro(run, step)
+    micro = _micro(run, step)
     phase = rng.choice(KILL_PHASES)
     m = micro - 1 if phase == "optimizer" else rng.randrange(micro)
     return {"kind": kind, "victim": victim, "point": (step, m, phase),
-            "last": phase == "optimizer" and step == steps - 1 and not run.get("uneven")}
+            "last": phase == "optimizer" and step == steps - 1 and not run.get("uneven"),
+            "gloo": not fsdp and kill_on_gloo(kind, run)}
 
 
 def case_kill(rank, world, seed, hosts=None, fsdp=False):
@@ -535,9 +537,9 @@ def case_kill(rank, world, seed, hosts=None, fsdp=False):
     return None, None, time.monotonic() - kill.last
 
 
-def kill_errors(k: dict, world: int, res, codes, left, gloo: bool = False) -> dict:
+def kill_errors(k: dict, world: int, res, codes, left) -> dict:
     """{rank: errors} of one kill run (case_kill's results, exit codes, shared-memory names
-    left). `gloo`: the run has collectives on gloo, whose errors name no rank (kill_on_gloo)."""
+    left). A run with collectives on gloo (k["gloo"]) may end in gloo's errors, which name no rank."""
     victim, bound = k["victim"], 2 * KILL_TIMEOUT_S + KILL_SLACK_S
     out = {r: [] for r in range(world)}
     if codes[victim] != -9:
@@ -553,7 +555,7 @@ def kill_errors(k: dict, world: int, res, codes, left, gloo: bool = False) -> di
         etype, msg, took = res[r][1]
         if etype is None and not k["last"]:
             out[r].append(f"trained on after rank {victim} died at {k['point']}")
-        if etype is not None and not gloo and f"rank {victim}" not in msg and "across hosts" not in msg:
+        if etype is not None and not k["gloo"] and f"rank {victim}" not in msg and "across hosts" not in msg:
             out[r].append(f"{etype} names neither rank {victim} nor the cross-host step: {msg.splitlines()[0][:300]}")
         if took > bound:
             out[r].append(f"ended {took:.1f} s after its last point (bound {bound:g} s): {etype}")
@@ -562,12 +564,12 @@ def kill_errors(k: dict, world: int, res, codes, left, gloo: bool = False) -> di
     return out
 
 
-def kill_on_gloo(k: dict, run: dict | None) -> bool:
-    """Whether kill run `k` of DDP run `run` (None: FSDP2) has collectives on gloo, which may
-    be the ones that meet the death: sparse gradients (torch's DDP and RingDDP reduce them
+def kill_on_gloo(kind: str, run: dict) -> bool:
+    """Whether DDP run `run`, trained as copy `kind`, has collectives on gloo, which may be
+    the ones that meet the death: sparse gradients (torch's DDP and RingDDP reduce them
     through the process group: its inner gloo group on cpu:ringdp), and torch's Join's own
     all-reduces on RingDDP's process group, the gloo default group for kind "ring"."""
-    return run is not None and (run["sparse"] or (k["kind"] == "ring" and run["uneven"] is not None))
+    return run["sparse"] or (kind == "ring" and run["uneven"] is not None)
 
 
 def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None, fsdp: bool = False) -> dict:
@@ -583,8 +585,7 @@ def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None,
         before, codes = _shm_names(), []
         res = run_ranks(case_kill, world, seed, ids, fsdp, timeout=timeout, allow_missing=(k["victim"],),
                         exitcodes=codes, env={"RINGDP_TIMEOUT_S": str(KILL_TIMEOUT_S)})
-        gloo = kill_on_gloo(k, None if fsdp else make_run(seed, world))
-        for r, errs in kill_errors(k, world, res, codes, _shm_names() - before, gloo).items():
+        for r, errs in kill_errors(k, world, res, codes, _shm_names() - before).items():
             out[r][seed] = errs
     return out
 
