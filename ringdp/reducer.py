@@ -186,7 +186,7 @@ class Reducer:
         self._arenas: list[torch.Tensor] = []
         self._build([i for i in reversed(range(len(params))) if i not in self._sparse])
         self.rebuilt = False
-        self.ready_order: list[int] = []  # first synchronised backward's ready order
+        self.ready_order: list[int] = []  # this backward's ready order, until the rebuild
 
         # per backward
         self._ready = [False] * len(params)
@@ -323,12 +323,18 @@ class Reducer:
         """Adopt rank `src`'s gradient-ready order of the first synchronised backward, so
         that every rank has the same buckets, filled in the order gradients arrive."""
         self.rebuilt = True
-        obj = [list(self.ready_order) if self.rank == src else None]
+        # src's order, parameter index + 1 per position (0: no more), on ringdp's communicator
+        # (its failure guarantees, ordered with the reductions) as an all-reduce that the
+        # others join with zeros: the collective the buckets and the unused map use already.
+        mine = self.ready_order[:len(self.params)] if self.rank == src else []
+        got = torch.zeros(len(self.params), dtype=torch.int32)
+        got[:len(mine)] = torch.tensor(mine, dtype=torch.int32) + 1
         if self.world > 1:
-            gsrc = src if self.group is None or self.group is dist.group.WORLD else dist.get_global_rank(self.group, src)
-            dist.broadcast_object_list(obj, src=gsrc, group=self.group)
+            t = got.to(self.device)
+            self._all_reduce(t, dist.ReduceOp.SUM, self._tag("bucket order")).wait()
+            got = t.cpu()
         seen: set[int] = set(self._sparse.indices)  # in no bucket
-        order = [i for i in (int(x) for x in (obj[0] or []))
+        order = [i for i in (int(x) - 1 for x in got.tolist() if x > 0)
                  if 0 <= i < len(self.params) and not (i in seen or seen.add(i))]
         order += [i for i in reversed(range(len(self.params))) if i not in seen]
         new = assign_buckets(order, self._nbytes, self._keys, self.cap_bytes, self.first_cap_bytes,
@@ -408,6 +414,8 @@ class Reducer:
         for b in self.buckets:
             b.reset()
         self._ready = [False] * len(self.params)
+        if not self.rebuilt:  # the order of the backward that rebuilds (not of one that failed)
+            self.ready_order = []
         self._usage_future = None
         torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
         self.observer.on_backward(self.step, now_us())

@@ -996,3 +996,38 @@ def test_peer_dies_in_training(kind, when, hosts):
         assert codes[r] == 0, (r, codes)
     left = _shm_names() & set(res[0][1][3])
     assert not left, left
+
+
+def _peer_dies_at_the_bucket_rebuild(rank, world):
+    """RingDDP on the gloo default group: the last rank SIGKILLs itself where every rank
+    adopts the authoritative rank's gradient order (Reducer.rebuild, at the end of the first
+    synchronised backward). The others: (exception type, message, seconds to the error)."""
+    import ringdp
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    ddp = ringdp.RingDDP(model, bucket_cap_mb=0.001)
+    if rank == world - 1:
+        ddp.reducer.rebuild = lambda src: os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        for s in range(3):
+            ddp(torch.full((4, 16), float(rank + s))).pow(2).mean().backward()
+    except Exception as e:  # noqa: BLE001 -- what the survivor sees
+        return type(e).__name__, str(e), time.monotonic() - t0
+    return None, None, time.monotonic() - t0
+
+
+def test_peer_dies_at_the_bucket_rebuild():
+    """The gradient order goes through ringdp's communicator, not the process group (on
+    gloo, its error named no rank): every survivor raises a RingError naming the dead rank
+    within the timeout (5 s)."""
+    world = 3
+    res = run_ranks(_peer_dies_at_the_bucket_rebuild, world, env={"RINGDP_TIMEOUT_S": "5"},
+                    allow_missing=(world - 1,), timeout=120)
+    for r in range(world - 1):
+        assert res[r][0] == "ok", res[r]
+        etype, msg, took = res[r][1]
+        assert etype == "RingError" and f"rank {world - 1}" in (msg or ""), (r, etype, msg)
+        assert took < 5 + 2 * SLACK_S, (r, took, msg)
