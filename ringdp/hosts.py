@@ -33,7 +33,8 @@ on the others, through a note it leaves in the store, within about ABORT_STORE_P
 
 Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
 or for all_gather and broadcast an in-host all-gather of each rank's count and src:
-_host_signature), which fails on every rank of the
+_host_signature, before the data step too for an uneven-hosts all_reduce in pieces:
+_first_of_pieces), which fails on every rank of the
 host alike when one of them rejected its input or called something else; then the call
 check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
 cross-host group: on uneven hosts the leaders', who check for their hosts; the whole group
@@ -409,7 +410,7 @@ class CrossHost:
                         if self.inhost is not None else None)
                 rows = None
                 if off == 0:  # (one piece: it may go with the leaders' call check)
-                    rows = begin(self._marked(step, _types.AVG if avg else red, t, tag),
+                    rows = begin(self._first_of_pieces(step, n, _types.AVG if avg else red, per < n, t, tag),
                                  piece if per >= n and self.cross is not None else None)
                 elif step is not None:
                     step()
@@ -735,10 +736,18 @@ class CrossHost:
         all-gather of each rank's (count, root), so that ranks of one host that disagree on
         them fail alike, naming each one's call, before the call check (a header-only step
         would let them through, and their check groups could then decide differently).
-        None for a rank alone on its host. A CUDA CrossHost keeps the header-only step (a
-        no-op on IPC, whose failures come from the device at the next check: on_cuda)."""
+        For an all_reduce (_first_of_pieces) `root` is the op's code. None for a rank alone
+        on its host. A CUDA CrossHost keeps the header-only step (a no-op on IPC, whose
+        failures come from the device at the next check: on_cuda)."""
         if self.inhost is None or not self.host_in_step:
             return self._host_agree(t, tag)
+
+        def said(c) -> str:
+            if what == "broadcast":
+                return f"{c[0]} elements, src {c[1]}"
+            if what == "all_reduce":
+                return f"{c[0]} elements, {_types.op_name(c[1])}"
+            return f"{c[0]} elements"
 
         def step():
             mine = torch.tensor([n, root], dtype=torch.int64, device=self.device)
@@ -747,10 +756,26 @@ class CrossHost:
             calls = every.view(self.local_size, 2).tolist()
             if any(c != calls[0] for c in calls):
                 ranks = self.by_host[self.host_index]
-                said = "; ".join(f"rank {ranks[lr]}: {c[0]} elements" + (f", src {c[1]}" if what == "broadcast" else "")
-                                 for lr, c in enumerate(calls))
-                raise RingError(f"rank {self.rank}: ranks of this host disagree on a {what} across hosts: {said}")
+                raise RingError(f"rank {self.rank}: ranks of this host disagree on {'an' if what[0] == 'a' else 'a'} {what} across hosts: "
+                                + "; ".join(f"rank {ranks[lr]}: {said(c)}" for lr, c in enumerate(calls)))
         return step
+
+    def _first_of_pieces(self, step, n: int, code: int, more: bool, t, tag):
+        """LEADERS all_reduce: its first in-host step. A non-leader is in no call check, and
+        each rank cuts its own count into pieces: ranks of one host whose counts differ by
+        a little agree on the first piece and part at a later one, when the other hosts'
+        leaders already wait in that piece's gloo step (for the timeout, and the gloo pair
+        is lost). So when there are `more` pieces, the host's ranks first agree on the whole
+        call (count and op: _host_signature, which also does what _marked does), and fail
+        alike before the call check. One piece: the data step itself carries the count."""
+        if step is None or not more or not self.host_in_step:
+            return self._marked(step, code, t, tag)
+        agree = self._host_signature("all_reduce", n, code, t, tag)
+
+        def first():
+            agree()
+            step()
+        return first
 
     def _marked(self, step, code: int, t, tag):
         """LEADERS: the first in-host step of an AVG call (all_reduce, reduce_scatter), marked by

@@ -88,7 +88,8 @@ def _host_calls_want(path, local_size, n, esz, piece_bytes, max_pieces) -> int:
     pieces of max(piece_bytes, ceil(bytes / max_pieces)), rounded up to whole elements, on
     two_level to whole rows of local_size elements of the tensor padded to a multiple of
     local_size; two in-host calls a piece (two_level: reduce_scatter + all_gather; leaders:
-    all_reduce + broadcast), none for a rank alone on its host."""
+    all_reduce + broadcast, and in more than one piece an in-host all-gather of each rank's
+    count and op before them: _first_of_pieces), none for a rank alone on its host."""
     if local_size == 1:
         return 0
     piece_bytes = piece_bytes or (16 << 20)
@@ -98,7 +99,8 @@ def _host_calls_want(path, local_size, n, esz, piece_bytes, max_pieces) -> int:
         per = -(-max(piece_bytes, -(-rows * local_size * esz // max_pieces)) // (local_size * esz))
         return 2 * -(-rows // per)
     per = -(-max(piece_bytes, -(-n * esz // max_pieces)) // esz)
-    return 2 * -(-n // per)
+    pieces = -(-n // per)
+    return 2 * pieces + (pieces > 1)
 
 
 def _check_pieces(res, piece_bytes, max_pieces):
@@ -409,6 +411,12 @@ def case_one_rank_fails(rank, world, hosts, bad):
         # 1's in-host step fails (a peer's rejection); the call waits for it before it raises
         ("all_reduce in pieces, AVG on one rank", lambda: ringdp.all_reduce(
             value(rank, 40001, world=world), op=dist.ReduceOp.AVG if me else dist.ReduceOp.SUM), "rank"),
+        # one element more: piece 0 is the same on every rank (20001), piece 1 is not; on the
+        # uneven path a non-leader is in no call check, and its host's ranks must fail the
+        # call in its first in-host step (they used to fail in piece 1's, with the other
+        # hosts' leaders in piece 1's gloo step, waiting for the timeout)
+        ("all_reduce in pieces, one element more on one rank", lambda: ringdp.all_reduce(
+            value(rank, 40002 if me else 40001, world=world)), "rank"),
     ]
     out = []
     for name, call, needle in calls:
