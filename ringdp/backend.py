@@ -799,8 +799,20 @@ class _Chain(dist.Work):
         return _waiting_for(self._works, timeout)
 
     def wait(self, timeout=timedelta(0)):
+        """Each part in turn; once one failed, the others are waited for at most
+        policy.GLOO_DRAIN_S each (none left in flight: policy.py), then the first failure
+        is raised."""
+        failure = None
         for w in self._works:
-            w.wait(timeout) if timeout else w.wait()
+            try:
+                if failure is not None:
+                    w.wait(timedelta(seconds=policy.GLOO_DRAIN_S))
+                else:
+                    w.wait(timeout) if timeout else w.wait()
+            except BaseException as e:  # noqa: BLE001 -- the first is raised, after the drain
+                failure = failure if failure is not None else e
+        if failure is not None:
+            raise failure
         return True
 
     def is_completed(self):

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
 
+from . import policy
 from .comm import _SUPPORTED_DTYPES, RingError, _group_key, _is_world, get_communicator, init
 from .config import Config, trace_path
 from .buckets import GradBucket, Observer, assign_buckets, now_us
@@ -37,7 +38,6 @@ _MiB = 1 << 20
 DEFAULT_BUCKET_CAP_MB = 25
 DEFAULT_FIRST_BUCKET_MB = 1
 BROADCAST_CHUNK_BYTES = 256 * _MiB  # start-up broadcast: one flat tensor per dtype, at most this
-JOIN_DRAIN_S = 2.0  # how long a failed step inside join() waits for torch's Join all-reduce it started
 
 
 class RingDDP(nn.Module, Joinable):
@@ -429,7 +429,7 @@ class _RingJoinHook(JoinHook):
     def pre_forward(self) -> None:
         """A rank that trains, before each forward inside join(). torch's Join all-reduces
         on the process group (`work`, started here): a failed control all-reduce (a peer
-        died) still waits for it, at most JOIN_DRAIN_S, before it raises: a gloo collective
+        died) still waits for it, at most policy.GLOO_DRAIN_S, before it raises: a gloo collective
         left in flight aborted the process at exit ("terminate called without an active
         exception", tests/_fuzz_ddp.py --kill, world 3 seed 69)."""
         work = Join.notify_join_context(self.ddp)
@@ -438,7 +438,7 @@ class _RingJoinHook(JoinHook):
         except BaseException:
             if work is not None:
                 with contextlib.suppress(Exception):  # (its own failure: the peer is gone)
-                    work.wait(timeout=timedelta(seconds=JOIN_DRAIN_S))
+                    work.wait(timeout=timedelta(seconds=policy.GLOO_DRAIN_S))
             raise
         if work is not None:
             work.wait()

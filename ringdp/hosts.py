@@ -91,7 +91,6 @@ _FAILED = -1  # a check row's kind: the rank failed the call before its cross-ho
 _HEADER = 6  # int64 words of a check row before its payload slot: kind, count, dtype, op, root, payload bytes
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 ABORT_POLL_S = 0.1  # a cross-host wait's slice: how soon it sees this rank's abort() (CrossHost._await)
-DRAIN_S = 2.0  # how long a failed call waits for its started cross-host steps (CrossHost._drain)
 ABORT_STORE_POLL_S = 0.5  # how often a cross-host wait that lasts looks in the store for a peer's abort()
 ABORT_LOOK_S = 0.5  # how long a failed cross-host step waits for that look (_gloo_failed: was an abort the cause?)
 
@@ -236,7 +235,7 @@ class CrossHost:
             gloo = hasattr(w, "is_completed")  # (a CUDA CrossHost's work only orders streams: always)
             if not (aborted and gloo):
                 try:
-                    w.wait(timeout=timedelta(seconds=DRAIN_S))
+                    w.wait(timeout=timedelta(seconds=policy.GLOO_DRAIN_S))
                 except Exception:  # noqa: BLE001 -- its failure is not the call's: the call already failed
                     pass
             if gloo and not w.is_completed():

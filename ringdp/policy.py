@@ -91,6 +91,13 @@ MAX_TIMEOUT_S = 1e7
 # At interpreter exit a communicator still open (a backend group never destroyed) waits this
 # long for its worker's queued calls (comm._close_at_exit); the call's timeouts bound them too
 EXIT_WAIT_S = 10.0
+# A call that fails with gloo collectives of its own still in flight (a cross-host step of
+# an earlier piece, torch's Join all-reduce, the gloo part of a backend Work) waits this long
+# for them before it raises: a gloo collective left running completes its future on gloo's
+# thread, at the latest at exit, and one that does so after the interpreter finalised (a
+# Python callback on it) aborts the process ("terminate called ...", exit -6). One stuck on a
+# dead peer is left to its own timeout.
+GLOO_DRAIN_S = 2.0
 # RINGDP_SLOT_BYTES: csrc/transport/shm/shm_comm.cpp's rule (a slot holds whole cache lines
 # and at least a page).
 SLOT_MIN_BYTES = 4096
