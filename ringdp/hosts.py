@@ -755,7 +755,8 @@ class CrossHost:
             calls = every.view(self.local_size, 2).tolist()
             if any(c != calls[0] for c in calls):
                 ranks = self.by_host[self.host_index]
-                raise RingError(f"rank {self.rank}: ranks of this host disagree on {'an' if what[0] == 'a' else 'a'} {what} across hosts: "
+                article = "an" if what[0] == "a" else "a"
+                raise RingError(f"rank {self.rank}: ranks of this host disagree on {article} {what} across hosts: "
                                 + "; ".join(f"rank {ranks[lr]}: {said(c)}" for lr, c in enumerate(calls)))
         return step
 
@@ -769,12 +770,7 @@ class CrossHost:
         alike before the call check. One piece: the data step itself carries the count."""
         if step is None or not more or not self.host_in_step:
             return self._marked(step, code, t, tag)
-        agree = self._host_signature("all_reduce", n, code, t, tag)
-
-        def first():
-            agree()
-            step()
-        return first
+        return _in_turn(self._host_signature("all_reduce", n, code, t, tag), step)
 
     def _marked(self, step, code: int, t, tag):
         """LEADERS: the first in-host step of an AVG call (all_reduce, reduce_scatter), marked by
@@ -784,12 +780,7 @@ class CrossHost:
         broadcast of nothing, an all_reduce) and fail alike on every rank of the host."""
         if code != _types.AVG or step is None or not self.host_in_step:
             return step
-        agree = self._host_agree(t, tag)
-
-        def marked():
-            agree()
-            step()
-        return marked
+        return _in_turn(self._host_agree(t, tag), step)
 
     def _close(self, t, tag) -> None:
         """The closing in-host step (header only) of a call with no in-host step after its call
@@ -1112,6 +1103,14 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
+
+
+def _in_turn(first, then):
+    """One step that runs `first`, then `then` (an in-host call before a call's data step)."""
+    def both():
+        first()
+        then()
+    return both
 
 
 def _said_by(rank: int, reason: str) -> str:
