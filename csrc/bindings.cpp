@@ -214,6 +214,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::arg("tensor"), py::arg("root"), py::arg("algo"), py::arg("timeout_s"), py::arg("tag") = "",
           py::call_guard<py::gil_scoped_release>())
+      .def(
+          "set_outer",  // `tensor`: the call's (reduce_scatter: its output; all_gather: its input)
+          [](ShmComm& c, int kind, int arg, const torch::Tensor& t) {
+            c.set_outer(static_cast<Kind>(kind), arg, static_cast<uint64_t>(t.numel()), to_dtype(t.scalar_type()));
+          },
+          py::arg("kind"), py::arg("arg"), py::arg("tensor"))
       .def("reject", &ShmComm::reject, py::arg("why"), py::arg("timeout_s"), py::arg("tag") = "",
            py::call_guard<py::gil_scoped_release>())
       .def_property("spin_ns", &ShmComm::spin_ns, &ShmComm::set_spin_ns)

@@ -9,11 +9,6 @@ SUM, AVG, MIN, MAX = 0, 1, 2, 3
 _OP_NAMES = {"SUM": SUM, "AVG": AVG, "MIN": MIN, "MAX": MAX}
 
 
-def op_name(code: int) -> str:
-    """The name of an op code ("SUM", ...; the code itself for one that is none)."""
-    return next((name for name, c in _OP_NAMES.items() if c == code), str(code))
-
-
 def _members() -> dict:
     """ReduceOp members (and their RedOpType values) -> code: op_code's lookup of the common
     case, before the general one."""

@@ -31,11 +31,15 @@ _abort_process_group) ends a wait in a cross-host step within ABORT_POLL_S on it
 on the others, through a note it leaves in the store, within about ABORT_STORE_POLL_S
 (CrossHost.abort, _await): gloo itself cannot end a collective in flight.
 
-Every call starts the same way (CrossHost._begin): its first in-host step (the data step,
-or for all_gather and broadcast an in-host all-gather of each rank's count and src:
-_host_signature, before the data step too for an uneven-hosts all_reduce in pieces:
-_first_of_pieces), which fails on every rank of the
-host alike when one of them rejected its input or called something else; then the call
+Every call starts the same way (CrossHost._begin): it names itself (kind, count, dtype, op
+or src) in the header of every in-host step it makes (CrossHost._announce: ShmComm's
+set_outer, compared with each step's shape), then its first in-host step (the data step,
+or a header-only one where the data crosses hosts first: all_gather, broadcast), which
+fails on every rank of the host alike when one of them rejected its input or called
+something else, even where the steps themselves look alike (counts that pad to the same
+blocks, AVG and SUM, whose steps carry SUM, an all_reduce and a reduce_scatter with the
+same in-host reduce-scatter, the counts of an uneven all_reduce whose first pieces
+agree); then the call
 check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
 cross-host group: on uneven hosts the leaders', who check for their hosts; the whole group
 on the flat path), where a rank whose in-host step failed, or that rejected its
@@ -133,8 +137,8 @@ class CrossHost:
         self.device = torch.device("cpu")  # where the tensors and the scratch buffers are
         self.host_kind = "shm"  # the in-host transport, for policy.oneshot_threshold
         self.fuse = True  # an all-reduce's data may go with the call check (host memory only)
-        # the in-host steps keep a host's ranks in step after a failed call (_host_signature,
-        # _marked, _close); not on IPC, whose failures poison the CUDA endpoint instead
+        # the in-host steps keep a host's ranks in step after a failed call (_announce,
+        # _close); not on IPC, whose failures poison the CUDA endpoint instead
         self.host_in_step = True
         self.stream = None  # a CUDA CrossHost: the stream its own work runs on (on_stream)
         self.poison = None  # a CUDA CrossHost: what a failed call does to the CUDA endpoint (_fail)
@@ -323,7 +327,7 @@ class CrossHost:
             if self.inhost is not None:  # the same kind of step as a non-empty call's
                 two = self.path == policy.TWO_LEVEL
                 step = (functools.partial(self.inhost.reduce_scatter, flat, flat, red, ring, t, tag) if two
-                        else self._marked(functools.partial(self.inhost.all_reduce, flat, red, ring, t, tag), code, t, tag))
+                        else functools.partial(self.inhost.all_reduce, flat, red, ring, t, tag))
             begin(step)
             self._close(t, tag)
             return
@@ -409,8 +413,7 @@ class CrossHost:
                         if self.inhost is not None else None)
                 rows = None
                 if off == 0:  # (one piece: it may go with the leaders' call check)
-                    rows = begin(self._first_of_pieces(step, n, _types.AVG if avg else red, per < n, t, tag),
-                                 piece if per >= n and self.cross is not None else None)
+                    rows = begin(step, piece if per >= n and self.cross is not None else None)
                 elif step is not None:
                     step()
                 work = None
@@ -494,8 +497,8 @@ class CrossHost:
             seg = self._segment_elements(n)
             leader = self.cross is not None and n > 0
             padded = self._scratch("segments", len(self.by_host) * seg, output.dtype) if leader else None
-            step = None if self.inhost is None else self._marked(functools.partial(
-                self.inhost.all_reduce, summed, red, self._host_algo(summed, forced), t, tag), code, t, tag)
+            step = None if self.inhost is None else functools.partial(
+                self.inhost.all_reduce, summed, red, self._host_algo(summed, forced), t, tag)
             rows = self._begin("reduce_scatter", output, code, 0, t, tag, step, functools.partial(
                 self._host_segments, padded, summed.view(self.world, n), seg) if leader else None)
             if n:
@@ -560,7 +563,7 @@ class CrossHost:
                     blocks.index_copy_(0, index, every[k * seg:k * seg + index.numel() * n].view(-1, n))
             self._host_broadcast(out, 0, forced, t, tag)
             return
-        rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_signature("all_gather", n, 0, t, tag), mine)
+        rows = self._begin("all_gather", input, -1, 0, t, tag, self._host_agree(t, tag), mine)
         if n == 0:
             self._close(t, tag)
             return
@@ -603,7 +606,7 @@ class CrossHost:
             on_src_host = k_src == self.host_index
             first = (functools.partial(self.inhost.broadcast, flat, lr_src, self._host_algo(flat, forced), t, tag)
                      if on_src_host and self.inhost is not None
-                     else self._host_signature("broadcast", flat.numel(), src, t, tag))
+                     else self._host_agree(t, tag))
             rows = self._begin("broadcast", tensor, -1, src, t, tag, first, flat if self.cross is not None else None)
             if flat.numel() == 0:
                 self._close(t, tag)
@@ -616,8 +619,7 @@ class CrossHost:
                 self._close(t, tag)
             return
         carries = self.local_rank == lr_src  # (the other local ranks' cross groups move nothing)
-        rows = self._begin("broadcast", tensor, -1, src, t, tag, self._host_signature("broadcast", flat.numel(), src, t, tag),
-                           flat if carries else None)
+        rows = self._begin("broadcast", tensor, -1, src, t, tag, self._host_agree(t, tag), flat if carries else None)
         if flat.numel() == 0:
             self._close(t, tag)
             return
@@ -670,6 +672,7 @@ class CrossHost:
         instead of two). None: it did not go. A payload function that raises fails the call
         on this rank as a failed step would (a FAILED row, then a RingError with its error
         as the cause), and this host's peers, past the step, meet a rejected in-host call."""
+        self._announce(what, tensor, code, root)
         failure = None
         if step is not None:
             try:
@@ -701,6 +704,16 @@ class CrossHost:
             self.fused_calls += 1
         return rows
 
+    def _announce(self, what: str, tensor, code: int, root: int) -> None:
+        """Name the call in every in-host step's header from here on (ShmComm.set_outer,
+        compared with each step's shape): ranks of one host whose steps look alike but whose
+        calls differ (counts that pad to the same blocks, AVG and SUM whose steps carry SUM,
+        an all_reduce and a reduce_scatter with the same in-host reduce-scatter) fail in the
+        step, each check group having agreed, instead of returning different results. Not
+        on a CUDA CrossHost: the IPC headers do not carry it (docs/cuda.md)."""
+        if self.inhost is not None and self.host_in_step:
+            self.inhost.set_outer(_KINDS[what], root if what == "broadcast" else max(code, 0), tensor)
+
     def reject(self, what: str, why: str, t, tag) -> None:
         """This rank rejected its input to `what` (Communicator._prepare): take part without
         data, so that every peer fails at once naming this rank and `why`: this host's peers
@@ -722,65 +735,13 @@ class CrossHost:
 
     def _host_agree(self, t, tag):
         """A header-only in-host call (no data: every rank of the host at the same call, none
-        rejected); None for a rank alone on its host. The closing step of a call that has
-        no in-host step after its call check (_close)."""
+        rejected, and, in its header, the same collective across hosts: _announce); None for a
+        rank alone on its host. The first step of a call whose data crosses hosts first, and
+        the closing step of a call that has no in-host step after its call check (_close)."""
         if self.inhost is None:
             return None
         return functools.partial(self.inhost.broadcast, torch.empty(0, device=self.device), 0,
                                  policy.ALGO_CODES[policy.RING], t, tag)
-
-    def _host_signature(self, what: str, n: int, root: int, t, tag):
-        """The first in-host step of the collectives whose data crosses hosts first (TWO_LEVEL
-        all_gather and broadcast, broadcast on a host without its source): an in-host
-        all-gather of each rank's (count, root), so that ranks of one host that disagree on
-        them fail alike, naming each one's call, before the call check (a header-only step
-        would let them through, and their check groups could then decide differently).
-        For an all_reduce (_first_of_pieces) `root` is the op's code. None for a rank alone
-        on its host. A CUDA CrossHost keeps the header-only step (a no-op on IPC, whose
-        failures come from the device at the next check: on_cuda)."""
-        if self.inhost is None or not self.host_in_step:
-            return self._host_agree(t, tag)
-
-        def said(c) -> str:
-            if what == "broadcast":
-                return f"{c[0]} elements, src {c[1]}"
-            if what == "all_reduce":
-                return f"{c[0]} elements, {_types.op_name(c[1])}"
-            return f"{c[0]} elements"
-
-        def step():
-            mine = torch.tensor([n, root], dtype=torch.int64, device=self.device)
-            every = torch.empty(2 * self.local_size, dtype=torch.int64, device=self.device)
-            self.inhost.all_gather(every, mine, self._host_algo(every, "auto"), t, tag)
-            calls = every.view(self.local_size, 2).tolist()
-            if any(c != calls[0] for c in calls):
-                ranks = self.by_host[self.host_index]
-                article = "an" if what[0] == "a" else "a"
-                raise RingError(f"rank {self.rank}: ranks of this host disagree on {article} {what} across hosts: "
-                                + "; ".join(f"rank {ranks[lr]}: {said(c)}" for lr, c in enumerate(calls)))
-        return step
-
-    def _first_of_pieces(self, step, n: int, code: int, more: bool, t, tag):
-        """LEADERS all_reduce: its first in-host step. A non-leader is in no call check, and
-        each rank cuts its own count into pieces: ranks of one host whose counts differ by
-        a little agree on the first piece and part at a later one, when the other hosts'
-        leaders already wait in that piece's gloo step (for the timeout, and the gloo pair
-        is lost). So when there are `more` pieces, the host's ranks first agree on the whole
-        call (count and op: _host_signature, which also does what _marked does), and fail
-        alike before the call check. One piece: the data step itself carries the count."""
-        if step is None or not more or not self.host_in_step:
-            return self._marked(step, code, t, tag)
-        return _in_turn(self._host_signature("all_reduce", n, code, t, tag), step)
-
-    def _marked(self, step, code: int, t, tag):
-        """LEADERS: the first in-host step of an AVG call (all_reduce, reduce_scatter), marked by
-        a header-only in-host call before it. Its data step carries SUM, and a non-leader is in
-        no call check: ranks of one host that disagree on AVG and SUM would otherwise all get
-        through, and only those with AVG divide. Marked, their first in-host calls differ (a
-        broadcast of nothing, an all_reduce) and fail alike on every rank of the host."""
-        if code != _types.AVG or step is None or not self.host_in_step:
-            return step
-        return _in_turn(self._host_agree(t, tag), step)
 
     def _close(self, t, tag) -> None:
         """The closing in-host step (header only) of a call with no in-host step after its call
@@ -1103,14 +1064,6 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
-
-
-def _in_turn(first, then):
-    """One step that runs `first`, then `then` (an in-host call before a call's data step)."""
-    def both():
-        first()
-        then()
-    return both
 
 
 def _said_by(rank: int, reason: str) -> str:

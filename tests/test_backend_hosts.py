@@ -54,11 +54,11 @@ def _calls_per_all_reduce(comm, n: int, op: str) -> int:
     """In-host calls one all-reduce of n elements makes on this rank, in one piece (case_matrix):
     two_level: reduce_scatter + all_gather; leaders: all_reduce + broadcast (ranks of a host
     with several); n = 0: the first step (no data) and the closing header-only step after the
-    call check (ringdp/hosts.py _close); leaders' AVG: one more, the header-only mark before the
-    first step (_marked); flat or alone on a host: none."""
+    call check (ringdp/hosts.py _close); AVG as many (the op goes in the steps' headers:
+    CrossHost._announce); flat or alone on a host: none."""
     if comm.across is None or comm.across.inhost is None:
         return 0
-    return 2 + (op == "AVG" and comm.cross_path == "leaders")
+    return 2
 
 
 def case_matrix(rank, world, hosts, hierarchy=None, sizes=SIZES):

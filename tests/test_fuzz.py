@@ -26,7 +26,8 @@ CAMPAIGNS = [
     (4, "small-pieces", "a,a,b,b", range(1300, 1304), 0),
     (4, "flat", "a,a,a,b", range(1400, 1404), 0),
     # an all-reduce in pieces on uneven hosts (subgroup [1, 2, 3] of a,a,b,b; a,a,a,b) whose
-    # counts differ by one between ranks of a host (CrossHost._first_of_pieces)
+    # counts differ by one between ranks of a host (the whole call in the steps' headers:
+    # CrossHost._announce)
     (4, "small-pieces", "a,a,b,b", [8300], 1),
     (4, "small-pieces", "a,a,a,b", [8307], 1),
 ]

@@ -88,8 +88,8 @@ def _host_calls_want(path, local_size, n, esz, piece_bytes, max_pieces) -> int:
     pieces of max(piece_bytes, ceil(bytes / max_pieces)), rounded up to whole elements, on
     two_level to whole rows of local_size elements of the tensor padded to a multiple of
     local_size; two in-host calls a piece (two_level: reduce_scatter + all_gather; leaders:
-    all_reduce + broadcast, and in more than one piece an in-host all-gather of each rank's
-    count and op before them: _first_of_pieces), none for a rank alone on its host."""
+    all_reduce + broadcast), none for a rank alone on its host. (The whole call's count and
+    op go in the steps' headers: CrossHost._announce, no call of their own.)"""
     if local_size == 1:
         return 0
     piece_bytes = piece_bytes or (16 << 20)
@@ -99,8 +99,7 @@ def _host_calls_want(path, local_size, n, esz, piece_bytes, max_pieces) -> int:
         per = -(-max(piece_bytes, -(-rows * local_size * esz // max_pieces)) // (local_size * esz))
         return 2 * -(-rows // per)
     per = -(-max(piece_bytes, -(-n * esz // max_pieces)) // esz)
-    pieces = -(-n // per)
-    return 2 * pieces + (pieces > 1)
+    return 2 * -(-n // per)
 
 
 def _check_pieces(res, piece_bytes, max_pieces):
@@ -458,30 +457,54 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
 
 
 def case_host_ranks_disagree(rank, world, hosts):
-    """Ranks of one host disagree on what their first in-host step does not carry by itself
-    (all_gather's count, broadcast's src), in a way each cross-host check group agrees on
-    (aabb: local rank 0 says one thing on both hosts, local rank 1 another; aaabb: the rank
-    of the host without the source names another source): a RingError on every rank, then
-    the communicator works."""
+    """Ranks of one host disagree on what their first in-host step does not carry by itself,
+    in a way each cross-host check group agrees on (aabb: local rank 0 says one thing on both
+    hosts, local rank 1 another; aaabb: the odd local ranks another thing, and for the
+    broadcast the rank of the host without the source names another source): all_gather's
+    count, broadcast's src; an all_reduce's count where both pad to the same blocks (4001 and
+    4002 elements: 2001 each on two ranks), AVG and SUM (the steps carry SUM), a
+    reduce_scatter's AVG and SUM, an all_reduce and a reduce_scatter whose in-host steps
+    look alike (two_level: 4000 elements, and 1000 per rank of 4); and an uneven
+    all_reduce in pieces whose counts differ by one, so that its first pieces agree. A
+    RingError on every rank naming both calls (CrossHost._announce), then the communicator
+    works. (Those after the broadcast returned on every rank before: different results.)"""
     import ringdp
 
+    os.environ["RINGDP_HIER_PIECE_BYTES"] = str(16 << 10)  # (4096 float32: 4097 and 4098 go in two pieces)
     _as_host(rank, hosts, timeout=20)
     lr = hosts[:rank].count(hosts[rank])  # local rank
     odd = lr % 2 == 1
+    avg, sum_ = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+
+    def pieces():  # the first pieces agree (4096 elements), the second do not
+        ringdp.all_reduce(value(rank, 4098 if odd else 4097, world=world))
+
     calls = [
         ("all_gather", lambda: ringdp.all_gather_into_tensor(torch.empty(world * (5 if odd else 3)),
-                                                             value(rank, 5 if odd else 3, world=world))),
+                                                             value(rank, 5 if odd else 3, world=world)),
+         ("5 x float32 per rank", "3 x float32 per rank")),
         ("broadcast", lambda: ringdp.broadcast(value(rank, 9, world=world), (1 if rank == world - 1 else 0) if world == 5
-                                               else (2 if odd else 0))),
+                                               else (2 if odd else 0)), None),
+        ("all_reduce count", lambda: ringdp.all_reduce(value(rank, 4002 if odd else 4001, world=world)),
+         ("of 4002 x float32 SUM", "of 4001 x float32 SUM")),
+        ("all_reduce op", lambda: ringdp.all_reduce(value(rank, 4001, world=world), op=avg if odd else sum_),
+         ("4001 x float32 AVG", "4001 x float32 SUM")),
+        ("reduce_scatter op", lambda: ringdp.reduce_scatter_tensor(torch.empty(3), value(rank, 3 * world, world=world),
+                                                                   op=avg if odd else sum_),
+         ("3 x float32 per rank AVG", "3 x float32 per rank SUM")),
+        ("all_reduce or reduce_scatter", lambda: (ringdp.reduce_scatter_tensor(torch.empty(1000), value(
+            rank, 1000 * world, world=world)) if odd else ringdp.all_reduce(value(rank, 4000, world=world))),
+         ("reduce_scatter across hosts of 1000", "all_reduce across hosts of 4000")),
+        ("all_reduce in pieces", pieces, ("of 4098 x float32", "of 4097 x float32")),
     ]
     out = []
-    for name, call in calls:
+    for name, call, said in calls:
         t0 = time.monotonic()
         try:
             call()
-            out.append((name, None, time.monotonic() - t0))
+            out.append((name, None, time.monotonic() - t0, said))
         except ringdp.RingError as e:
-            out.append((name, str(e), time.monotonic() - t0))
+            out.append((name, str(e), time.monotonic() - t0, said))
     t = value(rank, 4099, world=world)
     ringdp.all_reduce(t)
     return out, torch.equal(t, expected("SUM", world, 4099, torch.float32))
@@ -532,9 +555,13 @@ def test_a_leader_that_fails_after_its_first_step_fails_everywhere(n):
 def test_ranks_of_a_host_that_disagree_fail_everywhere(hosts):
     res = values(run_ranks(case_host_ranks_disagree, len(hosts), list(hosts), timeout=150))
     for r, (calls, ok_after) in enumerate(res):
-        for name, msg, took in calls:
+        for name, msg, took, said in calls:
             assert msg is not None, f"rank {r}, {name}: no error"
             assert msg.startswith(f"rank {r}:") and took < 10, (r, name, msg, took)
+            # a rank whose host peers all agree fails through the call check, or a rejected
+            # step: the others name both calls
+            if said is not None and "disagree on the call" in msg:
+                assert all(x in msg for x in said), (r, name, msg)
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
 
 

@@ -20,11 +20,12 @@ namespace shm {
 
 constexpr size_t kCacheLine = 64;
 constexpr uint64_t kMagic = 0x31766470676e6972ull;  // "ringdpv1"
-constexpr uint32_t kLayoutVersion = 6;  // 2: call fingerprint (kind, tag), Control::done
+constexpr uint32_t kLayoutVersion = 7;  // 2: call fingerprint (kind, tag), Control::done
                                         // 3: kinds reduce_scatter/all_gather/broadcast, root
                                         // 4: Control::wrote (the direct all-reduce)
                                         // 5: reduce_scatter's reg_offset (its input; direct)
                                         // 6: registered broadcast direct (no in-place ring)
+                                        // 7: CallHeader::outer (the collective across hosts)
 constexpr size_t kMsgBytes = 256;
 
 // One 32-bit flag alone on its cache line.
@@ -35,6 +36,23 @@ struct alignas(kCacheLine) Flag {
 static_assert(sizeof(Flag) == kCacheLine, "a flag owns exactly one cache line");
 static_assert(std::atomic<uint32_t>::is_always_lock_free, "flags must be lock-free across processes");
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "counters must be lock-free across processes");
+
+// The collective across hosts that an in-host call is a step of (ringdp/hosts.py: every
+// in-host step of one CrossHost call carries it). Compared with the shape, so that ranks of
+// one host whose steps look alike but whose calls differ (counts that pad to the same
+// blocks, AVG and SUM, an all_reduce and a reduce_scatter with the same in-host step, the
+// dtype of an all_gather whose first in-host step carries no data) fail
+// in the step instead of returning different results. kind -1: a call of its own.
+struct Outer {
+  int16_t kind;    // Kind, or -1
+  int16_t dtype;   // DType
+  int32_t arg;     // RedOp (all_reduce, reduce_scatter), root (broadcast), 0 (all_gather)
+  uint64_t count;  // elements (reduce_scatter, all_gather: per rank)
+  bool operator==(const Outer& o) const {
+    return kind == o.kind && dtype == o.dtype && arg == o.arg && count == o.count;
+  }
+};
+static_assert(sizeof(Outer) == 16, "Outer fills the header's last 16 bytes before the tag");
 
 // What a rank announces at the start of each collective: its fingerprint (call number,
 // kind, caller's tag) and shape (count, dtype, op, algorithm). Every rank compares every
@@ -51,13 +69,14 @@ struct alignas(kCacheLine) CallHeader {
   uint64_t count;         // elements (reduce_scatter, all_gather: per rank)
   int64_t reg_offset;     // arena offset of the tensor (reduce_scatter: its input), -1 when not registered
   uint64_t slice_bytes;   // configuration that must agree across ranks
-  char pad1[kCacheLine - 48];
+  Outer outer;            // the collective across hosts this call is a step of (ShmComm::set_outer)
   char tag[kTagBytes];    // the caller's tag, NUL-terminated
   char msg[kMsgBytes];
 };
 static_assert(sizeof(CallHeader) == 2 * kCacheLine + kTagBytes + kMsgBytes, "header layout changed");
 static_assert(offsetof(CallHeader, seq) == 0, "the published word leads the header");
 static_assert(offsetof(CallHeader, tag) % kCacheLine == 0, "the tag starts on its own line");
+static_assert(offsetof(CallHeader, outer) + sizeof(Outer) == offsetof(CallHeader, tag), "outer fills the shape's line");
 
 // Who a segment belongs to and how it is laid out: the head of the Control block, and what
 // a rank publishes for its peers (Blob). Peers compare it field by field before use.

@@ -57,6 +57,7 @@ struct HeaderView {
   uint32_t seq;
   int32_t kind, dtype, op, algo, root;
   uint64_t count;
+  shm::Outer outer;
   char tag[kTagBytes];
 };
 
@@ -69,9 +70,23 @@ HeaderView view(const shm::CallHeader& h) {
   v.algo = h.algo;
   v.root = h.root;
   v.count = h.count;
+  v.outer = h.outer;
   std::memcpy(v.tag, h.tag, kTagBytes);
   v.tag[kTagBytes - 1] = '\0';
   return v;
+}
+
+// ", a step of all_reduce across hosts of 40001 x float32 AVG" (shm::Outer; "" for none).
+// Its root is a rank of the caller's group already.
+std::string describe_outer(const shm::Outer& o) {
+  if (o.kind < 0) return "";
+  const Kind k = static_cast<Kind>(o.kind);
+  const std::string what = k == Kind::kBroadcast   ? cat(" from rank ", o.arg)
+                           : k == Kind::kAllGather ? std::string("")
+                                                   : cat(" ", redop_name(static_cast<RedOp>(o.arg)));
+  return cat(", a step of ", kind_name(k), " across hosts of ", o.count, " x ",
+             dtype_name(static_cast<DType>(o.dtype)), k == Kind::kReduceScatter || k == Kind::kAllGather ? " per rank" : "",
+             what);
 }
 
 // `root`: the broadcast root as the messages name it (ShmComm::name_of).
@@ -82,7 +97,7 @@ std::string describe(const HeaderView& h, int root) {
                                                    : std::string(redop_name(static_cast<RedOp>(h.op)));
   return cat(kind_name(k), " #", h.seq, " (", h.count, " x ", dtype_name(static_cast<DType>(h.dtype)),
              k == Kind::kReduceScatter || k == Kind::kAllGather ? " per rank" : "", what.empty() ? "" : " ", what,
-             " ", algo_name(h.algo), ", tag '", h.tag, "')");
+             " ", algo_name(h.algo), ", tag '", h.tag, "'", describe_outer(h.outer), ")");
 }
 
 double seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -360,6 +375,7 @@ shm::CallHeader& ShmComm::write_header(uint32_t s, Kind kind, DType dtype, RedOp
   h.count = count;
   h.reg_offset = -1;
   h.slice_bytes = geo_.slot_bytes;
+  h.outer = outer_;
   std::memset(h.tag, 0, sizeof(h.tag));
   std::memcpy(h.tag, tag.data(), tag.size());
   h.msg[0] = '\0';
@@ -528,7 +544,7 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
       same_call = same_call && p.seq.v.load(std::memory_order_acquire) == s && p.kind == h.kind &&
                   std::strncmp(p.tag, h.tag, kTagBytes) == 0;
       same_shape = same_shape && p.count == h.count && p.dtype == h.dtype && p.op == h.op && p.algo == h.algo &&
-                   p.root == h.root && p.slice_bytes == h.slice_bytes;
+                   p.root == h.root && p.slice_bytes == h.slice_bytes && p.outer == h.outer;
     }
     if (!same_call)
       problems = "; ranks are at different collectives (a rank skipped or repeated a call, e.g. a step "
@@ -538,8 +554,14 @@ void ShmComm::run_call(uint32_t s, const Call& c, const std::string& tag) {
     if (!problems.empty())
       for (int r = 0; r < n; ++r) problems += cat(" [", describe_header(r, par), "]");
   }
-  if (!problems.empty())
-    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", kind_name(c.kind), " #", s, " cannot run", problems));
+  if (!problems.empty()) {
+    // (a step of a collective across hosts names that collective first: the caller's call)
+    const std::string what =
+        outer_.kind < 0 ? cat(kind_name(c.kind), " #", s)
+                        : cat(kind_name(static_cast<Kind>(outer_.kind)), " across hosts (its in-host step ",
+                              kind_name(c.kind), " #", s, ")");
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", what, " cannot run", problems));
+  }
   if (c.count == 0) return;
 
   // 3. A single rank has nothing to exchange: the output is its own input.

@@ -87,6 +87,12 @@ class ShmComm final : public Endpoint {
   // along the ring; direct when every rank's tensor is registered: each copies the root's).
   void broadcast(void* data, size_t count, DType dtype, int root, Algo algo, double timeout_s,
                  const std::string& tag = "");
+  // The collective across hosts that this rank's next calls are steps of (none at first),
+  // in every header from now on and compared with the shape (shm::Outer): set by the
+  // caller at the start of each such collective (ringdp/hosts.py CrossHost._announce).
+  void set_outer(Kind kind, int32_t arg, uint64_t count, DType dtype) {
+    outer_ = shm::Outer{static_cast<int16_t>(kind), static_cast<int16_t>(dtype), arg, count};
+  }
   // Take part in the next collective without data because this rank rejected its input:
   // peers raise an error naming this rank and `why`. Does not throw for the local rank
   // unless the exchange itself fails.
@@ -204,6 +210,7 @@ class ShmComm final : public Endpoint {
   shm::WaitPolicy wait_policy_;
   shm::Clock::time_point deadline_;
   double timeout_s_ = 0;
+  shm::Outer outer_{-1, 0, 0};  // set_outer
   uint32_t call_ = 0;  // call number being run, for messages
   size_t flight_slot_ = 0;  // its flight record
   Kind kind_ = Kind::kAllReduce;  // its kind
