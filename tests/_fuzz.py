@@ -17,7 +17,9 @@ against what it must be, on every rank, which also shows that the ranks agree.
 With --mismatches N, N calls of each program (among those ringdp's engine runs) have one
 rank, the victim, call with another count, op or root than its peers: every member must
 raise a RingError for it, and every call after it must still be right (README "Failures":
-a mismatch leaves the communicator usable).
+a mismatch leaves the communicator usable). With --symmetric (and --hosts) the victims are
+the members with one local rank on every host of the call's group, so that ranks of a host
+disagree while each group across hosts agrees (a,a,b,b: members 1 and 3 alike).
 
 With --kill, each program has one rank SIGKILL itself before a call of its second half: the
 others must end the program (a RingError; gloo's error for what runs on the inner group)
@@ -26,6 +28,7 @@ within twice the timeout, with no wrong result on the way, then exit with 0 and 
 
     python tests/_fuzz.py --world 3 --seeds 0:200            # a campaign (fresh ranks per batch)
     python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 2
+    python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 1 --symmetric
     python tests/_fuzz.py --world 4 --hosts a,a,a,b --seeds 0:20 --kill
     python tests/_fuzz.py --world 2 --seeds 17 --show         # print one program
 
@@ -84,7 +87,7 @@ def _reductions(dtype):
 
 
 def make_program(seed: int, world: int, subgroups: list[list[int]], length: int = 40, hosts=None,
-                 mismatches: int = 0, kill: bool = False, flat: bool = False) -> list[dict]:
+                 mismatches: int = 0, kill: bool = False, flat: bool = False, symmetric: bool = False) -> list[dict]:
     """The calls of program `seed` (identical on every rank). `hosts`: each rank's host id
     (None: one host); a group with one rank per host, or across hosts with `flat`
     (RINGDP_HIERARCHY=0), has no registered memory (its calls have no in-host step:
@@ -92,7 +95,9 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
     "victim") calls with another count, op or root than its peers (_twist): every member
     must raise a RingError for that call, and every later call must be right (README
     "Failures": a mismatch leaves the communicator usable). `kill`: one rank SIGKILLs itself
-    before one call of the second half (that call's "kill": its rank; killed_by)."""
+    before one call of the second half (that call's "kill": its rank; killed_by). `symmetric`
+    (with `hosts`): the victims ("victims") are the members with one drawn local rank on
+    every host of the call's group, where that is not every member (_symmetric_victims)."""
     rng = random.Random(seed)
     groups = [list(range(world))] + subgroups
     calls = []
@@ -126,6 +131,9 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
     for k in rng.sample(eligible, min(mismatches, len(eligible))):
         c = calls[k]
         c["victim"] = rng.randrange(len(c["members"]))
+        if symmetric and hosts:
+            c["victims"] = _symmetric_victims(c["members"], hosts, c["victim"])
+            c["victim"] = c["victims"][0]
         # (not PREMUL_SUM's op: it is SUM of premultiplied inputs, so SUM beside it is each
         # rank scaling its own input, not a mismatch)
         c["twist"] = rng.choice(["count", "root"] if c["kind"] == "broadcast" and len(c["members"]) > 1 else
@@ -154,9 +162,18 @@ def _twistable(call) -> bool:
     return True
 
 
+def _symmetric_victims(members: list[int], hosts, pick: int) -> list[int]:
+    """The members (indices into `members`) with the local rank in the group of member `pick`
+    on every host; [pick] alone where that would be every member (one per host)."""
+    where = [hosts[m] for m in members]
+    local = [where[:i].count(h) for i, h in enumerate(where)]
+    same = [i for i in range(len(members)) if local[i] == local[pick]]
+    return same if len(same) < len(members) else [pick]
+
+
 def _twist(call, me: int, n: int) -> dict:
-    """The call as this rank makes it: its own unless it is the call's victim."""
-    if call.get("victim") != me:
+    """The call as this rank makes it: its own unless it is one of the call's victims."""
+    if me not in call.get("victims", (call.get("victim"),)):
         return call
     c = dict(call)
     if c["twist"] == "count":
@@ -174,7 +191,9 @@ def describe(call: dict) -> str:
     keys = ("kind", "members", "dtype", "op", "api", "form", "count", "root", "list", "async")
     text = " ".join(f"{k}={c[k]}" for k in keys)
     if "victim" in c:
-        text += f" MISMATCH: member {c['victim']} changes the {c['twist']}"
+        who = (f"members {c['victims']} change" if len(c.get("victims", ())) > 1
+               else f"member {c['victim']} changes")
+        text += f" MISMATCH: {who} the {c['twist']}"
     if "kill" in c:
         text += f" (rank {c['kill']} is SIGKILLed before it)"
     return text
@@ -450,7 +469,7 @@ def subgroups_for(world: int) -> list[list[int]]:
     return []
 
 
-def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts=None):
+def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts=None, symmetric=False):
     """Every seed's program on this rank (one process group for all of them, so that
     communicators live across programs, as in a long job). Returns {seed: errors}. `kill`:
     one seed, whose program kills a rank; the others return at its end, with "_kill": what
@@ -476,7 +495,7 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
     if kill:
         (seed,), report = seeds, {}
         errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, kill=True,
-                                                      flat=_flat()), groups, report)
+                                                      flat=_flat(), symmetric=symmetric), groups, report)
         bound = 2 * limit.total_seconds() + 5
         if report.get("after_kill_s", 0) > bound:
             errors.append(f"the program went on {report['after_kill_s']:.1f} s after the killing call "
@@ -484,8 +503,8 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
         return {seed: errors, "_kill": report}
     results = {}
     for seed in seeds:
-        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, flat=_flat()),
-                             groups)
+        errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, flat=_flat(),
+                                                      symmetric=symmetric), groups)
         results[seed] = errors
         failed = torch.tensor([len(errors)])
         dist.all_reduce(failed, group=control)
@@ -505,7 +524,7 @@ def host_env(hosts: str | None, world: int) -> dict | None:
 
 
 def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = None, length: int = 40,
-                 timeout: float = 600, mismatches: int = 0, kill: bool = False) -> dict:
+                 timeout: float = 600, mismatches: int = 0, kill: bool = False, symmetric: bool = False) -> dict:
     """Run the seeds' programs on `world` fresh ranks; returns {rank: {seed: errors}}.
     `kill`: fresh ranks for each seed, whose program kills a rank (make_program); the others
     must end the program (and exit, with 0) without a wrong result or a hang, and leave no
@@ -515,14 +534,14 @@ def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = 
     backend, env = SETUPS[setup]
     env = {"RINGDP_TIMEOUT_S": "10" if kill else "20", **env}
     ids = host_env(hosts, world)
-    fn = case_campaign if ids is None else _HostCampaign(ids, backend)
+    fn = case_campaign if ids is None else _HostCampaign(ids, backend, symmetric)
     if not kill:
         return _outcomes(run_ranks(fn, world, list(seeds), length, mismatches, False, timeout=timeout, env=env,
                                    backend=backend))
     out = {r: {} for r in range(world)}
     for seed in seeds:
         victim = killed_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=True,
-                                        flat=env.get("RINGDP_HIERARCHY") == "0"))
+                                        flat=env.get("RINGDP_HIERARCHY") == "0", symmetric=symmetric))
         before = _shm_names()
         codes = []
         res = run_ranks(fn, world, [seed], length, mismatches, True, timeout=timeout, env=env, backend=backend,
@@ -567,8 +586,8 @@ class _HostCampaign:
     """case_campaign with RINGDP_HOST_ID set per rank (simulated hosts): the default group is
     made again on run_ranks' store once it is set, so that every group sees the hosts."""
 
-    def __init__(self, ids, backend):
-        self.ids, self.backend = ids, backend
+    def __init__(self, ids, backend, symmetric=False):
+        self.ids, self.backend, self.symmetric = ids, backend, symmetric
         self.__name__ = "case_campaign_hosts"
 
     def __call__(self, rank, world, seeds, length, mismatches, kill):
@@ -579,7 +598,7 @@ class _HostCampaign:
         dist.destroy_process_group()
         dist.init_process_group(self.backend, store=dist.PrefixStore("fuzz-hosts/", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        out = case_campaign(rank, world, seeds, length, mismatches, kill, self.ids)
+        out = case_campaign(rank, world, seeds, length, mismatches, kill, self.ids, self.symmetric)
         del store
         return out
 
@@ -606,6 +625,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=25, help="programs per set of fresh ranks")
     ap.add_argument("--mismatches", type=int, default=0,
                     help="calls per program where one rank calls with another count, op or root")
+    ap.add_argument("--symmetric", action="store_true",
+                    help="with --hosts: the mismatching ranks are one local rank on every host")
     ap.add_argument("--kill", action="store_true",
                     help="each program SIGKILLs one rank in its second half (fresh ranks per program)")
     ap.add_argument("--show", action="store_true", help="print the programs instead of running them")
@@ -617,13 +638,14 @@ def main(argv=None) -> int:
         for s in seeds:
             for k, c in enumerate(_fuzz.make_program(s, a.world, subgroups_for(a.world), a.length,
                                                      _fuzz.host_env(a.hosts, a.world), a.mismatches, a.kill,
-                                                     SETUPS[a.setup][1].get("RINGDP_HIERARCHY") == "0")):
+                                                     SETUPS[a.setup][1].get("RINGDP_HIERARCHY") == "0", a.symmetric)):
                 print(f"seed {s} call {k}: {describe(c)}")
         return 0
     bad, t0 = [], time.monotonic()
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
-        out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches, kill=a.kill)
+        out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches, kill=a.kill,
+                                 symmetric=a.symmetric)
         ran = min(len([s for s in per if not str(s).startswith("_")]) for per in out.values())
         bad += _fuzz.failures(out)
         after = [k.get("after_kill_s", 0.0) for per in out.values() for k in per.get("_kill", [])]

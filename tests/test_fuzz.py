@@ -31,6 +31,12 @@ CAMPAIGNS = [
     (4, "small-pieces", "a,a,b,b", [8300], 1),
     (4, "small-pieces", "a,a,a,b", [8307], 1),
 ]
+# (world, set-up, simulated hosts, seeds): one mismatch per program by one local rank on
+# every host (--symmetric: each cross-host group agrees, the host's ranks do not; 9004 and
+# 9031 returned before CrossHost._announce: a reduce_scatter's AVG beside SUM, an
+# all_reduce's count that pads to the same blocks)
+SYMMETRIC = [(4, "backend", "a,a,b,b", [9004, 9031, 9100, 9101, 9102, 9103]),
+             (4, "small-pieces", "a,a,a,b", range(9100, 9104))]
 # (world, simulated hosts, seeds): programs that SIGKILL one rank, fresh ranks for each
 # (8548: an asynchronous barrier whose gloo part a failure left in flight, 1 run in 10)
 KILLS = [(3, None, [900, 901, 902, 8548]), (4, "a,a,b,b", range(950, 952))]
@@ -43,6 +49,16 @@ def _id(world, setup, hosts, seeds, mismatches):
 @pytest.mark.parametrize("world,setup,hosts,seeds,mismatches", CAMPAIGNS, ids=[_id(*c) for c in CAMPAIGNS])
 def test_random_programs(world, setup, hosts, seeds, mismatches):
     out = _fuzz.run_campaign(world, seeds, setup, hosts, length=40, timeout=300, mismatches=mismatches)
+    bad = _fuzz.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    ran = [len(per) for per in out.values()]
+    assert ran == [len(seeds)] * world, f"programs run per rank: {ran}"
+
+
+@pytest.mark.parametrize("world,setup,hosts,seeds", SYMMETRIC,
+                         ids=[f"w{w}-{s}-{h.replace(',', '')}" for w, s, h, _ in SYMMETRIC])
+def test_random_programs_with_host_symmetric_mismatches(world, setup, hosts, seeds):
+    out = _fuzz.run_campaign(world, seeds, setup, hosts, length=40, timeout=300, mismatches=1, symmetric=True)
     bad = _fuzz.failures(out)
     assert not bad, "\n".join(bad[:20])
     ran = [len(per) for per in out.values()]
@@ -86,6 +102,17 @@ def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
     c = next(c for c in twisted if c["twist"] == "count")
     assert _fuzz._twist(c, c["victim"], 3)["count"] == c["count"] + 1
     assert _fuzz._twist(c, (c["victim"] + 1) % 3, 3) is c
+    # host-symmetric mismatches (a,a,b,b): one local rank on every host of the call's group;
+    # one member where that would be all (a group with one rank per host)
+    sym = [c for s in range(40) for c in _fuzz.make_program(s, 4, _fuzz.subgroups_for(4), 40, hosts, 1,
+                                                            symmetric=True) if "victim" in c]
+    assert len(sym) == 40
+    for c in sym:
+        want = {(0, 1, 2, 3): [[0, 2], [1, 3]], (1, 2, 3): [[0, 1], [2]], (0, 3): [[0], [1]]}[tuple(c["members"])]
+        assert c["victims"] in want and c["victim"] == c["victims"][0], c
+    whole = next(c for c in sym if c["members"] == [0, 1, 2, 3])
+    mine = whole["victims"]
+    assert all((_fuzz._twist(whole, m, 4) is whole) == (m not in mine) for m in range(4))
     # a killing program: the same calls, one of its second half marked with the rank to kill
     plain = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40)
     killing = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40, kill=True)
