@@ -55,6 +55,15 @@ collectives' cross-host step goes in the rows the same way when its data fits (w
 member would send: the reduce-scatter's blocks, the all-gather's input, the broadcast's
 tensor), and each member makes the step's result from the rows.
 
+A two-level all_reduce whose cross-host data does not fit the slot (above it, or in pieces)
+sends its check first instead, so that the check's round trip overlaps the first in-host
+step (CrossHost._overlaps, _begin_overlapped): after the step, a second, header-only check
+carries each member's outcome (a FAILED row where its step failed) beside the first
+cross-host step, which every member of the group starts, one whose step failed too, so
+that the group's gloo collectives stay paired; the step's result is used only when every
+outcome is good. A rank whose step failed still raises its own error, every other rank a
+RingError naming it, and the communicator stays usable, as above.
+
 CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL and LEADERS paths): the
 same collectives with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
 endpoint of the rank's cross-host group for the cross-host steps, ordered on streams
@@ -378,14 +387,17 @@ class CrossHost:
                 mine = piece[lr * m:(lr + 1) * m]
                 step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced),
                                          t, tag)
-                rows = None
-                if off == 0:  # (one piece: its block may go with the call check)
+                rows, work = None, None
+                if off == 0 and self._overlaps(mine if per >= blk else None):
+                    work = begin(step, start=functools.partial(self._gloo_start, mine, dop, t, self.inhost, tag))
+                elif off == 0:  # (one piece: its block may go with the call check)
                     rows = begin(step, mine if per >= blk else None)
                 else:
                     step()
                 if rows is not None:
                     _reduce_rows(mine, rows, red)
-                work = None if rows is not None else self._gloo_start(mine, dop, t, self.inhost, tag)
+                elif work is None:
+                    work = self._gloo_start(mine, dop, t, self.inhost, tag)
                 started.append(work)
                 if pending is not None:
                     self._gather_piece(*pending, avg, forced, t, tag)
@@ -658,11 +670,17 @@ class CrossHost:
             self.inhost.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
-    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None) -> list | None:
+    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None, start=None):
         """Start a call (module doc): its first in-host step (`step()`; None: none), then the
         call check in this rank's check group with the step's outcome. Raises the step's own
         error on a rank whose step failed (after its FAILED row is in), a RingError naming
         the ranks and their calls or reasons on the others.
+
+        `start`: the start of the call's first cross-host step (returns its work), given
+        where its data cannot go with the check (_overlaps): the check then goes out before
+        the step, so that its round trip overlaps the step, and the step's outcome follows in
+        a second, header-only check that goes out with the cross-host step (_begin_overlapped);
+        returns that step's work.
 
         `payload`: what this rank's cross-host step would send (a tensor, read after the
         step, or a function making it after the step). When it fits the check row's slot
@@ -673,14 +691,9 @@ class CrossHost:
         on this rank as a failed step would (a FAILED row, then a RingError with its error
         as the cause), and this host's peers, past the step, meet a rejected in-host call."""
         self._announce(what, tensor, code, root)
-        failure = None
-        if step is not None:
-            try:
-                step()
-            except RingError as e:
-                if self._aborts.mine is not None:
-                    raise  # this rank's abort() (ProcessGroup.abort): no call check, it would wait for the hosts
-                failure = e
+        if start is not None:
+            return self._begin_overlapped(what, tensor, code, root, t, tag, step, start)
+        failure = self._first_step(step)
         group, ranks = self._check_group()
         rows = None
         if callable(payload):  # made from the step's result
@@ -703,6 +716,75 @@ class CrossHost:
         if rows is not None:
             self.fused_calls += 1
         return rows
+
+    def _first_step(self, step) -> RingError | None:
+        """Run a call's first in-host step (None: none); its RingError, or None. This rank's
+        abort() (ProcessGroup.abort) raises at once: no call check, it would wait for the hosts."""
+        if step is not None:
+            try:
+                step()
+            except RingError as e:
+                if self._aborts.mine is not None:
+                    raise
+                return e
+        return None
+
+    def _overlaps(self, payload) -> bool:
+        """Whether the two-level all-reduce's first cross-host step starts through
+        _begin(start=...): the call check before the first in-host step, the step's outcome
+        with the cross-host data. For host memory (a CUDA CrossHost's steps are queued on
+        streams: they overlap the check already), when what the cross-host step sends
+        (`payload`: None for a call in pieces) cannot go with the check. Every member of a
+        check group decides alike when their calls agree (the count, dtype and piece rule
+        make `payload`); members whose calls differ decide apart only where the check,
+        which each sends first, fails them all. Not on the leaders' path (uneven hosts),
+        where it measured slower: 1.12-1.26x the time at 256 KiB-16 MiB on a,a,b (this
+        2-core VM, 3 processes; bench/results/compare_overlapped_check_allreduce_cpu_w3_hosts2.json),
+        a rank alone on its host having no step to overlap."""
+        if not self.fuse or self.checker is None:
+            return False
+        slot = policy.check_payload_bytes(len(self.cross_ranks))
+        return payload is None or payload.numel() * payload.element_size() > slot
+
+    def _begin_overlapped(self, what: str, tensor, code: int, root: int, t, tag, step, start):
+        """_begin with `start` (after _announce): the call check (this call's row) goes out, the
+        first in-host step runs while it travels, then the step's outcome goes out in a
+        header-only check beside the cross-host step, which every member starts, a rank whose
+        step failed too (its data is never used), so that the gloo group's collectives stay
+        paired on every member. Returns the cross-host step's work; raises as _begin does,
+        after that work has ended (_drain). A rank whose step failed raises its own error
+        and tells no one: its host's peers failed in the same step."""
+        group, ranks = self._check_group()
+        check = self._check(what, tensor, code, root, t, tag, group, ranks, None)
+        try:
+            failure = self._first_step(step)
+        except BaseException:
+            self._leave([check.work])
+            raise
+        if failure is not None:
+            check.tell = None  # (its host's peers failed in the step: nothing to tell)
+            try:
+                check.wait()
+            except RingError:  # (the members see the disagreement; this rank, its own error)
+                raise failure
+        else:
+            check.wait()
+        outcome = self._check(what, tensor, code, root, t, tag, group, ranks,
+                              None if failure is None else str(failure), header_only=True)
+        try:
+            work = start()
+        except BaseException:
+            self._drain([outcome.work])
+            raise
+        try:
+            outcome.wait()
+        except BaseException:
+            self._drain([work])
+            raise
+        if failure is not None:
+            self._drain([work])
+            raise failure
+        return work
 
     def _announce(self, what: str, tensor, code: int, root: int) -> None:
         """Name the call in every in-host step's header from here on (ShmComm.set_outer,
@@ -755,7 +837,7 @@ class CrossHost:
             agree()
 
     def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
-               payload=None) -> "_Check":
+               payload=None, header_only=False) -> "_Check":
         """Start the call check (module doc): one all-gather of a row per member among `ranks` before
         a cross-host step moves data. gloo kills the process on a size mismatch (its pair
         thread throws and std::terminate runs); ringdp raises a RingError naming each rank's
@@ -764,7 +846,9 @@ class CrossHost:
         for a FAILED row (left in the store first). A row is 6 integers (the call, and the payload
         bytes it carries) and a payload
         slot of policy.check_payload_bytes (one size for every call on the group, so that rows
-        never differ in size); `payload`, an all_reduce's data, goes in it when it fits."""
+        never differ in size); `payload`, an all_reduce's data, goes in it when it fits.
+        `header_only`: the rows without the slot (the outcome of a call's first in-host step,
+        sent by every member of a group whose call check passed: _begin_overlapped)."""
         if failure is None:
             mine = [_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root]
             dtype = str(tensor.dtype)
@@ -775,7 +859,7 @@ class CrossHost:
             except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
                 pass
             mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
-        slot = policy.check_payload_bytes(len(ranks))
+        slot = 0 if header_only else policy.check_payload_bytes(len(ranks))
         nbytes = 0 if payload is None or failure is not None else payload.numel() * payload.element_size()
         fused = 0 < nbytes <= slot
         # the decision is part of the call: members that decided differently (a setting that
@@ -795,7 +879,8 @@ class CrossHost:
         # the step alike: rejecting it, or having it rejected. The flat path has no in-host
         # step, and no host endpoint to tell.
         tell = self.inhost
-        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused)
+        check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused,
+                       "in its first in-host step" if header_only else "before any data moved")
         check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
                                  t, tell, tag, ranks, net="gloo")
         return check
@@ -1019,8 +1104,9 @@ class _NanAware:
 class _Check:
     """A started call check (CrossHost._check): wait() once, before the first gloo step."""
 
-    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell, fused=False):
-        self.host, self.what, self.ranks, self.tell = host, what, ranks, tell
+    def __init__(self, host: CrossHost, what, ranks, mine, every, dtype: str, t, tag, tell, fused=False,
+                 when="before any data moved"):
+        self.host, self.what, self.ranks, self.tell, self.when = host, what, ranks, tell, when
         self.fused = fused  # this rank's payload is in its row
         self.mine, self.every, self.dtype, self.t, self.tag = mine, every, dtype.replace("torch.", ""), t, tag
         self.work, self.done = None, False
@@ -1038,7 +1124,7 @@ class _Check:
         if failed:
             why = "; ".join(_said_by(m, h._reason(m, n)) for m, n in failed)
             h._fail(f"rank {h.rank}: {self.what.split()[0]} across hosts cannot run: "
-                    f"{'a rank' if len(failed) == 1 else 'ranks'} failed it before any data moved: {why}",
+                    f"{'a rank' if len(failed) == 1 else 'ranks'} failed it {self.when}: {why}",
                     self.tell, self.t, self.tag)
         if all(r == rows[0] for r in rows):
             return

@@ -398,6 +398,10 @@ def case_one_rank_fails(rank, world, hosts, bad):
         ("broadcast, bad input", lambda: ringdp.broadcast(value(rank, 9, world=world), world if me else 0), "src="),
         ("all_reduce, another count", lambda: ringdp.all_reduce(value(rank, 2000 if me else 1000, world=world)), "rank"),
         ("all_reduce, count 0 on one rank", lambda: ringdp.all_reduce(value(rank, 0 if me else 5, world=world)), "rank"),
+        # a call in pieces (its check before its first in-host step: CrossHost._overlaps)
+        # against one whose data goes with the check (after the step)
+        ("all_reduce, a count in pieces on one rank", lambda: ringdp.all_reduce(
+            value(rank, 40001 if me else 1000, world=world)), "rank"),
         # the other ranks at count 0, which returns with no cross-host data: its ranks whose
         # check passed still learn in this call that a peer's failed (a closing in-host step)
         ("all_reduce, count 0 but on one rank", lambda: ringdp.all_reduce(value(rank, 5 if me else 0, world=world)), "rank"),
