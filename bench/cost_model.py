@@ -176,35 +176,43 @@ def series_rows(doc: dict, series: str) -> tuple[np.ndarray, np.ndarray]:
     return a[:, 0], a[:, 1]
 
 
+def fit_series(doc: dict, fname: str, name: str) -> dict:
+    """COMPONENTS[name]'s fit on the run `doc` (read from `fname`)."""
+    _, series, min_bytes, what = COMPONENTS[name]
+    x, t = series_rows(doc, series)
+    keep = x >= min_bytes
+    f = fit_alpha_beta(x[keep], t[keep])
+    if f["alpha_s"] < 0:  # the line through the DRAM regime crosses below 0: take the
+        # latency from the smallest size measured and fit beta alone
+        f = dict(fit_alpha_beta(x[keep], t[keep], alpha=float(t[0])), alpha_from=f"time at {int(x[0])} B")
+    allx = (f["alpha_s"] + f["beta_s_per_byte"] * x - t) / t
+    f.update(file=fname, series=series, what=what, rms_rel_err_all_sizes=float(np.sqrt(np.mean(allx ** 2))))
+    return f
+
+
 def fit_components(results: Path) -> tuple[dict, dict]:
     fits, docs = {}, {}
-    for name, (fname, series, min_bytes, what) in COMPONENTS.items():
-        doc = docs.setdefault(fname, load(results / fname))
-        x, t = series_rows(doc, series)
-        keep = x >= min_bytes
-        f = fit_alpha_beta(x[keep], t[keep])
-        if f["alpha_s"] < 0:  # the line through the DRAM regime crosses below 0: take the
-            # latency from the smallest size measured and fit beta alone
-            f = dict(fit_alpha_beta(x[keep], t[keep], alpha=float(t[0])), alpha_from=f"time at {int(x[0])} B")
-        allx = (f["alpha_s"] + f["beta_s_per_byte"] * x - t) / t
-        f.update(file=fname, series=series, what=what, rms_rel_err_all_sizes=float(np.sqrt(np.mean(allx ** 2))))
-        fits[name] = f
+    for name, (fname, *_) in COMPONENTS.items():
+        fits[name] = fit_series(docs.setdefault(fname, load(results / fname)), fname, name)
     return fits, docs
 
 
-def contention_factors(fits: dict, docs: dict) -> dict:
+def contention_factors(fits: dict, docs: dict, run: dict | None = None) -> dict:
     """Nominal and calibrated factors by which the 2-rank components slow down in the
-    4-process --hosts 2 run."""
-    per_rank = {f: d["memcpy"]["all_ranks_at_once_GBps_per_rank"] for f, d in docs.items()}
-    hosts2 = per_rank[COMPONENTS["gloo4_flat"][0]]
+    4-process --hosts 2 run (`run`; None: the one in COMPONENTS, fits["gloo4_flat"] its fit)."""
+    def per_rank(d):
+        return d["memcpy"]["all_ranks_at_once_GBps_per_rank"]
+
+    hosts2 = per_rank(run if run is not None else docs[COMPONENTS["gloo4_flat"][0]])
     shm_file = COMPONENTS["shm_rs"][0]
+    shm = per_rank(docs[shm_file])
     return {
         "nominal": {"shm": 2.0, "gloo": 2.0,
                     "why": "4 processes share 2 cores, each gets half a core (assumed)"},
         "calibrated": {
-            "shm": per_rank[shm_file] / hosts2,
+            "shm": shm / hosts2,
             "gloo": fits["gloo4_flat"]["beta_s_per_byte"] / (1.5 * fits["gloo2"]["beta_s_per_byte"]),
-            "why": (f"shm: memcpy GB/s per rank with all ranks copying at once, {per_rank[shm_file]:.1f} in "
+            "why": (f"shm: memcpy GB/s per rank with all ranks copying at once, {shm:.1f} in "
                     f"{shm_file} (2 ranks) / {hosts2:.1f} in the --hosts 2 run (4 ranks); gloo: flat gloo's "
                     "4-rank beta / (1.5 x its 2-rank beta): a 4-rank ring moves 1.5 S per rank, a 2-rank one S"),
         },
@@ -250,8 +258,8 @@ def measured_times(doc: dict) -> dict:
     return measured
 
 
-def validate(docs: dict, fits: dict, factors: dict) -> list[dict]:
-    doc = docs[COMPONENTS["gloo4_flat"][0]]
+def validate(doc: dict, fits: dict, factors: dict) -> list[dict]:
+    """Predicted against measured for every size from 1 MiB of the --hosts 2 run `doc`."""
     piece_of = measured_pieces(doc)
     measured = measured_times(doc)
     out = []
@@ -275,6 +283,36 @@ def validate(docs: dict, fits: dict, factors: dict) -> list[dict]:
             if "flat_gloo_measured_s" in row:
                 row[f"flat_gloo_err_{kind}"] = row[f"flat_gloo_pred_{kind}_s"] / row["flat_gloo_measured_s"] - 1
         out.append(row)
+    return out
+
+
+def validation_summary(val: list[dict]) -> dict:
+    """The largest relative error from 16 MiB to 256 MiB of each prediction."""
+    big = [r for r in val if 16 * MiB <= r["size"] <= 256 * MiB]
+    return {f"{what}_{k}_max_abs_err": max(abs(r[f"{what}_err_{k}"]) for r in big)
+            for what in ("two_level", "flat_gloo") for k in ("nominal", "calibrated")}
+
+
+# every --hosts 2 all-reduce run committed (the one in COMPONENTS, later sweeps, repeats)
+HOSTS2_RUNS = "allreduce_cpu_w4_float32*_hosts2.json"
+
+
+def validate_runs(results: Path, fits: dict, docs: dict) -> list[dict]:
+    """The same 2-rank component fits against each --hosts 2 run committed: a run's own flat
+    gloo fit and memcpy probe give its calibrated factors; the errors show how far one
+    run's agreement carries to the next on this VM."""
+    out = []
+    for path in sorted(results.glob(HOSTS2_RUNS)):
+        run = load(path)
+        hosts = run.get("hosts") or []
+        if sorted(hosts.count(h) for h in set(hosts)) != [2, 2] or run.get("collective") != "all_reduce":
+            continue  # the model is of 2 hosts x 2 ranks
+        run_fits = dict(fits, gloo4_flat=fit_series(run, path.name, "gloo4_flat"))
+        factors = contention_factors(run_fits, docs, run)
+        out.append({"file": path.name, "fitted": path.name == COMPONENTS["gloo4_flat"][0],
+                    "contention_calibrated": {k: factors["calibrated"][k] for k in ("shm", "gloo")},
+                    "memcpy_GBps_per_rank": run["memcpy"]["all_ranks_at_once_GBps_per_rank"],
+                    **validation_summary(validate(run, run_fits, factors))})
     return out
 
 
@@ -544,6 +582,17 @@ def print_report(out: dict, file=sys.stdout) -> None:
     p()
     p(f"two-level, 16 MiB-256 MiB: calibrated within {s['two_level_calibrated_max_abs_err']:.0%}, nominal within "
       f"{s['two_level_nominal_max_abs_err']:.0%}")
+    p()
+    p(f"## the same component fits against every --hosts 2 run committed ({HOSTS2_RUNS}); each run's own "
+      "flat gloo fit and memcpy probe calibrate its factors")
+    p("| run | memcpy per rank, 4 at once | calibrated shm / gloo | two-level within, calibrated / nominal "
+      "| flat gloo within, nominal |")
+    p("|---|---|---|---|---|")
+    for v in out["validation_runs"]:
+        c = v["contention_calibrated"]
+        p(f"| {v['file']}{' (fitted)' if v['fitted'] else ''} | {v['memcpy_GBps_per_rank']:.1f} GB/s | "
+          f"{c['shm']:.2f} / {c['gloo']:.2f} | {v['two_level_calibrated_max_abs_err']:.0%} / "
+          f"{v['two_level_nominal_max_abs_err']:.0%} | {v['flat_gloo_nominal_max_abs_err']:.0%} |")
     k = out["link"]
     h = k["hw"]
     p()
@@ -655,14 +704,10 @@ def run(args) -> dict:
         results = ROOT / results
     fits, docs = fit_components(results)
     factors = contention_factors(fits, docs)
-    val = validate(docs, fits, factors)
-    big = [r for r in val if 16 * MiB <= r["size"] <= 256 * MiB]
-    summary = {f"two_level_{k}_max_abs_err": max(abs(r[f"two_level_err_{k}"]) for r in big)
-               for k in ("nominal", "calibrated")}
-    summary.update({f"flat_gloo_{k}_max_abs_err": max(abs(r[f"flat_gloo_err_{k}"]) for r in big)
-                    for k in ("nominal", "calibrated")})
+    val = validate(docs[COMPONENTS["gloo4_flat"][0]], fits, factors)
     out = {"benchmark": "cost_model", "args": vars(args), "fits": fits, "fit_ranges": FIT_RANGE_WHY,
-           "contention": factors, "validation": val, "validation_summary": summary,
+           "contention": factors, "validation": val, "validation_summary": validation_summary(val),
+           "validation_runs": validate_runs(results, fits, docs),
            "link": validate_link(load(results / LINK_FILE), fits, factors),
            "assumptions": assumptions(args)}
     out.update(project(args))

@@ -223,3 +223,49 @@ def test_validation_uses_the_pieces_the_file_was_measured_with():
     assert cm.measured_pieces({"env": {"RINGDP_HIER_PIECE_BYTES": str(1 << 40)}})(256 * MiB) == 1 << 40
     new = cm.measured_pieces({"hier_pieces": {"min_piece_bytes": 16 * MiB, "max_pieces": 2}})
     assert new(256 * MiB) == 128 * MiB and new(16 * MiB) == 16 * MiB and new(20 * MiB) == 16 * MiB
+
+
+def test_every_hosts2_run_is_validated_with_the_same_fits(tmp_path):
+    """validate_runs: one row per committed --hosts 2 all-reduce run of 2 hosts x 2 ranks
+    (other layouts left out); a run whose two-level times are the nominal model's own
+    predictions comes out with no error, one twice as slow at -50%."""
+    import shutil
+
+    for name in {c[0] for c in cm.COMPONENTS.values()}:
+        shutil.copy(cm.ROOT / "bench" / "results" / name, tmp_path / name)
+    fits, docs = cm.fit_components(tmp_path)
+    base = docs[cm.COMPONENTS["gloo4_flat"][0]]
+    piece_of = cm.measured_pieces(base)
+
+    def run(scale: float, hosts: list[str]) -> dict:
+        rows = []
+        for S in (MiB, 16 * MiB, 64 * MiB, 256 * MiB):
+            tl = cm.box_two_level(S, fits, 2.0, 2.0, piece_of(S))["total_s"]
+            rows += [{"size": S, "series": "ringdp", "time_us": scale * tl * 1e6},
+                     {"size": S, "series": "gloo", "time_us": cm.box_flat_gloo(S, fits, 2.0) * 1e6}]
+        return dict(base, hosts=hosts, rows=rows)
+
+    (tmp_path / "allreduce_cpu_w4_float32_exact_hosts2.json").write_text(json.dumps(run(1.0, ["a", "a", "b", "b"])))
+    (tmp_path / "allreduce_cpu_w4_float32_slow_hosts2.json").write_text(json.dumps(run(2.0, ["a", "a", "b", "b"])))
+    (tmp_path / "allreduce_cpu_w4_float32_uneven_hosts2.json").write_text(json.dumps(run(1.0, ["a", "a", "a", "b"])))
+    got = {v["file"]: v for v in cm.validate_runs(tmp_path, fits, docs)}
+    assert set(got) == {"allreduce_cpu_w4_float32_hosts2.json", "allreduce_cpu_w4_float32_exact_hosts2.json",
+                        "allreduce_cpu_w4_float32_slow_hosts2.json"}
+    assert [v["fitted"] for v in got.values()].count(True) == 1 and got["allreduce_cpu_w4_float32_hosts2.json"]["fitted"]
+    assert got["allreduce_cpu_w4_float32_exact_hosts2.json"]["two_level_nominal_max_abs_err"] == pytest.approx(0, abs=1e-9)
+    assert got["allreduce_cpu_w4_float32_exact_hosts2.json"]["flat_gloo_nominal_max_abs_err"] == pytest.approx(0, abs=1e-9)
+    assert got["allreduce_cpu_w4_float32_slow_hosts2.json"]["two_level_nominal_max_abs_err"] == pytest.approx(0.5)
+    # the fitted run's row is the main validation's
+    main = cm.validation_summary(cm.validate(base, fits, cm.contention_factors(fits, docs)))
+    for k, x in main.items():
+        assert got["allreduce_cpu_w4_float32_hosts2.json"][k] == pytest.approx(x)
+
+
+def test_the_committed_hosts2_runs_are_within_what_docs_say():
+    """docs/hierarchy.md "Across runs": the two-level time of every committed --hosts 2 run
+    predicted within 30% by the nominal model and within 45% calibrated."""
+    out = cm.run(cm.parse_args([]))
+    runs = out["validation_runs"]
+    assert len(runs) >= 5 and sum(v["fitted"] for v in runs) == 1
+    for v in runs:
+        assert v["two_level_nominal_max_abs_err"] < 0.3 and v["two_level_calibrated_max_abs_err"] < 0.45, v
