@@ -26,6 +26,16 @@ Series (each size measures them back to back, in this order):
     ringdp-pg     (opt-in: --series) torch.distributed's collective on a group of ringdp's
                   backend (dist.new_group(backend="cpu:ringdp"), "cuda:ringdp" on CUDA):
                   what a stock torch.distributed program gets, Work and c10d dispatch included
+    part:inhost, part:cross  (opt-in: --series parts; CPU, all_reduce, across hosts of
+                  equal size) the two-level all-reduce's steps timed alone in the same run,
+                  every host's ranks (every cross-host group) at once as in it: ringdp's
+                  reduce_scatter_tensor then all_gather_into_tensor of S on a group of this
+                  host's ranks (shared memory); gloo's all_reduce of S / L (L = ranks per
+                  host) on a group of the ranks with this local rank, one per host. size is
+                  S for both, count the part's elements; each result is checked against the op
+                  over the part's group.
+                  Their sum beside the ringdp row shows what the pieces' pipeline hides (a
+                  "# parts" line per size)
 With --algo ring,oneshot the ringdp series are split per forced algorithm (ringdp:ring,
 ringdp:oneshot, ringdp-reg:ring, ...), each call passing algo= to ringdp.all_reduce; a
 forced series is measured only at the sizes where ringdp really runs that algorithm (a
@@ -256,6 +266,54 @@ class Pattern:
         return bad
 
 
+class PartPattern(Pattern):
+    """v(r, i) on this rank, and the exact result of the op over `members` only (the group
+    of a --series parts step)."""
+
+    def __init__(self, dtype_name: str, op: str, n: int, rank: int, device, members: list[int]):
+        super().__init__(dtype_name, op, n, rank, device)
+        vals = torch.stack([Pattern(dtype_name, op, n, r, device).value.to(torch.float64) for r in members])
+        reduce = {"sum": lambda v: v.sum(0), "max": lambda v: v.amax(0), "min": lambda v: v.amin(0)}[op]
+        self.expect = reduce(vals).to(self.value.dtype)
+
+
+class Parts:
+    """--series parts (module doc): the groups of the two-level all-reduce's steps on this
+    rank, their patterns, and one call of each."""
+
+    KINDS = ("part-inhost", "part-cross")
+
+    def __init__(self, args, rank: int, world: int, hosts: list[str], device):
+        by_host = [[r for r, h in enumerate(hosts) if h == k] for k in dict.fromkeys(hosts)]
+        if len(by_host) < 2 or len({len(m) for m in by_host}) != 1:
+            raise SystemExit(f"rank {rank}: --series parts needs hosts of equal size, at least 2 "
+                             f"(ranks per host: {[len(m) for m in by_host]})")
+        self.local = len(by_host[0])
+        crosses = [[m[lr] for m in by_host] for lr in range(self.local)]
+        # every rank makes every group (torch's rule), then uses its own
+        self.host_group, _ = dist.new_subgroups_by_enumeration(by_host)
+        self.cross_group, _ = dist.new_subgroups_by_enumeration(crosses)
+        members = {"part-inhost": next(m for m in by_host if rank in m),
+                   "part-cross": next(m for m in crosses if rank in m)}
+        self.patterns = {k: PartPattern(args.dtype, args.op, world, rank, device, members[k]) for k in self.KINDS}
+        self._blocks: dict = {}
+
+    def count(self, kind: str, count: int) -> int:
+        """Elements of a call of `kind` for a size of `count` elements (part-cross: S / L)."""
+        return count if kind == "part-inhost" else count // self.local
+
+    def call(self, kind: str, t, op) -> None:
+        if kind == "part-cross":
+            dist.all_reduce(t, op=op, group=self.cross_group)
+            return
+        key = (t.numel() // self.local, t.dtype)
+        if key not in self._blocks:
+            self._blocks = {key: torch.empty(key[0], dtype=t.dtype)}
+        block = self._blocks[key]
+        ringdp.reduce_scatter_tensor(block, t, op=op, group=self.host_group)
+        ringdp.all_gather_into_tensor(t, block, group=self.host_group)
+
+
 # --------------------------------------------------------------------------- other collectives
 COLLS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 BUSBW_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "reduce_scatter": lambda n: (n - 1) / n,
@@ -475,6 +533,7 @@ class Caller:
 
             self.flat_comm = Communicator(config=self.comm.config.replace(hierarchy=False))
         self.host_keys = self.comm.hosts if self.comm is not None else self.hosts
+        self.parts = Parts(args, rank, world, self.host_keys, self.device) if "parts" in args.series else None
         # across hosts: CPU shm + gloo; CUDA IPC + NCCL when the all-reduce takes the
         # hierarchy (policy.cuda_hierarchical), else ringdp's flat NCCL ring
         self.cuda_hier = (self.device.type == "cuda" and self.comm is not None
@@ -508,13 +567,15 @@ class Caller:
                         for a in self.args.algos]
         if self.pg is not None:  # (torch.distributed's calls take no algo=)
             out.append(Series("ringdp-pg", "ringdp-pg", None))
+        if self.parts is not None:
+            out += [Series("part:inhost", "part-inhost", None), Series("part:cross", "part-cross", None)]
         return out
 
     def algo(self, s: Series, nbytes: int) -> str:
         """What runs for this size: "ring"/"oneshot"/"direct" (ran_as) for ringdp, "-" for the
         baseline; across hosts the path (CUDA: the path when the collectives take the
         hierarchy, else ringdp's flat NCCL "ring")."""
-        if s.kind == "baseline":
+        if s.kind == "baseline" or s.kind in Parts.KINDS:
             return "-"
         if self.cross_path is not None and self.device.type == "cuda":
             return self.cross_path if self.cuda_hier and s.kind != "ringdp-flat" else "ring"
@@ -577,6 +638,8 @@ class Caller:
     def call(self, s: Series, t):
         if self.torch_api(s):
             dist.all_reduce(t, op=self.op, group=self.group_of(s))
+        elif s.kind in Parts.KINDS:
+            self.parts.call(s.kind, t, self.op)
         elif s.kind == "ringdp-flat":
             self.flat_comm.all_reduce(t, op=self.op, algo=s.algo)
         else:
@@ -610,6 +673,8 @@ def measure(c: Caller, pattern, s: Series, nbytes: int, memcpy_Bps: float) -> di
     count = nbytes // c.elem
     coll = pattern if isinstance(pattern, Collective) else None
     if coll is None:
+        if s.kind in Parts.KINDS:  # (its own size and closed form: module doc)
+            pattern, count = c.parts.patterns[s.kind], c.parts.count(s.kind, count)
         t = c.alloc(s, count)
 
         def fill():
@@ -787,7 +852,8 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
         sizes = sizes_to_sweep(args.min_bytes, args.max_bytes, args.factor, c.elem)
     else:
         pattern = Collective(coll_name, args.op, n, rank, c.device, c.dtype)
-        series = [Series(s.kind, s.kind, None) if s.kind != "baseline" else s for s in c.series()]
+        series = [Series(s.kind, s.kind, None) if s.kind != "baseline" else s for s in c.series()
+                  if s.kind not in Parts.KINDS]  # (--series parts: all_reduce's)
         series = list(dict.fromkeys(series))  # one series per kind (--algo is all_reduce's)
         # whole chunks: the larger buffer is n x the smaller one
         sizes = sorted({(z // (c.elem * n)) * c.elem * n
@@ -864,6 +930,13 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             if base is not None:
                 r["speedup"] = base["time_us"] / r["time_us"]
             out.line(format_row(r))
+        parts = {r["kind"]: r["time_us"] for r in group if r["kind"] in Parts.KINDS}
+        whole = next((r["time_us"] for r in group if r["series"] == "ringdp"), None)
+        if len(parts) == len(Parts.KINDS) and whole is not None:
+            total = sum(parts.values())
+            out.line(f"# parts at {human_bytes(nbytes)}: in-host {parts['part-inhost'] / 1e3:.2f} ms + "
+                     f"cross {parts['part-cross'] / 1e3:.2f} ms = {total / 1e3:.2f} ms; ringdp two-level "
+                     f"{whole / 1e3:.2f} ms ({whole / total:.2f} of the sum)")
         rows.extend(group)
         if rank == 0 and nbytes != sizes[-1]:  # what is measured survives a killed run
             save_json(name, payload(False), args.out_dir)
@@ -920,7 +993,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="torch.distributed backend to compare with (auto: gloo on cpu, nccl on cuda)")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--series", default=None,
-                    help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat, ringdp-pg (default: "
+                    help="comma list of baseline, ringdp, ringdp-reg, ringdp-flat, ringdp-pg, parts (default: "
                          "baseline,ringdp,ringdp-reg; with --hosts: and ringdp-flat)")
     ap.add_argument("--out-dir", default=str(OUT_DIR),
                     help="where the JSON/PNG go (default bench/out, ignored by git; "
@@ -941,9 +1014,12 @@ def parse_args(argv: list[str] | None = None):
     if args.series is None:
         args.series = "baseline,ringdp,ringdp-reg,ringdp-flat" if args.hosts > 1 else "baseline,ringdp,ringdp-reg"
     args.series = [s.strip() for s in args.series.split(",") if s.strip()]
-    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat", "ringdp-pg"}
+    bad = set(args.series) - {"baseline", "ringdp", "ringdp-reg", "ringdp-flat", "ringdp-pg", "parts"}
     if bad:
         ap.error(f"unknown --series {sorted(bad)}")
+    if "parts" in args.series and (args.device != "cpu" or args.op == "avg"
+                                   or (args.hosts == 1 and "TORCHELASTIC_RUN_ID" not in os.environ)):
+        ap.error("--series parts: CPU tensors across hosts (--hosts, or torchrun across hosts), --op sum, min or max")
     if "ringdp-flat" in args.series and args.hosts == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
         ap.error("--series ringdp-flat needs --hosts, or torchrun across hosts (it is the inter-host engine)")
     if "ringdp-flat" in args.series and "ringdp" not in args.series:

@@ -449,6 +449,8 @@ cpu)
   # flat gloo from 16 MiB) and issue 11's stock DDP (<= 0.6x gloo's step, H=2560) and FSDP2
   # (aim <= 0.5x) where the ranks, their copies and the loopback "network" each have cores
   # of their own; on the 2-core development box they share two. One thread per rank, as there.
+  # The sweep's parts (the in-host steps and the gloo step timed alone) show whether the
+  # pieces' pipeline hides one behind the other once there are cores to spare.
   step cpu_facts 30 bash -c 'nproc; lscpu | head -n 20; df -h /dev/shm; free -g' || true
   if ! "$PY" -c 'import ringdp._C' > /dev/null 2>&1; then  # no build phase ran on this machine
     step build_cpu 180 env RINGDP_BUILD_CUDA=0 MAX_JOBS=16 "$PY" setup.py build_ext --inplace \
@@ -456,7 +458,7 @@ cpu)
   fi
   mkdir -p "$WORK/cpu"
   step bench_hosts2 60 "$PY" bench/allreduce.py --hosts 2 -b 1M -e 64M -f 4 \
-    --series baseline,ringdp,ringdp-reg,ringdp-flat --min-iters 10 --target-time 0.5 --timeout 120 \
+    --series baseline,ringdp,ringdp-reg,ringdp-flat,parts --min-iters 10 --target-time 0.5 --timeout 120 \
     --out-dir "$WORK/cpu" --name cores || true
   step ddp_step 60 "$PY" bench/ddp_step.py --hidden 2560 --modes none,torch,ring,torch_ringdp,torch_nocomm \
     --rounds 5 --out-dir "$WORK/cpu" --name cores || true

@@ -18,9 +18,11 @@ the logs, the junit XML of the tests and the benchmark JSON files, and writes OU
     probe  per bench/cuda_probe.py file (one per RINGDP_CUDA_CHANNELS setting): the channel
            setting, the endpoint, latency and RingDDP step figures
     cpu    cpu_cores; the two-host sweep's speedup of each series over flat gloo per size
-           (issue 12: >= 2x from 16 MiB, target_2x_ge_16MiB_met); stock DDP's and RingDDP's
-           step time over gloo DDP's per H (issue 11: torch_ringdp <= 0.6x at H=2560,
-           target_0.6x_met) and the floor torch_nocomm; FSDP2's over gloo's (aim <= 0.5x)
+           (issue 12: >= 2x from 16 MiB, target_2x_ge_16MiB_met) and the two-level time over
+           the sum of its steps timed alone (--series parts; two_level_over_parts); stock
+           DDP's and RingDDP's step time over gloo DDP's per H (issue 11: torch_ringdp <=
+           0.6x at H=2560, target_0.6x_met) and the floor torch_nocomm; FSDP2's over gloo's
+           (aim <= 0.5x)
 
 Everything is read defensively: a missing, truncated or malformed file becomes a string
 saying so in its place, never an exception (a phase killed by its timeout still gets its
@@ -247,6 +249,12 @@ def hosts_sweep_summary(path: str) -> dict | str:
                 out["speedup"].setdefault(r["series"], {})[str(r["size"])] = round(base[r["size"]] / r["time_us"], 2)
         big = [v for z, v in out["speedup"].get("ringdp", {}).items() if int(z) >= (16 << 20)]
         out["target_2x_ge_16MiB_met"] = bool(big) and min(big) >= 2.0
+        # --series parts: the two-level time over the sum of its steps timed alone (below 1:
+        # the pipeline hides part of one behind the other)
+        t = {(r["series"], r["size"]): r["time_us"] for r in rows}
+        out["two_level_over_parts"] = {
+            str(z): round(t["ringdp", z] / (t["part:inhost", z] + t["part:cross", z]), 2)
+            for (name, z) in t if name == "part:inhost" and ("part:cross", z) in t and ("ringdp", z) in t}
         return out
     except (KeyError, TypeError, ValueError) as e:
         return f"unexpected content ({type(e).__name__}: {e}): {os.path.basename(path)}"

@@ -172,6 +172,50 @@ def test_bench_hosts(tmp_path):
 
 
 @pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
+def test_bench_hosts_parts(tmp_path):
+    """--series parts: the two-level all-reduce's steps timed alone beside it (part:inhost
+    on each host's ranks, part:cross on each cross-host pair, S / 2 elements), each exact
+    against the op over its own group; a "# parts" line per size; the other collectives'
+    sweeps leave them out."""
+    cmd = [sys.executable, str(BENCH), "--hosts", "2", "-b", "4K", "-e", "64K", "-f", "16", "--iters", "2",
+           "--warmup", "1", "--series", "baseline,ringdp,parts", "--coll", "all_reduce,broadcast", "--op", "max",
+           "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, f"bench failed\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    rows = json.loads((tmp_path / "allreduce_cpu_w4_float32_max_hosts2.json").read_text())["rows"]
+    assert {(r["series"], r["algo"]) for r in rows} == {("gloo", "-"), ("ringdp", "two_level"),
+                                                         ("part:inhost", "-"), ("part:cross", "-")}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows) and len(rows) == 4 * 2
+    assert {r["count"] for r in rows if r["series"] == "part:cross"} == {512, 8192}  # S / 2 elements
+    assert {r["count"] for r in rows if r["series"] == "part:inhost"} == {1024, 16384}
+    assert [line.startswith("# parts at ") for line in proc.stdout.splitlines()].count(True) == 2, proc.stdout
+    other = json.loads((tmp_path / "broadcast_cpu_w4_float32_max_hosts2.json").read_text())["rows"]
+    assert {r["series"] for r in other} == {"gloo", "ringdp"}
+
+
+def test_part_pattern_is_the_op_over_its_group_alone():
+    """PartPattern's result is the op over the part's members of v(r, i) (module doc), not
+    over all ranks: for n = 4, members 0 and 1 (a host) and 1 and 3 (a cross-host pair)."""
+    pytest.importorskip("ringdp._C", reason="ringdp._C is not built")
+    import torch
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import allreduce
+
+    n, k = 4, 3
+    i = torch.arange(allreduce.Pattern("float32", "sum", n, 0, "cpu").block_len)
+    v = [n * (i % (2 * k + 1) - k) + 2 * ((i + r) % n) - (n - 1) for r in range(n)]
+    for members in ([0, 1], [1, 3]):
+        a, b = v[members[0]], v[members[1]]
+        for op, want in (("sum", a + b), ("max", torch.maximum(a, b)), ("min", torch.minimum(a, b))):
+            got = allreduce.PartPattern("float32", op, n, members[1], "cpu", members)
+            assert torch.equal(got.expect, want.float()), (members, op)
+            assert torch.equal(got.value, v[members[1]].float())
+    full = allreduce.Pattern("float32", "sum", n, 0, "cpu").expect
+    assert not torch.equal(allreduce.PartPattern("float32", "sum", n, 0, "cpu", [0, 1]).expect, full)
+
+
+@pytest.mark.skipif(not _have_native(), reason="ringdp._C is not built")
 def test_bench_namespace_hosts(tmp_path):
     """bench/netns_hosts.py: the sweep under torchrun on two hosts in namespaces of their own,
     the link shaped (tc tbf): ringdp finds two hosts by hostname (no RINGDP_HOST_ID), takes
@@ -235,14 +279,15 @@ def test_bench_process_group_series(tmp_path):
 
 
 def test_bench_hosts_rejects_what_needs_one_host():
-    """--hosts with a series or world it cannot run: a clear usage error (--device cuda is
+    """--hosts with a series, op or world it cannot run: a clear usage error (--device cuda is
     allowed with --hosts: the CUDA two-level all-reduce; without a GPU it is the usual
     usage error)."""
     import torch
 
     cuda = [] if torch.cuda.is_available() else [(["--device", "cuda"], "no CUDA device visible")]
     for extra, why in (*cuda, (["--series", "baseline,ringdp-flat"], "ringdp-flat needs ringdp too"),
-                       (["--world", "1"], "at least as many ranks")):
+                       (["--world", "1"], "at least as many ranks"),
+                       (["--series", "baseline,parts", "--op", "avg"], "--series parts: CPU tensors across hosts")):
         proc = subprocess.run([sys.executable, str(BENCH), "--hosts", "2", *extra], cwd=REPO,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and why in proc.stderr, (extra, proc.stderr)
