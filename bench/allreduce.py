@@ -927,7 +927,7 @@ def sweep_one(rank: int, args, c: Caller, coll_name: str, memcpy: dict, out: Con
             done += 1
         base = next((r for r in group if r["kind"] == "baseline"), None)
         for r in group:
-            if base is not None:
+            if base is not None and r["kind"] not in Parts.KINDS:  # (a part is not an all-reduce)
                 r["speedup"] = base["time_us"] / r["time_us"]
             out.line(format_row(r))
         parts = {r["kind"]: r["time_us"] for r in group if r["kind"] in Parts.KINDS}

@@ -17,7 +17,9 @@ It does three things, reading only committed benchmark JSONs (bench/allreduce.py
              4: a contention factor scales them (nominal: 2 = 4 processes / 2 cores;
              calibrated: shm copies by the ratio of the memcpy bandwidth per rank with all
              ranks copying at once in the two files, gloo by flat gloo's 4-rank beta over
-             1.5 x its 2-rank beta). The pieces are those the run was measured with:
+             1.5 x its 2-rank beta; from its steps, where the run timed them alone with
+             --series parts: their times over the fits, steps_factors). The pieces are
+             those the run was measured with:
              the file's "hier_pieces" (at most max_pieces of at least min_piece_bytes,
              policy.two_level_piece_bytes), or fixed 16 MiB pieces for files written before
              it (ringdp's rule until then)
@@ -219,6 +221,30 @@ def contention_factors(fits: dict, docs: dict, run: dict | None = None) -> dict:
     }
 
 
+# the contention factors a prediction may use: nominal and calibrated always, "steps" where the
+# run timed its steps alone (steps_factors)
+FACTOR_KINDS = ("nominal", "calibrated", "steps")
+
+
+def steps_factors(run: dict, fits: dict) -> dict | None:
+    """The contention factors read off a --hosts 2 run's own steps timed alone
+    (bench/allreduce.py --series parts), None for a run without them: the median, over its
+    sizes from 16 MiB, of part:inhost's time over the 2-rank shm reduce-scatter + all-gather
+    fits at S, and of part:cross's time over the 2-rank gloo fit at S/2 (both pairs at once,
+    as in the call). With them the two-level prediction tests only the model's structure:
+    the call is the sum of its steps, piece by piece."""
+    m = measured_times(run)
+    big = sorted(S for S in m if S >= 16 * MiB and {"part:inhost", "part:cross"} <= set(m[S]))
+    if not big:
+        return None
+    shm = float(np.median([m[S]["part:inhost"] / (predict(fits["shm_rs"], S) + predict(fits["shm_ag"], S))
+                           for S in big]))
+    gloo = float(np.median([m[S]["part:cross"] / predict(fits["gloo2"], S / 2) for S in big]))
+    return {"shm": shm, "gloo": gloo,
+            "why": (f"the run's part:inhost and part:cross times over the 2-rank fits, median over "
+                    f"{len(big)} sizes from 16 MiB")}
+
+
 def box_two_level(S: float, fits: dict, c_shm: float, c_gloo: float, piece_bytes: int, local: int = 2) -> dict:
     """Two-level all-reduce on the box, 2 hosts x `local` ranks, nothing overlapping: per
     piece of p bytes the shm reduce-scatter and all-gather of p on `local` ranks and the gloo
@@ -262,12 +288,13 @@ def validate(doc: dict, fits: dict, factors: dict) -> list[dict]:
     """Predicted against measured for every size from 1 MiB of the --hosts 2 run `doc`."""
     piece_of = measured_pieces(doc)
     measured = measured_times(doc)
+    kinds = [k for k in FACTOR_KINDS if k in factors]
     out = []
     for S in sorted(measured):
         if S < MiB:
             continue
         row = {"size": int(S), "piece_bytes": int(min(S, piece_of(S)))}
-        for kind in ("nominal", "calibrated"):
+        for kind in kinds:
             c = factors[kind]
             tl = box_two_level(S, fits, c["shm"], c["gloo"], piece_of(S))
             row[f"two_level_pred_{kind}_s"] = tl["total_s"]
@@ -277,7 +304,7 @@ def validate(doc: dict, fits: dict, factors: dict) -> list[dict]:
         for series, key in (("ringdp", "two_level"), ("gloo", "flat_gloo"), ("ringdp-flat", "ringdp_flat")):
             if series in measured[S]:
                 row[f"{key}_measured_s"] = measured[S][series]
-        for kind in ("nominal", "calibrated"):
+        for kind in kinds:
             if "two_level_measured_s" in row:
                 row[f"two_level_err_{kind}"] = row[f"two_level_pred_{kind}_s"] / row["two_level_measured_s"] - 1
             if "flat_gloo_measured_s" in row:
@@ -290,7 +317,7 @@ def validation_summary(val: list[dict]) -> dict:
     """The largest relative error from 16 MiB to 256 MiB of each prediction."""
     big = [r for r in val if 16 * MiB <= r["size"] <= 256 * MiB]
     return {f"{what}_{k}_max_abs_err": max(abs(r[f"{what}_err_{k}"]) for r in big)
-            for what in ("two_level", "flat_gloo") for k in ("nominal", "calibrated")}
+            for what in ("two_level", "flat_gloo") for k in FACTOR_KINDS if f"{what}_err_{k}" in big[0]}
 
 
 # every --hosts 2 all-reduce run committed (the one in COMPONENTS, later sweeps, repeats)
@@ -309,8 +336,12 @@ def validate_runs(results: Path, fits: dict, docs: dict) -> list[dict]:
             continue  # the model is of 2 hosts x 2 ranks
         run_fits = dict(fits, gloo4_flat=fit_series(run, path.name, "gloo4_flat"))
         factors = contention_factors(run_fits, docs, run)
+        steps = steps_factors(run, fits)
+        if steps is not None:
+            factors["steps"] = steps
         out.append({"file": path.name, "fitted": path.name == COMPONENTS["gloo4_flat"][0],
                     "contention_calibrated": {k: factors["calibrated"][k] for k in ("shm", "gloo")},
+                    "contention_steps": None if steps is None else {k: steps[k] for k in ("shm", "gloo")},
                     "memcpy_GBps_per_rank": run["memcpy"]["all_ranks_at_once_GBps_per_rank"],
                     **validation_summary(validate(run, run_fits, factors))})
     return out
@@ -584,15 +615,18 @@ def print_report(out: dict, file=sys.stdout) -> None:
       f"{s['two_level_nominal_max_abs_err']:.0%}")
     p()
     p(f"## the same component fits against every --hosts 2 run committed ({HOSTS2_RUNS}); each run's own "
-      "flat gloo fit and memcpy probe calibrate its factors")
+      "flat gloo fit and memcpy probe calibrate its factors; a run that timed its steps alone (--series parts) "
+      "also gives factors from them (steps_factors)")
     p("| run | memcpy per rank, 4 at once | calibrated shm / gloo | two-level within, calibrated / nominal "
-      "| flat gloo within, nominal |")
-    p("|---|---|---|---|---|")
+      "| flat gloo within, nominal | from its steps: shm / gloo, two-level within |")
+    p("|---|---|---|---|---|---|")
     for v in out["validation_runs"]:
-        c = v["contention_calibrated"]
+        c, st = v["contention_calibrated"], v["contention_steps"]
+        steps = ("-" if st is None else
+                 f"{st['shm']:.2f} / {st['gloo']:.2f}, {v['two_level_steps_max_abs_err']:.0%}")
         p(f"| {v['file']}{' (fitted)' if v['fitted'] else ''} | {v['memcpy_GBps_per_rank']:.1f} GB/s | "
           f"{c['shm']:.2f} / {c['gloo']:.2f} | {v['two_level_calibrated_max_abs_err']:.0%} / "
-          f"{v['two_level_nominal_max_abs_err']:.0%} | {v['flat_gloo_nominal_max_abs_err']:.0%} |")
+          f"{v['two_level_nominal_max_abs_err']:.0%} | {v['flat_gloo_nominal_max_abs_err']:.0%} | {steps} |")
     k = out["link"]
     h = k["hw"]
     p()

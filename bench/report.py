@@ -81,7 +81,7 @@ def speedup_lines(doc: dict) -> list[str]:
     small = min(base)
     lines = []
     for name, rows in by.items():
-        if name == base_name:
+        if name == base_name or name.startswith("part:"):  # (--series parts: steps, not all-reduces)
             continue
         sp = [r["speedup"] for r in rows if r.get("speedup")]
         if not sp:

@@ -188,6 +188,7 @@ def test_bench_hosts_parts(tmp_path):
     assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in rows) and len(rows) == 4 * 2
     assert {r["count"] for r in rows if r["series"] == "part:cross"} == {512, 8192}  # S / 2 elements
     assert {r["count"] for r in rows if r["series"] == "part:inhost"} == {1024, 16384}
+    assert all(r["speedup"] is None for r in rows if r["series"].startswith("part:"))  # (not all-reduces)
     assert [line.startswith("# parts at ") for line in proc.stdout.splitlines()].count(True) == 2, proc.stdout
     other = json.loads((tmp_path / "broadcast_cpu_w4_float32_max_hosts2.json").read_text())["rows"]
     assert {r["series"] for r in other} == {"gloo", "ringdp"}
