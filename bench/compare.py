@@ -6,8 +6,10 @@ Each side is one or more result files of the same benchmark (bench/allreduce.py 
 bench/ddp_step.py), ideally measured interleaved (before, after, before, after, ...) on one
 quiet machine, since a 2-core box drifts from run to run. Per row (size and series, or
 hidden size and mode) it takes each side's best run (the smallest time), and prints
-before, after and after/before; for all-reduce rows also the speedup over the baseline
-measured in the same run, which cancels most of the machine's drift. Rows present on one
+before, after and after/before, then the same of each side's median run (the best run
+alone says little when the runs spread as widely as the change); for all-reduce rows also
+the speedup over the baseline measured in the same run, which cancels most of the
+machine's drift. Rows present on one
 side only are left out. All files must agree on the collective, world size, dtype, op and
 device (recorded in the output's "facts"): a mix is refused, naming two files and the field.
 --json writes the table as JSON (for bench/results/).
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +51,8 @@ def _same_facts(files: list[Path]) -> dict:
 
 
 def _best(files: list[Path]) -> tuple[str, dict]:
-    """kind, {row key: {"time": best time, "speedup": best speedup over the baseline}}"""
+    """kind, {row key: {"time": best time, "speedup": best speedup over the baseline,
+    "times": every run's time}}"""
     kinds, best = set(), {}
     for f in files:
         kind, rows, _ = _rows(f)
@@ -58,8 +62,9 @@ def _best(files: list[Path]) -> tuple[str, dict]:
                 key, t, sp = (r["size"], r["series"]), r["time_us"], r.get("speedup")
             else:
                 key, t, sp = (r["hidden"], r["mode"]), r["step_ms"], None
-            cur = best.setdefault(key, {"time": t, "speedup": sp})
+            cur = best.setdefault(key, {"time": t, "speedup": sp, "times": []})
             cur["time"] = min(cur["time"], t)
+            cur["times"].append(t)
             if sp is not None:
                 cur["speedup"] = max(cur["speedup"] or 0.0, sp)
     if len(kinds) != 1:
@@ -78,6 +83,9 @@ def compare(before: list[Path], after: list[Path]) -> dict:
     for key in sorted(set(b) & set(a), key=lambda k: (str(k[1]), k[0])):
         row = {"key": list(key), f"before_{unit}": b[key]["time"], f"after_{unit}": a[key]["time"],
                "after_over_before": a[key]["time"] / b[key]["time"]}
+        mb, ma = statistics.median(b[key]["times"]), statistics.median(a[key]["times"])
+        row.update({f"before_median_{unit}": mb, f"after_median_{unit}": ma, "median_after_over_before": ma / mb,
+                    "runs": [len(b[key]["times"]), len(a[key]["times"])]})
         if b[key]["speedup"] is not None and a[key]["speedup"] is not None:
             row["speedup_before"], row["speedup_after"] = b[key]["speedup"], a[key]["speedup"]
         rows.append(row)
@@ -89,12 +97,13 @@ def compare(before: list[Path], after: list[Path]) -> dict:
 def format_table(c: dict) -> str:
     unit = c["unit"]
     first = "size, series" if c["benchmark"] == "allreduce" else "hidden, mode"
-    out = [f"| {first} | before {unit} | after {unit} | after/before | speedup over baseline before -> after |",
-           "|---|---|---|---|---|"]
+    out = [f"| {first} | before {unit} | after {unit} | after/before | medians: before, after, after/before "
+           f"| speedup over baseline before -> after |", "|---|---|---|---|---|---|"]
     for r in c["rows"]:
         sp = (f"{r['speedup_before']:.1f}x -> {r['speedup_after']:.1f}x" if "speedup_before" in r else "-")
         out.append(f"| {r['key'][0]}, {r['key'][1]} | {r[f'before_{unit}']:.1f} | {r[f'after_{unit}']:.1f} | "
-                   f"{r['after_over_before']:.2f} | {sp} |")
+                   f"{r['after_over_before']:.2f} | {r[f'before_median_{unit}']:.1f}, {r[f'after_median_{unit}']:.1f}, "
+                   f"{r['median_after_over_before']:.2f} | {sp} |")
     return "\n".join(out)
 
 

@@ -447,7 +447,11 @@ def test_compare_takes_each_sides_best_run(tmp_path):
     assert r["key"] == [4096, "ringdp"] and r["before_us"] == 10.0 and r["after_us"] == 11.0
     assert r["after_over_before"] == pytest.approx(1.1)
     assert (r["speedup_before"], r["speedup_after"]) == (100.0, 95.0)
-    assert "| 4096, ringdp | 10.0 | 11.0 | 1.10 | 100.0x -> 95.0x |" in compare.format_table(c)
+    # each side's median run too (two runs: their mean), and how many runs each side had
+    assert (r["before_median_us"], r["after_median_us"], r["runs"]) == (11.0, 13.0, [2, 2])
+    assert r["median_after_over_before"] == pytest.approx(13.0 / 11.0)
+    assert "| 11.0, 13.0, 1.18 |" in compare.format_table(c)
+    assert "| 4096, ringdp | 10.0 | 11.0 | 1.10 | 11.0, 13.0, 1.18 | 100.0x -> 95.0x |" in compare.format_table(c)
     ddp = write("d.json", [{"hidden": 8, "mode": "ring", "step_ms": 3.0}])
     with pytest.raises(SystemExit, match="same benchmark"):
         compare.compare(before, [ddp])
