@@ -61,8 +61,14 @@ step (CrossHost._overlaps, _begin_overlapped): after the step, a second, header-
 carries each member's outcome (a FAILED row where its step failed) beside the first
 cross-host step, which every member of the group starts, one whose step failed too, so
 that the group's gloo collectives stay paired; the step's result is used only when every
-outcome is good. A rank whose step failed still raises its own error, every other rank a
-RingError naming it, and the communicator stays usable, as above.
+outcome is good. A call in one piece whose block is at most policy.FOLD_MAX_BLOCK_BYTES
+sends no second check: each member's outcome goes as a flag beside its block in the data's
+all-reduce itself (_fold_start; the in-host steps then run out of place, in a scratch
+buffer), read by every member when it ends (_Folded.verdict). A rank whose step failed
+still raises its own error, every other rank a RingError naming it, and the communicator
+stays usable, as above. Where no data goes with the check, its row carries the elements of
+the call's first pipeline piece, so that members whose pieces differ (a setting that
+differs between ranks) fail in the check rather than in mismatched gloo collectives.
 
 CUDA tensors (on_cuda, made by ringdp/cuda_comm.py on the TWO_LEVEL and LEADERS paths): the
 same collectives with this host's CUDA IPC endpoint for the in-host steps and ringdp's NCCL
@@ -101,7 +107,8 @@ from .rendezvous import LookupStore, Rendezvous
 
 _KINDS = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "broadcast": 3}
 _FAILED = -1  # a check row's kind: the rank failed the call before its cross-host step (row: -1, n, 0, ...)
-_HEADER = 6  # int64 words of a check row before its payload slot: kind, count, dtype, op, root, payload bytes
+_HEADER = 6  # int64 words of a check row before its payload slot: kind, count, dtype, op, root, and the payload
+# bytes it carries, or minus the elements of the first pipeline piece where it carries none (_check)
 _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _types.MAX: dist.ReduceOp.MAX}
 ABORT_POLL_S = 0.1  # a cross-host wait's slice: how soon it sees this rank's abort() (CrossHost._await)
 ABORT_STORE_POLL_S = 0.5  # how often a cross-host wait that lasts looks in the store for a peer's abort()
@@ -162,6 +169,7 @@ class CrossHost:
         self._aborts = _Aborts(comm._store, f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
         self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: _let_go)
         self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
+        self.folded_calls = 0  # two-level all-reduces whose first step's outcome went with their data (_fold_start)
         self._lookup = None  # the LookupStore under the gloo groups (create)
 
     @classmethod
@@ -297,7 +305,7 @@ class CrossHost:
         if self._host_rank_index is not None:
             c._host_rank_index = [index.to(device) for index in self._host_rank_index]
         c._reasons = f"{self._reasons}cuda/"  # its own failure numbers: keys apart from the CPU ones
-        c.fused_calls = 0
+        c.fused_calls = c.folded_calls = 0
         c.stream = torch.cuda.Stream(device)
         return c
 
@@ -373,7 +381,10 @@ class CrossHost:
         position) reduced over the host, in place; gloo all-reduces that block across hosts
         while the next piece is reduce-scattered; the piece is then all-gathered inside the
         host from each rank's block, in place. No copy beyond the transports' own, no buffer
-        (a fresh buffer's first touch cost more than the copies: issue 12). The in-host calls
+        (a fresh buffer's first touch cost more than the copies: issue 12), but where the
+        first step's outcome is folded into the data (one piece, policy.folds_outcome): the
+        block then lives in a reused scratch buffer with the flags after it, the in-host steps
+        out of place (one copy of the block more, in the all-gather). The in-host calls
         come in the same order on every rank of the host (rs 0, rs 1, ag 0, rs 2, ag 1, ...).
         The first reduce_scatter is the call's first in-host step (`begin`: _begin)."""
         L, lr = self.local_size, self.local_rank
@@ -388,10 +399,19 @@ class CrossHost:
                 step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced),
                                          t, tag)
                 rows, work = None, None
-                if off == 0 and self._overlaps(mine if per >= blk else None):
-                    work = begin(step, start=functools.partial(self._gloo_start, mine, dop, t, self.inhost, tag))
+                if (off == 0 and per >= blk and self._overlaps(mine)  # (one piece, too big for the check)
+                        and policy.folds_outcome(m * full.element_size())):
+                    buf = self._scratch("fold", m + len(self.cross_ranks), full.dtype)
+                    mine = buf[:m]  # (the in-host steps read and write it out of place)
+                    step = functools.partial(self.inhost.reduce_scatter, mine, piece, red,
+                                             self._host_algo(piece, forced), t, tag)
+                    work = begin(step, start=functools.partial(self._fold_start, buf, m, red, dop, t, tag), fold=True,
+                                 piece=m * L)
+                elif off == 0 and self._overlaps(None if per < blk else mine):
+                    work = begin(step, start=functools.partial(self._gloo_start, mine, dop, t, self.inhost, tag),
+                                 piece=m * L)
                 elif off == 0:  # (one piece: its block may go with the call check)
-                    rows = begin(step, mine if per >= blk else None)
+                    rows = begin(step, mine if per >= blk else None, piece=m * L)
                 else:
                     step()
                 if rows is not None:
@@ -425,7 +445,7 @@ class CrossHost:
                         if self.inhost is not None else None)
                 rows = None
                 if off == 0:  # (one piece: it may go with the leaders' call check)
-                    rows = begin(step, piece if per >= n and self.cross is not None else None)
+                    rows = begin(step, piece if per >= n and self.cross is not None else None, piece=piece.numel())
                 elif step is not None:
                     step()
                 work = None
@@ -453,6 +473,8 @@ class CrossHost:
     def _gather_piece(self, work, mine, piece, avg, forced, t, tag) -> None:
         if work is not None:  # (None: the block went with the call check)
             self._gloo_wait(work, t, self.inhost, tag)
+        if isinstance(work, _Folded):
+            work.verdict(self, t, tag)
         if avg:
             mine.div_(self.world)
         self.inhost.all_gather(piece, mine, self._host_algo(mine, forced), t, tag)
@@ -670,7 +692,8 @@ class CrossHost:
             self.inhost.broadcast(tensor, root, self._host_algo(tensor, forced), t, tag)
 
     # ---- the start of every call: first in-host step, then the call check ---------------------
-    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None, start=None):
+    def _begin(self, what: str, tensor, code: int, root: int, t, tag, step, payload=None, start=None,
+               fold=False, piece=0):
         """Start a call (module doc): its first in-host step (`step()`; None: none), then the
         call check in this rank's check group with the step's outcome. Raises the step's own
         error on a rank whose step failed (after its FAILED row is in), a RingError naming
@@ -680,7 +703,13 @@ class CrossHost:
         where its data cannot go with the check (_overlaps): the check then goes out before
         the step, so that its round trip overlaps the step, and the step's outcome follows in
         a second, header-only check that goes out with the cross-host step (_begin_overlapped);
-        returns that step's work.
+        returns that step's work. `fold`: `start(failure)` puts the step's outcome (None, or
+        this rank's RingError) in the cross-host step's own data instead (_fold_start), and no
+        second check goes out.
+
+        `piece`: the elements of an all_reduce's first pipeline piece, in its check row where
+        no data goes with it, so that members whose pieces differ (RINGDP_HIER_PIECE_BYTES set
+        apart) fail in the check instead of in gloo's mismatched collectives.
 
         `payload`: what this rank's cross-host step would send (a tensor, read after the
         step, or a function making it after the step). When it fits the check row's slot
@@ -692,7 +721,7 @@ class CrossHost:
         as the cause), and this host's peers, past the step, meet a rejected in-host call."""
         self._announce(what, tensor, code, root)
         if start is not None:
-            return self._begin_overlapped(what, tensor, code, root, t, tag, step, start)
+            return self._begin_overlapped(what, tensor, code, root, t, tag, step, start, fold, piece)
         failure = self._first_step(step)
         group, ranks = self._check_group()
         rows = None
@@ -708,7 +737,8 @@ class CrossHost:
                 self._tell(str(failure), self.inhost, t, tag)
         if group is not None:  # (no data with the check where its rows cannot take it: a CUDA CrossHost)
             check = self._check(what, tensor, code, root, t, tag, group, ranks,
-                                None if failure is None else str(failure), payload if self.fuse else None)
+                                None if failure is None else str(failure), payload if self.fuse else None,
+                                piece=piece)
             check.wait()
             rows = check.payloads(payload)
         if failure is not None:
@@ -732,7 +762,8 @@ class CrossHost:
     def _overlaps(self, payload) -> bool:
         """Whether the two-level all-reduce's first cross-host step starts through
         _begin(start=...): the call check before the first in-host step, the step's outcome
-        with the cross-host data. For host memory (a CUDA CrossHost's steps are queued on
+        with the cross-host data (in a second check, or folded into the data: _fold_start).
+        For host memory (a CUDA CrossHost's steps are queued on
         streams: they overlap the check already), when what the cross-host step sends
         (`payload`: None for a call in pieces) cannot go with the check. Every member of a
         check group decides alike when their calls agree (the count, dtype and piece rule
@@ -746,16 +777,19 @@ class CrossHost:
         slot = policy.check_payload_bytes(len(self.cross_ranks))
         return payload is None or payload.numel() * payload.element_size() > slot
 
-    def _begin_overlapped(self, what: str, tensor, code: int, root: int, t, tag, step, start):
+    def _begin_overlapped(self, what: str, tensor, code: int, root: int, t, tag, step, start, fold=False,
+                          piece=0):
         """_begin with `start` (after _announce): the call check (this call's row) goes out, the
         first in-host step runs while it travels, then the step's outcome goes out in a
         header-only check beside the cross-host step, which every member starts, a rank whose
         step failed too (its data is never used), so that the gloo group's collectives stay
         paired on every member. Returns the cross-host step's work; raises as _begin does,
         after that work has ended (_drain). A rank whose step failed raises its own error
-        and tells no one: its host's peers failed in the same step."""
+        and tells no one: its host's peers failed in the same step. `fold`: no second check:
+        `start(failure)` carries the outcome in the step's data (_fold_start), and the other
+        members read it when the step has ended (_Folded.verdict)."""
         group, ranks = self._check_group()
-        check = self._check(what, tensor, code, root, t, tag, group, ranks, None)
+        check = self._check(what, tensor, code, root, t, tag, group, ranks, None, piece=piece)
         try:
             failure = self._first_step(step)
         except BaseException:
@@ -769,6 +803,12 @@ class CrossHost:
                 raise failure
         else:
             check.wait()
+        if fold:
+            work = start(failure)
+            if failure is not None:
+                self._drain([work])
+                raise failure
+            return work
         outcome = self._check(what, tensor, code, root, t, tag, group, ranks,
                               None if failure is None else str(failure), header_only=True)
         try:
@@ -785,6 +825,29 @@ class CrossHost:
             self._drain([work])
             raise failure
         return work
+
+    def _fold_start(self, buf, m: int, red, dop, t, tag, failure):
+        """Start the cross-host all-reduce of a one-piece two-level call with the outcome of
+        its first in-host step folded in (_begin_overlapped with fold): `buf` holds this
+        rank's reduced block (its first `m` elements), then k flags, one per member of the
+        cross-host group, that the all-reduce's own op reduces: every member's
+        "good" value (0 for SUM and MAX, 1 for MIN), this rank's "bad" where its step failed
+        (`failure`, its reason left in the store first). One gloo round trip fewer than a
+        second, header-only check. Every member calls it for the same calls in the same
+        order (their call checks agreed), so the fold number that names the reasons is the
+        same on all of them."""
+        self.folded_calls += 1
+        me = self.cross_ranks.index(self.rank)
+        good, bad = _Folded.flags(red)
+        buf[m:].fill_(good)
+        if failure is not None:
+            try:
+                self._store().set(f"{self._reasons}{self.rank}/fold{self.folded_calls}", str(failure)[:400])
+            except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
+                pass
+            buf[m + me] = bad
+        work = self._gloo_start(buf, dop, t, self.inhost, tag)
+        return _Folded(work, buf, m, self.folded_calls, good)
 
     def _announce(self, what: str, tensor, code: int, root: int) -> None:
         """Name the call in every in-host step's header from here on (ShmComm.set_outer,
@@ -837,18 +900,19 @@ class CrossHost:
             agree()
 
     def _check(self, what: str, tensor, code: int, root: int, t, tag, group, ranks, failure,
-               payload=None, header_only=False) -> "_Check":
+               payload=None, header_only=False, piece=0) -> "_Check":
         """Start the call check (module doc): one all-gather of a row per member among `ranks` before
         a cross-host step moves data. gloo kills the process on a size mismatch (its pair
         thread throws and std::terminate runs); ringdp raises a RingError naming each rank's
         call on every rank instead (and, on the uneven all_reduce, tells this host's non-leaders,
         who are in no check). `failure`: this rank's reason
         for a FAILED row (left in the store first). A row is 6 integers (the call, and the payload
-        bytes it carries) and a payload
+        bytes it carries, or minus `piece` where it carries none) and a payload
         slot of policy.check_payload_bytes (one size for every call on the group, so that rows
         never differ in size); `payload`, an all_reduce's data, goes in it when it fits.
         `header_only`: the rows without the slot (the outcome of a call's first in-host step,
-        sent by every member of a group whose call check passed: _begin_overlapped)."""
+        sent by every member of a group whose call check passed: _begin_overlapped).
+        `piece`: an all_reduce's first pipeline piece, in elements (_begin)."""
         if failure is None:
             mine = [_KINDS[what], tensor.numel(), zlib.crc32(str(tensor.dtype).encode()), code, root]
             dtype = str(tensor.dtype)
@@ -865,7 +929,7 @@ class CrossHost:
         # the decision is part of the call: members that decided differently (a setting that
         # differs between ranks, e.g. RINGDP_HIER_PIECE_BYTES) disagree here, not in the data
         row = torch.zeros(_HEADER + slot // 8, dtype=torch.int64)
-        row[:_HEADER] = torch.tensor(mine + [nbytes if fused else 0], dtype=torch.int64)
+        row[:_HEADER] = torch.tensor(mine + [nbytes if fused else -piece if failure is None else 0], dtype=torch.int64)
         if fused:
             # (typed, not as bytes: a one-element view may have a stride other than 1, which
             # torch calls contiguous but cannot view as bytes)
@@ -885,9 +949,10 @@ class CrossHost:
                                  t, tell, tag, ranks, net="gloo")
         return check
 
-    def _reason(self, rank: int, number: int) -> str:
+    def _reason(self, rank: int, number: int | str) -> str:
         """The reason rank `rank` left for its FAILED row number `number` (a key per failure:
-        a rank may fail its next call before a peer reads this one's reason)."""
+        a rank may fail its next call before a peer reads this one's reason; "fold<n>": its
+        failed step in folded call n, _fold_start)."""
         try:
             return self._store().get(f"{self._reasons}{rank}/{number}").decode(errors="replace")
         except Exception:  # noqa: BLE001
@@ -1101,6 +1166,35 @@ class _NanAware:
         return all(w.is_completed() for w in self.works)
 
 
+class _Folded:
+    """The cross-host step of a call whose first in-host step's outcome went with its data
+    (CrossHost._fold_start): wait() as a gloo work, then verdict()."""
+
+    def __init__(self, work, flags, m: int, number: int, good: int):
+        self.work, self.flags, self.m, self.number, self.good = work, flags, m, number, good
+
+    @staticmethod
+    def flags(red: int) -> tuple[int, int]:
+        """(good, bad) flag values under op `red`: bad wins the reduction."""
+        return (1, 0) if red == _types.MIN else (0, 1)
+
+    def wait(self, timeout=None) -> None:
+        self.work.wait(timeout=timeout)
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def verdict(self, host: "CrossHost", t, tag) -> None:
+        """After wait(): a RingError naming the members whose first in-host step failed (their
+        reasons from the store), told to this host's peers; nothing when every flag is good."""
+        failed = [m for m, f in zip(host.cross_ranks, self.flags[self.m:].tolist()) if f != self.good]
+        if failed:
+            why = "; ".join(_said_by(m, host._reason(m, f"fold{self.number}")) for m in failed)
+            host._fail(f"rank {host.rank}: all_reduce across hosts cannot run: "
+                       f"{'a rank' if len(failed) == 1 else 'ranks'} failed it in its first in-host step: {why}",
+                       host.inhost, t, tag)
+
+
 class _Check:
     """A started call check (CrossHost._check): wait() once, before the first gloo step."""
 
@@ -1136,7 +1230,8 @@ class _Check:
             dtype = self.dtype if d == my_code else f"not {self.dtype}"
             return (f"{kinds.get(k, k)} of {n} elements, dtype {dtype}" + (f", op {ops[c]}" if c in ops else "")
                     + (f", root {rt}" if k == _KINDS["broadcast"] else "")
-                    + (f", its {fz} bytes with the call check" if fz else ""))
+                    + (f", its {fz} bytes with the call check" if fz > 0 else "")
+                    + (f", in pieces of {-fz} elements" if fz < 0 else ""))
 
         calls = "; ".join(f"rank {m}: {call(*row)}" for m, row in zip(self.ranks, rows))
         h._fail(f"rank {h.rank}: ranks disagree on a collective across hosts: {calls}", self.tell, self.t, self.tag)

@@ -285,6 +285,30 @@ def check_payload_bytes(members: int) -> int:
     return CHECK_PAYLOAD_TOTAL_BYTES // max(1, members) // 64 * 64
 
 
+# A two-level all_reduce in one piece whose block is too big for the check's slot overlaps
+# its call check with the first in-host step, and the step's outcome then needs a second
+# round trip: a small all-gather beside the data's all-reduce, or a flag per member folded
+# into the data's all-reduce itself (ringdp/hosts.py CrossHost._fold_start), which costs a
+# copy of the block instead (the in-host steps run out of place, in a scratch buffer). Folded
+# up to FOLD_MAX_BLOCK_BYTES of block. On the 2-core box (2 hosts x 2 ranks, interleaved runs
+# against the code without it, medians of six each;
+# bench/results/compare_folded_outcome_allreduce_cpu_w4_hosts2.json, every size folded) it
+# took 256 KiB and 1 MiB calls (128 and 512 KiB blocks) to 0.87x and 0.94x their time, 4 MiB
+# (2 MiB blocks) to 0.94x, 16 MiB (8 MiB) to 1.02x; a second set folding up to 2 MiB blocks
+# (..._cap2m_...) gave 0.87x, 0.96x, 1.06x and, unfolded, 0.99x. So up to 1 MiB: at 2 MiB
+# the copy costs what the round trip saves. On real hosts a round trip is shorter and a copy
+# faster; the cap is what this box measured.
+FOLD_MAX_BLOCK_BYTES = 1 << 20
+
+
+def folds_outcome(block_bytes: int) -> bool:
+    """Whether a one-piece two-level all_reduce whose cross-host block (one rank's part of
+    the cross-host step) is `block_bytes` carries its first in-host step's outcome in that
+    step's data instead of a second check (FOLD_MAX_BLOCK_BYTES). Every member of a check
+    group decides alike: the block is the same on all of them when their calls agree."""
+    return block_bytes <= FOLD_MAX_BLOCK_BYTES
+
+
 def two_level_piece_bytes(nbytes: int, min_piece_bytes: int, max_pieces: int | None = None) -> int:
     """Bytes per piece of a two-level all-reduce of `nbytes`: at most `max_pieces` pieces
     (None: HIER_MAX_PIECES, read at each call), each at least `min_piece_bytes`

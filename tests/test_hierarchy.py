@@ -53,18 +53,23 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
         bad.append(("2-d", "SUM", 21))
     # registered memory: this host's arena on the hierarchical paths (the all-reduce of it
     # then runs its in-host steps in place), a clear error on the flat one
+    # (4099: its blocks go with the call check; 100003: through gloo, in one piece by default,
+    # the first step's outcome with the data out of place: CrossHost._fold_start)
     registered = None
     try:
-        t = ringdp.empty(4099)
+        ringdp.empty(1)
     except ValueError as e:
         registered = str(e)
     else:
-        alone = c.local_size == 1  # (uneven hosts: a rank alone on its host gets ordinary memory)
-        ok = ringdp.is_registered(t) != alone and not ringdp.is_registered(torch.empty(4099))
-        for _ in range(2):
-            t.copy_(value(rank, 4099, world=world))
-            ringdp.all_reduce(t)
-            ok = ok and torch.equal(t, expected("SUM", world, 4099, torch.float32))
+        ok = True
+        for n in (4099, 100003):
+            t = ringdp.empty(n)
+            alone = c.local_size == 1  # (uneven hosts: a rank alone on its host gets ordinary memory)
+            ok = ok and ringdp.is_registered(t) != alone and not ringdp.is_registered(torch.empty(n))
+            for _ in range(2):
+                t.copy_(value(rank, n, world=world))
+                ringdp.all_reduce(t)
+                ok = ok and torch.equal(t, expected("SUM", world, n, torch.float32))
         registered = ok
     # in-host calls of one SUM all-reduce of a known size (_host_calls_want): how many pieces it went in
     pieces = {}
@@ -76,7 +81,7 @@ def case_matrix(rank, world, hosts, hierarchy=None, piece_bytes=None, max_pieces
     return {"path": c.cross_path, "local": (c.local_rank, c.local_size), "bad": bad, "digests": digests,
             "registered": registered, "machine_ranks": c.machine_ranks,
             "fused": (c.across.fused_calls, policy.check_payload_bytes(len(c.across.cross_ranks) or 1)),
-            "host_calls": pieces}
+            "folded": c.across.folded_calls, "host_calls": pieces}
 
 
 PIECE_CASES = [(torch.float32, 300_007), (torch.bfloat16, 4099)]
@@ -120,6 +125,7 @@ def _check_matrix(res, path, locals_):
         # 4099 float32 on two hosts), the others by gloo; a non-leader has no cross-host step
         fused, slot = out["fused"]
         assert (fused > 0) == (path != "leaders" or locals_[r][0] == 0), (r, path, out["fused"])
+        assert path == "two_level" or out["folded"] == 0, (r, path, out["folded"])  # (the two-level path's alone)
         assert out["bad"] == [], f"rank {r}: results differ from the closed forms: {out['bad'][:5]}"
         if path == "flat":
             assert isinstance(out["registered"], str) and "spans 2 hosts" in out["registered"], out["registered"]
@@ -136,6 +142,10 @@ def test_even_hosts_two_level(piece_bytes, max_pieces):
     res = values(run_ranks(case_matrix, 4, ["a", "a", "b", "b"], None, piece_bytes, max_pieces, timeout=200))
     _check_matrix(res, "two_level", [(0, 2), (1, 2), (0, 2), (1, 2)])
     _check_pieces(res, piece_bytes, max_pieces)
+    # one piece too big for the call check's slot (300007 float32 and more, registered 100003):
+    # the first step's outcome went with the data (_fold_start); in pieces it never does
+    for r, out in enumerate(res):
+        assert (out["folded"] > 0) == (piece_bytes is None), (r, out["folded"])
 
 
 @pytest.mark.parametrize("piece_bytes,max_pieces", [(None, None), (8192, None), (8192, 10 ** 6)])  # one; two; many
@@ -160,16 +170,18 @@ def test_one_rank_per_host_is_gloo():
     _check_matrix(res, "flat", [(0, 1), (0, 1)])
 
 
-def case_nan_min_max(rank, world, hosts, hierarchy=None):
+def case_nan_min_max(rank, world, hosts, hierarchy=None, piece_bytes="8192"):
     """MIN and MAX (all_reduce, reduce_scatter_tensor) with NaNs on some ranks
     (tests/_closed_form.py nan_input) across hosts: a
     NaN ignored unless every rank has one, as on one host (gloo's own min/max keep a NaN only
     as their first operand); small sizes go with the call check's rows, larger ones through
-    gloo (RINGDP_HIER_PIECE_BYTES 8192: several pieces). Host a's ranks (0 and 1) also have
+    gloo (RINGDP_HIER_PIECE_BYTES 8192: several pieces; None: one piece, the first step's
+    outcome with the data, CrossHost._fold_start). Host a's ranks (0 and 1) also have
     NaN where the other host has none, so that the cross-host step sees NaN on one side."""
     import torch.distributed as dist
 
-    os.environ["RINGDP_HIER_PIECE_BYTES"] = "8192"
+    if piece_bytes is not None:
+        os.environ["RINGDP_HIER_PIECE_BYTES"] = piece_bytes
     comm = _as_host(rank, hosts, hierarchy)
     bad = []
     for op in ("MIN", "MAX"):
@@ -192,10 +204,12 @@ def case_nan_min_max(rank, world, hosts, hierarchy=None):
     return comm.cross_path, bad
 
 
-@pytest.mark.parametrize("hosts,hierarchy,path", [("aabb", None, "two_level"), ("aaab", None, "leaders"),
-                                                  ("aabb", "0", "flat")])
-def test_min_max_ignore_nan_across_hosts(hosts, hierarchy, path):
-    for r, (got, bad) in enumerate(values(run_ranks(case_nan_min_max, 4, list(hosts), hierarchy, timeout=200))):
+@pytest.mark.parametrize("hosts,hierarchy,path,piece_bytes", [
+    ("aabb", None, "two_level", "8192"), ("aabb", None, "two_level", None), ("aaab", None, "leaders", "8192"),
+    ("aabb", "0", "flat", "8192")])
+def test_min_max_ignore_nan_across_hosts(hosts, hierarchy, path, piece_bytes):
+    for r, (got, bad) in enumerate(values(run_ranks(case_nan_min_max, 4, list(hosts), hierarchy, piece_bytes,
+                                                    timeout=200))):
         assert got == path and not bad, (r, got, bad)
 
 
@@ -460,6 +474,76 @@ def test_one_rank_fails_is_a_ring_error_everywhere(hosts, bad):
         assert ok_after, f"rank {r}: the communicator does not work after the failed calls"
 
 
+def case_folded_call_fails(rank, world, hosts, bad):
+    """Calls of one piece too big for the call check's slot (the default piece size; 40001
+    float32: blocks of 80 KB on two hosts of two), whose first in-host step's outcome goes
+    with their cross-host data (CrossHost._fold_start): one rank (`bad`) rejects its input,
+    calls AVG where the others call SUM, or another count that pads to the same blocks; ranks
+    of one host disagree on the count (odd local ranks 40002), on both hosts. A RingError on
+    every rank but the rejecting one within seconds (the timeout: 20 s), its message saying
+    `needle`, and the communicator works after, in the same kind of call (folded)."""
+    import ringdp
+
+    c = _as_host(rank, hosts, timeout=20)
+    me, odd = rank == bad, hosts[:rank].count(hosts[rank]) % 2 == 1
+    x = value(rank, 40000, world=world).reshape(200, 200)
+    avg, sum_ = dist.ReduceOp.AVG, dist.ReduceOp.SUM
+    calls = [
+        ("bad input", lambda: ringdp.all_reduce(x.t() if me else x), "contiguous"),
+        ("AVG on one rank", lambda: ringdp.all_reduce(value(rank, 40001, world=world), op=avg if me else sum_), "AVG"),
+        ("one element more on one rank", lambda: ringdp.all_reduce(value(rank, 40002 if me else 40001, world=world)),
+         "40002"),
+        ("a host's ranks disagree", lambda: ringdp.all_reduce(value(rank, 40002 if odd else 40001, world=world)),
+         "40002"),
+    ]
+    out = []
+    for name, call, needle in calls:
+        before = c.across.folded_calls
+        t0 = time.monotonic()
+        try:
+            call()
+            out.append((name, None, "no error", 0.0, needle, c.across.folded_calls - before))
+        except Exception as e:  # noqa: BLE001
+            out.append((name, type(e).__name__, str(e), time.monotonic() - t0, needle, c.across.folded_calls - before))
+    before = c.across.folded_calls
+    ok = True
+    for _ in range(2):
+        t = value(rank, 40001, world=world)
+        ringdp.all_reduce(t)
+        ok = ok and torch.equal(t, expected("SUM", world, 40001, torch.float32))
+    # policy.FOLD_MAX_BLOCK_BYTES: a block of the cap is folded, one element more is not
+    cap = ringdp.policy.FOLD_MAX_BLOCK_BYTES // 4
+    for n, folds in ((2 * cap, 1), (2 * cap + 2, 0)):
+        t, was = value(rank, n, world=world), c.across.folded_calls
+        ringdp.all_reduce(t)
+        ok = ok and torch.equal(t, expected("SUM", world, n, torch.float32)) and c.across.folded_calls - was == folds
+    return out, ok, c.across.folded_calls - before
+
+
+@pytest.mark.parametrize("bad", [1, 2])
+def test_folded_call_fails_is_a_ring_error_everywhere(bad):
+    res = values(run_ranks(case_folded_call_fails, 4, list("aabb"), bad, timeout=300))
+    peer = bad ^ 1  # the bad rank's host peer: its check group agreed, its first in-host step failed
+    for r, (calls, ok_after, folded_after) in enumerate(res):
+        for name, kind, msg, took, needle, folded in calls:
+            assert kind is not None, f"rank {r}, {name}: no error"
+            assert took < 10, f"rank {r}, {name}: the error took {took:.1f} s (the timeout is 20 s): {msg}"
+            if r == bad and name == "bad input":
+                assert kind == "ValueError", (r, name, kind, msg)
+                continue
+            assert kind == "RingError" and msg.startswith(f"rank {r}:"), (r, name, kind, msg)
+            assert not re.search(r"rank (\d+): rank \1[: ]", msg), (r, name, msg)
+            if name != "a host's ranks disagree":
+                assert f"rank {bad}" in msg or f"rank {peer}" in msg, (r, name, msg)
+            if name == "a host's ranks disagree" or r in (bad, peer) or "disagree" not in msg:
+                assert needle in msg, (r, name, msg)
+            # the ranks of the other cross-host group than the bad rank's (its peer's) passed
+            # the call check and learnt of the failure from the folded flags
+            if r not in (bad, peer) and r % 2 == peer % 2 and name != "a host's ranks disagree":
+                assert folded == 1 and "in its first in-host step" in msg, (r, name, folded, msg)
+        assert ok_after and folded_after == 3, f"rank {r}: the communicator does not work after the failed calls"
+
+
 def case_host_ranks_disagree(rank, world, hosts):
     """Ranks of one host disagree on what their first in-host step does not carry by itself,
     in a way each cross-host check group agrees on (aabb: local rank 0 says one thing on both
@@ -580,22 +664,29 @@ def case_setting_differs(rank, world, hosts, who):
     import ringdp
 
     _as_host(rank, hosts, timeout=20)
-    t0 = time.monotonic()
-    try:
-        ringdp.all_reduce(value(rank, 4099, world=world))
-        return None, time.monotonic() - t0
-    except ringdp.RingError as e:
-        return str(e), time.monotonic() - t0
+    out = []
+    for n in (4099, 300007):  # (300007: the others' in one piece, its outcome folded into the data)
+        t0 = time.monotonic()
+        try:
+            ringdp.all_reduce(value(rank, n, world=world))
+            out.append((None, time.monotonic() - t0))
+        except ringdp.RingError as e:
+            out.append((str(e), time.monotonic() - t0))
+    return out
 
 
-@pytest.mark.parametrize("who", [(0,), (0, 1)])  # one rank of host a; all of host a
-def test_setting_that_differs_between_ranks_is_a_ring_error(who):
-    res = values(run_ranks(case_setting_differs, 4, list("aabb"), who, timeout=120))
-    for r, (msg, took) in enumerate(res):
-        assert msg is not None, f"rank {r}: no error (ranks {who} reduced by gloo, the others with the check)"
-        assert took < 10, (r, took, msg)
-    if who == (0, 1):  # only the check saw it: it names both decisions
-        assert "disagree" in res[2][0] and "with the call check" in res[2][0], res[2][0]
+# one rank of host a; all of host a; on uneven hosts the leaders' path, the rank alone on its host
+@pytest.mark.parametrize("hosts,who", [("aabb", (0,)), ("aabb", (0, 1)), ("aaab", (3,))])
+def test_setting_that_differs_between_ranks_is_a_ring_error(hosts, who):
+    res = values(run_ranks(case_setting_differs, 4, list(hosts), who, timeout=120))
+    for r, calls in enumerate(res):
+        for n, (msg, took) in zip((4099, 300007), calls):
+            assert msg is not None, f"rank {r}, {n} elements: no error (ranks {who} in pieces, the others not)"
+            assert took < 10, (r, n, took, msg)
+    if len(who) > 1 or hosts == "aaab":  # only the check saw it: it names both decisions
+        small, large = res[who[0] ^ 2][0][0], res[who[0] ^ 2][1][0]  # (a rank of the other host)
+        assert "disagree" in small and "with the call check" in small, small
+        assert "disagree" in large and "in pieces of" in large, large
 
 
 def case_hierarchy_differs(rank, world, hosts, who):

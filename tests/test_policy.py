@@ -192,6 +192,16 @@ def test_two_level_piece_bytes_closed_forms():
             f(*bad)
 
 
+def test_folds_outcome_up_to_the_cap():
+    """The first step's outcome goes with the data for blocks up to FOLD_MAX_BLOCK_BYTES
+    (1 MiB, what the box measured), above the call check's slot at 2 hosts (its lower end:
+    CrossHost._overlaps)."""
+    cap = policy.FOLD_MAX_BLOCK_BYTES
+    assert cap == MiB and cap > policy.check_payload_bytes(2)
+    assert policy.folds_outcome(policy.check_payload_bytes(2) + 1) and policy.folds_outcome(cap)
+    assert not policy.folds_outcome(cap + 1) and not policy.folds_outcome(8 * MiB)
+
+
 def test_cross_host_timeout_is_shorter_by_a_margin():
     """A cross-host step waits less than the call's in-host waits (a tenth less, at most
     CROSS_HOST_MARGIN_S), never longer than ringdp's timeout."""
