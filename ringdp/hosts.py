@@ -396,15 +396,16 @@ class CrossHost:
                 m = min(per, blk - off)
                 piece = full[off * L:(off + m) * L]
                 mine = piece[lr * m:(lr + 1) * m]
+                # one piece, too big for the check, its block small enough to fold the outcome in
+                fold = (off == 0 and per >= blk and self._overlaps(mine)
+                        and policy.folds_outcome(m * full.element_size()))
+                if fold:  # (the block, then a flag per member; the in-host steps out of place)
+                    buf = self._scratch("fold", m + len(self.cross_ranks), full.dtype)
+                    mine = buf[:m]
                 step = functools.partial(self.inhost.reduce_scatter, mine, piece, red, self._host_algo(piece, forced),
                                          t, tag)
                 rows, work = None, None
-                if (off == 0 and per >= blk and self._overlaps(mine)  # (one piece, too big for the check)
-                        and policy.folds_outcome(m * full.element_size())):
-                    buf = self._scratch("fold", m + len(self.cross_ranks), full.dtype)
-                    mine = buf[:m]  # (the in-host steps read and write it out of place)
-                    step = functools.partial(self.inhost.reduce_scatter, mine, piece, red,
-                                             self._host_algo(piece, forced), t, tag)
+                if fold:
                     work = begin(step, start=functools.partial(self._fold_start, buf, m, red, dop, t, tag), fold=True,
                                  piece=m * L)
                 elif off == 0 and self._overlaps(None if per < blk else mine):
