@@ -327,13 +327,17 @@ HOSTS2_RUNS = "allreduce_cpu_w4_float32*_hosts2.json"
 def validate_runs(results: Path, fits: dict, docs: dict) -> list[dict]:
     """The same 2-rank component fits against each --hosts 2 run committed: a run's own flat
     gloo fit and memcpy probe give its calibrated factors; the errors show how far one
-    run's agreement carries to the next on this VM."""
+    run's agreement carries to the next on this VM. A run that reaches none of the sizes
+    the validation covers (16-256 MiB: validation_summary; a sweep of small sizes alone) is
+    left out."""
     out = []
     for path in sorted(results.glob(HOSTS2_RUNS)):
         run = load(path)
         hosts = run.get("hosts") or []
         if sorted(hosts.count(h) for h in set(hosts)) != [2, 2] or run.get("collective") != "all_reduce":
             continue  # the model is of 2 hosts x 2 ranks
+        if not any(16 * MiB <= S <= 256 * MiB for S in measured_times(run)):
+            continue  # nothing to validate
         run_fits = dict(fits, gloo4_flat=fit_series(run, path.name, "gloo4_flat"))
         factors = contention_factors(run_fits, docs, run)
         steps = steps_factors(run, fits)

@@ -227,7 +227,7 @@ def test_validation_uses_the_pieces_the_file_was_measured_with():
 
 def test_every_hosts2_run_is_validated_with_the_same_fits(tmp_path):
     """validate_runs: one row per committed --hosts 2 all-reduce run of 2 hosts x 2 ranks
-    (other layouts left out); a run whose two-level times are the nominal model's own
+    (other layouts, and a run of small sizes alone, left out); a run whose two-level times are the nominal model's own
     predictions comes out with no error, one twice as slow at -50%."""
     import shutil
 
@@ -248,6 +248,9 @@ def test_every_hosts2_run_is_validated_with_the_same_fits(tmp_path):
     (tmp_path / "allreduce_cpu_w4_float32_exact_hosts2.json").write_text(json.dumps(run(1.0, ["a", "a", "b", "b"])))
     (tmp_path / "allreduce_cpu_w4_float32_slow_hosts2.json").write_text(json.dumps(run(2.0, ["a", "a", "b", "b"])))
     (tmp_path / "allreduce_cpu_w4_float32_uneven_hosts2.json").write_text(json.dumps(run(1.0, ["a", "a", "a", "b"])))
+    small = run(1.0, ["a", "a", "b", "b"])  # a sweep below 16 MiB alone: nothing to validate
+    small["rows"] = [r for r in small["rows"] if r["size"] < 16 * MiB]
+    (tmp_path / "allreduce_cpu_w4_float32_small_hosts2.json").write_text(json.dumps(small))
     got = {v["file"]: v for v in cm.validate_runs(tmp_path, fits, docs)}
     assert set(got) == {"allreduce_cpu_w4_float32_hosts2.json", "allreduce_cpu_w4_float32_exact_hosts2.json",
                         "allreduce_cpu_w4_float32_slow_hosts2.json"}
