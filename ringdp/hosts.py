@@ -396,9 +396,9 @@ class CrossHost:
                 m = min(per, blk - off)
                 piece = full[off * L:(off + m) * L]
                 mine = piece[lr * m:(lr + 1) * m]
+                overlap = off == 0 and self._overlaps(None if per < blk else mine)
                 # one piece, too big for the check, its block small enough to fold the outcome in
-                fold = (off == 0 and per >= blk and self._overlaps(mine)
-                        and policy.folds_outcome(m * full.element_size()))
+                fold = overlap and per >= blk and policy.folds_outcome(m * full.element_size())
                 if fold:  # (the block, then a flag per member; the in-host steps out of place)
                     buf = self._scratch("fold", m + len(self.cross_ranks), full.dtype)
                     mine = buf[:m]
@@ -408,7 +408,7 @@ class CrossHost:
                 if fold:
                     work = begin(step, start=functools.partial(self._fold_start, buf, m, red, dop, t, tag), fold=True,
                                  piece=m * L)
-                elif off == 0 and self._overlaps(None if per < blk else mine):
+                elif overlap:
                     work = begin(step, start=functools.partial(self._gloo_start, mine, dop, t, self.inhost, tag),
                                  piece=m * L)
                 elif off == 0:  # (one piece: its block may go with the call check)
@@ -842,10 +842,7 @@ class CrossHost:
         good, bad = _Folded.flags(red)
         buf[m:].fill_(good)
         if failure is not None:
-            try:
-                self._store().set(f"{self._reasons}{self.rank}/fold{self.folded_calls}", str(failure)[:400])
-            except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
-                pass
+            self._leave_reason(f"fold{self.folded_calls}", str(failure))
             buf[m + me] = bad
         work = self._gloo_start(buf, dop, t, self.inhost, tag)
         return _Folded(work, buf, m, self.folded_calls, good)
@@ -919,10 +916,7 @@ class CrossHost:
             dtype = str(tensor.dtype)
         else:
             self._failures += 1
-            try:
-                self._store().set(f"{self._reasons}{self.rank}/{self._failures}", failure[:400])
-            except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
-                pass
+            self._leave_reason(self._failures, failure)
             mine, dtype = [_FAILED, self._failures, 0, 0, 0], ""
         slot = 0 if header_only else policy.check_payload_bytes(len(ranks))
         nbytes = 0 if payload is None or failure is not None else payload.numel() * payload.element_size()
@@ -950,6 +944,13 @@ class CrossHost:
                                  t, tell, tag, ranks, net="gloo")
         return check
 
+    def _leave_reason(self, number: int | str, reason: str) -> None:
+        """Leave this rank's reason for its failure `number` in the store (_reason reads it)."""
+        try:
+            self._store().set(f"{self._reasons}{self.rank}/{number}", reason[:400])
+        except Exception:  # noqa: BLE001 -- the peers still fail, without the reason
+            pass
+
     def _reason(self, rank: int, number: int | str) -> str:
         """The reason rank `rank` left for its FAILED row number `number` (a key per failure:
         a rank may fail its next call before a peer reads this one's reason; "fold<n>": its
@@ -958,6 +959,13 @@ class CrossHost:
             return self._store().get(f"{self._reasons}{rank}/{number}").decode(errors="replace")
         except Exception:  # noqa: BLE001
             return "(its reason could not be read from the store)"
+
+    def _members_failed(self, what: str, when: str, failed, tell, t, tag):
+        """Raise (and tell, _fail) that the members in `failed`, (rank, failure number) pairs,
+        failed `what` `when`, with their reasons from the store (_Check.wait, _Folded.verdict)."""
+        why = "; ".join(_said_by(m, self._reason(m, n)) for m, n in failed)
+        self._fail(f"rank {self.rank}: {what} across hosts cannot run: "
+                   f"{'a rank' if len(failed) == 1 else 'ranks'} failed it {when}: {why}", tell, t, tag)
 
     def _host_algo(self, tensor, forced: str) -> int:
         """The algorithm code of one collective of `tensor` on this host's endpoint."""
@@ -1171,8 +1179,8 @@ class _Folded:
     """The cross-host step of a call whose first in-host step's outcome went with its data
     (CrossHost._fold_start): wait() as a gloo work, then verdict()."""
 
-    def __init__(self, work, flags, m: int, number: int, good: int):
-        self.work, self.flags, self.m, self.number, self.good = work, flags, m, number, good
+    def __init__(self, work, buf, m: int, number: int, good: int):
+        self.work, self.buf, self.m, self.number, self.good = work, buf, m, number, good  # (buf: block, then flags)
 
     @staticmethod
     def flags(red: int) -> tuple[int, int]:
@@ -1188,12 +1196,10 @@ class _Folded:
     def verdict(self, host: "CrossHost", t, tag) -> None:
         """After wait(): a RingError naming the members whose first in-host step failed (their
         reasons from the store), told to this host's peers; nothing when every flag is good."""
-        failed = [m for m, f in zip(host.cross_ranks, self.flags[self.m:].tolist()) if f != self.good]
+        failed = [(m, f"fold{self.number}") for m, f in zip(host.cross_ranks, self.buf[self.m:].tolist())
+                  if f != self.good]
         if failed:
-            why = "; ".join(_said_by(m, host._reason(m, f"fold{self.number}")) for m in failed)
-            host._fail(f"rank {host.rank}: all_reduce across hosts cannot run: "
-                       f"{'a rank' if len(failed) == 1 else 'ranks'} failed it in its first in-host step: {why}",
-                       host.inhost, t, tag)
+            host._members_failed("all_reduce", "in its first in-host step", failed, host.inhost, t, tag)
 
 
 class _Check:
@@ -1217,10 +1223,7 @@ class _Check:
             return  # this rank failed the call itself: it raises its own error (CrossHost._begin)
         failed = [(m, row[1]) for m, row in zip(self.ranks, rows) if row[0] == _FAILED]
         if failed:
-            why = "; ".join(_said_by(m, h._reason(m, n)) for m, n in failed)
-            h._fail(f"rank {h.rank}: {self.what.split()[0]} across hosts cannot run: "
-                    f"{'a rank' if len(failed) == 1 else 'ranks'} failed it {self.when}: {why}",
-                    self.tell, self.t, self.tag)
+            h._members_failed(self.what.split()[0], self.when, failed, self.tell, self.t, self.tag)
         if all(r == rows[0] for r in rows):
             return
         kinds = {v: k for k, v in _KINDS.items()}
