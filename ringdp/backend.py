@@ -110,7 +110,8 @@ def _op_of(reduce_op):
         return reduce_op, None
     kind = reduce_op.op
     if kind == _RedOpType.PREMUL_SUM:
-        f = reduce_op.factor
+        # (op, factor): the pickled state, in every torch from 2.11 (which has no `factor` attribute)
+        f = reduce_op.__getstate__()[1]
         return kind, (f.item() if isinstance(f, torch.Tensor) else float(f))
     return kind, None
 

@@ -13,6 +13,7 @@ import torch
 
 from _closed_form import digest, expected, nan_expected, nan_input, ops_for, same_with_nan, value
 from _dist import run_ranks, values
+from _torch_features import STORAGE_SWAP
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64]
 SIZES = [0, 1, 2, 3, 7, 13, 31, 97, 1000, 4099, 65537]
@@ -347,7 +348,12 @@ def _register_in_place(rank, world):
 
 def test_register_in_place():
     for r, out in enumerate(values(run_ranks(_register_in_place, 3, env={"RINGDP_ARENA_GB": "0.01"}))):
-        assert out["moved"] is True and out["same"] and out["registered"], (r, out)
+        assert out["summed"] and out["same"] and out["view_writes"] == -10.0 and out["in_flight"]["exact"], (r, out)
+        if not STORAGE_SWAP:  # (torch 2.11) it declines every tensor, and each stays where it was
+            assert out["moved"] is False and out["in_flight"]["queued"] is False and out["half"]["moved"] is False
+            assert not out["registered"] and out["grew"] == 0 and not out["in_flight"]["registered"], (r, out)
+            continue
+        assert out["moved"] is True and out["registered"], (r, out)
         assert out["grew"] >= 4099 * 8, (r, out)
         assert out["summed"], (r, out)
         assert out["view_writes"] == -10.0, (r, out)

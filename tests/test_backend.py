@@ -18,6 +18,7 @@ from torch import nn
 
 from _dist import CASE_TIMEOUT_S, cyclic_garbage, run_ranks, values
 from _fake_cuda import fake_cuda, on_stream, torch_future
+from _torch_features import GLOO_ALLTOALL_LIST, STORAGE_SWAP
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed unavailable")
 
@@ -240,9 +241,12 @@ def test_ddp_buckets_registered_in_place(pool):
     res = pool.run(case_adopt)
     for r, out in enumerate(res):
         assert not any(out["off"]["registered"]), f"rank {r}: registered without the setting"
-        assert all(out["on"]["registered"]), f"rank {r}: {out['on']['registered']}"
-        held, after = out["on"]["arena"]
-        assert held >= 4 * sum(p.numel() for p in out["ref"]) and after == 0, (r, out["on"]["arena"])
+        if STORAGE_SWAP:
+            assert all(out["on"]["registered"]), f"rank {r}: {out['on']['registered']}"
+            held, after = out["on"]["arena"]
+            assert held >= 4 * sum(p.numel() for p in out["ref"]) and after == 0, (r, out["on"]["arena"])
+        else:  # (torch 2.11) nothing moves, and training is the same
+            assert not any(out["on"]["registered"]) and out["on"]["arena"] == (0, 0), (r, out["on"])
         assert out["off"]["arena"] == (0, 0), (r, out["off"]["arena"])
         for a, b, c in zip(out["on"]["params"], out["off"]["params"], out["ref"]):
             assert torch.equal(a, b), f"rank {r}: moving the buckets changed the result"
@@ -432,9 +436,9 @@ def case_mesh(rank, world):
         for _ in range(2):  # each twice: a second call on the same buffers
             y = funcol.wait_tensor(funcol.all_reduce(torch.arange(5.0) * (rank + 1), "sum", g))
             out.append(("funcol.all_reduce", y, torch.arange(5.0) * s))
-            y = funcol.wait_tensor(funcol.all_gather_single(torch.full((3,), rank + 0.5), 0, g))
+            y = funcol.wait_tensor(funcol.all_gather_tensor(torch.full((3,), rank + 0.5), 0, g))
             out.append(("funcol.all_gather", y, torch.arange(world, dtype=torch.float32).repeat_interleave(3) + 0.5))
-            y = funcol.wait_tensor(funcol.reduce_scatter_single(torch.arange(2.0 * world) * (rank + 1), "sum", 0, g))
+            y = funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.arange(2.0 * world) * (rank + 1), "sum", 0, g))
             out.append(("funcol.reduce_scatter", y, torch.arange(2.0 * rank, 2.0 * rank + 2) * s))
             y = funcol.wait_tensor(funcol.broadcast(torch.full((3,), float(rank)), world - 1, g))
             out.append(("funcol.broadcast", y, torch.full((3,), float(world - 1))))
@@ -745,8 +749,11 @@ def case_delegated(rank, world):
         out["recv"] = buf
     ins = [torch.tensor([rank * 10 + j], dtype=torch.float32) for j in range(world)]
     outs = [torch.empty(1) for _ in range(world)]
-    dist.all_to_all(outs, ins, group=g)
-    out["all_to_all"] = torch.cat(outs)
+    try:
+        dist.all_to_all(outs, ins, group=g)
+        out["all_to_all"] = torch.cat(outs)
+    except RuntimeError as e:  # (torch 2.11's gloo lacks it: the same error as on a gloo group)
+        out["all_to_all"] = str(e)
     single = torch.empty(world)
     dist.all_to_all_single(single, torch.arange(world, dtype=torch.float32) + 100 * rank, group=g)
     out["all_to_all_single"] = single
@@ -788,7 +795,10 @@ def test_delegated_collectives(pool):
     world = len(res)
     assert torch.equal(res[1]["recv"], torch.tensor([11.0, 12.0]))
     for r, out in enumerate(res):
-        assert torch.equal(out["all_to_all"], torch.tensor([j * 10.0 + r for j in range(world)]))
+        if GLOO_ALLTOALL_LIST:
+            assert torch.equal(out["all_to_all"], torch.tensor([j * 10.0 + r for j in range(world)])), out["all_to_all"]
+        else:
+            assert "gloo does not support alltoall" in out["all_to_all"], out["all_to_all"]
         assert torch.equal(out["all_to_all_single"], torch.tensor([r + 100.0 * j for j in range(world)]))
         assert torch.equal(out["scatter"], torch.full((2,), 5.0 + r))
         assert out["all_gather_object"] == [{"rank": j, "name": f"r{j}"} for j in range(world)]
