@@ -38,7 +38,10 @@ It does three things, reading only committed benchmark JSONs (bench/allreduce.py
              piece i runs while piece i+1 is reduce-scattered): ringdp's default pieces
              (ringdp/policy.py two_level_piece_bytes, imported: at most HIER_MAX_PIECES pieces
              of at least RINGDP_HIER_PIECE_BYTES), fixed 16 MiB pieces (ringdp's rule before
-             it), the best piece of a grid, and unpipelined
+             it), the best piece of a grid, and unpipelined; then with ringdp's call check
+             (a gloo ring all-gather across the H hosts per call, H-1 steps of an assumed
+             latency, beside the first in-host step) for a range of that latency, and what a
+             check in log2 H steps would give
 
 Writes <out-dir>/cost_model_projection.json (fits, validation, assumptions, grid) and
 <out-dir>/cost_model_projection.png (speedup of two-level over the flat ring against size,
@@ -50,6 +53,7 @@ Model (per step alpha, per byte beta; S = bytes of the tensor; n ranks):
     ring reduce-scatter   (n-1) alpha +  (n-1)/n S beta   (S = the input, the larger buffer)
     ring all-gather       (n-1) alpha +  (n-1)/n S beta   (S = the output)
     n = 1: 0.
+    call check            (H-1) alpha_check, beside the first in-host reduce-scatter
 """
 from __future__ import annotations
 
@@ -93,6 +97,14 @@ DEFAULTS = {
     "alpha_nvlink_us": 3.4,
     "alpha_net_us": 9.6,
     "launch_us": 8.4,
+    # the call check (ringdp/hosts.py CrossHost._check): one gloo all-gather of a few-word row
+    # per call in the cross-host group of H ranks, a ring of H-1 steps over the hosts' TCP
+    # network, on the issuing thread while the first in-host reduce-scatter runs on the GPU.
+    # Assumed 50 us a step (a kernel TCP message and gloo's handling of it); 20 and 200 us
+    # bound it in the sensitivity table (gloo issue 158: a 1 KB all-reduce of 2 hosts over
+    # TCP, 2 steps, took 354 us, ~177 us a step, in 2018)
+    "alpha_check_us": 50.0,
+    "alpha_check_range_us": [20.0, 50.0, 200.0],
     "min_piece_bytes": policy.HIER_PIECE_BYTES,  # RINGDP_HIER_PIECE_BYTES default: the minimum piece
     "max_pieces": policy.HIER_MAX_PIECES,
     "fixed_piece_bytes": 16 * MiB,  # the rule before policy.two_level_piece_bytes: fixed 16 MiB pieces
@@ -249,13 +261,18 @@ def box_two_level(S: float, fits: dict, c_shm: float, c_gloo: float, piece_bytes
     """Two-level all-reduce on the box, 2 hosts x `local` ranks, nothing overlapping: per
     piece of p bytes the shm reduce-scatter and all-gather of p on `local` ranks and the gloo
     all-reduce of p/local on 2 ranks (both pairs at once), each scaled by its contention
-    factor; summed over the pieces (each pays its alphas)."""
+    factor; summed over the pieces (each pays its alphas); plus the call check, once per call:
+    one more gloo round trip in the same 2-member groups (an all-gather of a row of a few
+    words, so gloo2's alpha, under gloo's contention), which overlaps nothing here either.
+    (Since the overlapped check, a one-piece call with a block over policy.FOLD_MAX_BLOCK_BYTES
+    sends a second, header-only one beside its gloo step: not in the model.)"""
     assert local == 2, "the components were measured on 2 ranks"
     pieces = _pieces(S, piece_bytes)
     shm = sum(predict(fits["shm_rs"], p) + predict(fits["shm_ag"], p) for p in pieces)
     gloo = sum(predict(fits["gloo2"], p / local) for p in pieces)
-    return {"total_s": c_shm * shm + c_gloo * gloo, "shm_s": c_shm * shm, "gloo_s": c_gloo * gloo,
-            "pieces": len(pieces)}
+    check = c_gloo * fits["gloo2"]["alpha_s"]
+    return {"total_s": c_shm * shm + c_gloo * gloo + check, "shm_s": c_shm * shm, "gloo_s": c_gloo * gloo,
+            "check_s": check, "pieces": len(pieces)}
 
 
 def box_flat_gloo(S: float, fits: dict, c_gloo: float, n: int = 4) -> float:
@@ -370,17 +387,17 @@ def box_hw(fits: dict, factors: dict, rate_Bps: float) -> dict:
     """hw_params' machine for the box as 2 hosts x 2 ranks on one link (nic_per_host, G = 2):
     in-host ring RS/AG of p bytes = a_nv + p/2 / b_nv, matched to the shm fits (the mean of
     RS and AG) times the calibrated shm contention; a_net per network step = gloo2's alpha
-    / 2 (its 2 steps); the NIC = the link."""
+    / 2 (its 2 steps), a_check the same (the call check is gloo too); the NIC = the link."""
     c = factors["calibrated"]["shm"]
     alpha = (fits["shm_rs"]["alpha_s"] + fits["shm_ag"]["alpha_s"]) / 2
     beta = (fits["shm_rs"]["beta_s_per_byte"] + fits["shm_ag"]["beta_s_per_byte"]) / 2
     return {"G": 2, "nics": 1, "b_nv": 1 / (2 * c * beta), "b_nic": rate_Bps, "a_nv": c * alpha,
-            "a_net": fits["gloo2"]["alpha_s"] / 2, "launch": 0.0}
+            "a_net": fits["gloo2"]["alpha_s"] / 2, "a_check": fits["gloo2"]["alpha_s"] / 2, "launch": 0.0}
 
 
 def validate_link(doc: dict, fits: dict, factors: dict) -> dict:
-    """Predicted (flat_ring; two_level with the pieces the run used) against measured (gloo;
-    ringdp two-level) for every size from 1 MiB of the shaped-link run."""
+    """Predicted (flat_ring; two_level with the pieces the run used and the call check)
+    against measured (gloo; ringdp two-level) for every size from 1 MiB of the shaped-link run."""
     rate = link_rate_Bps(doc)
     hw = box_hw(fits, factors, rate)
     piece_of = measured_pieces(doc)
@@ -390,7 +407,7 @@ def validate_link(doc: dict, fits: dict, factors: dict) -> dict:
         m = measured[S]
         if S < MiB or "gloo" not in m or "ringdp" not in m:
             continue
-        flat, two = flat_ring(S, 2, hw), two_level(S, 2, hw, piece_of(S))
+        flat, two = flat_ring(S, 2, hw), two_level(S, 2, hw, piece_of(S), check=True)
         rows.append({"size": int(S), "pieces": len(_pieces(S, piece_of(S))),
                      "flat_pred_s": flat, "flat_measured_s": m["gloo"], "flat_err": flat / m["gloo"] - 1,
                      "two_level_pred_s": two, "two_level_measured_s": m["ringdp"],
@@ -415,11 +432,21 @@ def _pieces(S: float, piece_bytes: float | None) -> list[float]:
 def hw_params(nic_case: str, G: int = 8, **over) -> dict:
     """Machine parameters in seconds and bytes/s. nic_case: nic_per_gpu (G NICs per host)
     or nic_per_host (one)."""
-    p = {k: DEFAULTS[k] for k in ("nvlink_busbw_GBps", "nic_GBps", "alpha_nvlink_us", "alpha_net_us", "launch_us")}
+    p = {k: DEFAULTS[k] for k in ("nvlink_busbw_GBps", "nic_GBps", "alpha_nvlink_us", "alpha_net_us", "launch_us",
+                                  "alpha_check_us")}
     p.update({k: v for k, v in over.items() if v is not None})
     return {"G": G, "nics": G if nic_case == "nic_per_gpu" else 1, "b_nv": p["nvlink_busbw_GBps"] * GB,
             "b_nic": p["nic_GBps"] * GB, "a_nv": p["alpha_nvlink_us"] * 1e-6, "a_net": p["alpha_net_us"] * 1e-6,
-            "launch": p["launch_us"] * 1e-6}
+            "launch": p["launch_us"] * 1e-6, "a_check": p["alpha_check_us"] * 1e-6}
+
+
+def call_check(H: int, hw: dict) -> float:
+    """The call check of one two-level call: gloo's ring all-gather of a row per host among
+    the H ranks of a cross-host group, H-1 steps of a_check (its few words add nothing);
+    hw["check_log_steps"]: an exchange in ceil(log2 H) steps instead (recursive doubling or
+    Bruck's all-gather; not what ringdp runs: what such a check would give)."""
+    steps = int(np.ceil(np.log2(H))) if hw.get("check_log_steps") else H - 1
+    return steps * hw["a_check"]
 
 
 def flat_ring(S: float, H: int, hw: dict) -> float:
@@ -449,11 +476,12 @@ def _stages(p: float, H: int, hw: dict) -> tuple[float, float, float]:
     return rs, ar, rs
 
 
-def schedule(stages: list[tuple[float, float, float]]) -> float:
+def schedule(stages: list[tuple[float, float, float]], check: float = 0.0) -> float:
     """End time of ringdp's _two_level schedule: one in-host stream running rs 0, rs 1,
     ag 0, rs 2, ag 1, ..., ag P-1; the inter-host all-reduces one after the other, piece i's
-    starting when its reduce-scatter is done; ag i waits for all-reduce i."""
-    host = net = 0.0
+    starting when its reduce-scatter is done; ag i waits for all-reduce i. `check`: the call
+    check's time, which starts with rs 0 and which the first all-reduce waits for."""
+    host, net = 0.0, check
     done = []
     for i, (rs, ar, _) in enumerate(stages):
         host += rs
@@ -464,14 +492,16 @@ def schedule(stages: list[tuple[float, float, float]]) -> float:
     return max(host, done[-1]) + stages[-1][2]
 
 
-def two_level(S: float, H: int, hw: dict, piece_bytes: float | None = None) -> float:
+def two_level(S: float, H: int, hw: dict, piece_bytes: float | None = None, check: bool = False) -> float:
     """Two-level all-reduce of S bytes on H hosts x G GPUs. piece_bytes None: not pipelined
     (RS of S, all-reduce of S/G, AG of S, one after the other); else pieces of piece_bytes
     scheduled as ringdp does (stages on different resources overlap: NVLink for RS/AG, the
-    NIC for the all-reduce; assumed independent)."""
+    NIC for the all-reduce; assumed independent). check: with the call check (call_check),
+    beside the first reduce-scatter and before the first all-reduce; else the data's steps
+    alone."""
     if H * hw["G"] <= 1:
         return 0.0
-    return schedule([_stages(p, H, hw) for p in _pieces(S, piece_bytes)])
+    return schedule([_stages(p, H, hw) for p in _pieces(S, piece_bytes)], call_check(H, hw) if check else 0.0)
 
 
 PIECE_CHOICES = [MiB << k for k in range(0, 9)]  # 1 MiB .. 256 MiB
@@ -492,18 +522,24 @@ def ringdp_piece(S: float, args) -> int:
     return policy.two_level_piece_bytes(int(S), args.min_piece_bytes, args.max_pieces)
 
 
+def args_hw(args, nic_case: str, **over) -> dict:
+    """hw_params with the command line's machine (`over` replaces some of it)."""
+    p = dict(nvlink_busbw_GBps=args.nvlink_busbw, nic_GBps=args.nic_GBps, alpha_nvlink_us=args.alpha_nvlink_us,
+             alpha_net_us=args.alpha_net_us, launch_us=args.launch_us, alpha_check_us=args.alpha_check_us)
+    return hw_params(nic_case, args.gpus_per_host, **dict(p, **over))
+
+
 def project(args) -> dict:
     grid = []
     for case in NIC_CASES:
-        hw = hw_params(case, args.gpus_per_host, nvlink_busbw_GBps=args.nvlink_busbw, nic_GBps=args.nic_GBps,
-                       alpha_nvlink_us=args.alpha_nvlink_us, alpha_net_us=args.alpha_net_us,
-                       launch_us=args.launch_us)
+        hw = args_hw(args, case)
         for H in args.hosts:
             for S in DEFAULTS["sizes"]:
                 flat = flat_ring(S, H, hw)
                 unp = two_level(S, H, hw, None)
                 piece = ringdp_piece(S, args)
                 pip = two_level(S, H, hw, piece)
+                checked = two_level(S, H, hw, piece, check=True)
                 fixed = two_level(S, H, hw, args.fixed_piece_bytes)
                 bt, bp = best_piece(S, H, hw)
                 N = H * hw["G"]
@@ -512,11 +548,35 @@ def project(args) -> dict:
                              "flat_us": flat * 1e6, "two_level_us": pip * 1e6, "two_level_fixed_piece_us": fixed * 1e6,
                              "two_level_unpipelined_us": unp * 1e6,
                              "two_level_best_piece_us": bt * 1e6, "best_piece_bytes": bp,
-                             "speedup": flat / pip, "speedup_fixed_piece": flat / fixed,
+                             "two_level_checked_us": checked * 1e6, "check_us": call_check(H, hw) * 1e6,
+                             "speedup": flat / pip, "speedup_checked": flat / checked,
+                             "speedup_fixed_piece": flat / fixed,
                              "speedup_unpipelined": flat / unp, "speedup_best_piece": flat / bt,
                              "flat_busbw_GBps": 2 * (N - 1) / N * S / flat / GB,
                              "two_level_busbw_GBps": 2 * (N - 1) / N * S / pip / GB})
-    return {"grid": grid}
+    return {"grid": grid, "check_sensitivity": check_sensitivity(args)}
+
+
+CHECK_SIZES = [MiB << k for k in range(0, 7, 2)]  # 1, 4, 16, 64 MiB: where the check weighs
+
+
+def check_sensitivity(args) -> list[dict]:
+    """The speedup with the call check for each step latency of DEFAULTS' range, as ringdp
+    runs it (a ring: H-1 steps) and in ceil(log2 H) steps, ringdp's pieces, the grid's hosts,
+    both NIC cases, at CHECK_SIZES (above them it weighs little)."""
+    rows = []
+    for case in NIC_CASES:
+        for a in DEFAULTS["alpha_check_range_us"]:
+            for log_steps in (False, True):
+                hw = dict(args_hw(args, case, alpha_check_us=a), check_log_steps=log_steps)
+                for H in args.hosts:
+                    for S in CHECK_SIZES:
+                        flat = flat_ring(S, H, hw)
+                        rows.append({"nic_case": case, "alpha_check_us": a, "check_steps": "log" if log_steps else "ring",
+                                     "hosts": H, "size": int(S), "check_us": call_check(H, hw) * 1e6,
+                                     "speedup_checked": flat / two_level(S, H, hw, ringdp_piece(S, args), check=True),
+                                     "speedup": flat / two_level(S, H, hw, ringdp_piece(S, args))})
+    return rows
 
 
 PIECE_COUNTS = [1, 2, 3, 4, 8]
@@ -533,9 +593,7 @@ def compare_piece_rules(args, hosts=range(2, 17)) -> list[dict]:
     ratios = {name: [] for name, _, _ in rules}
     worst_at = {}
     for case in NIC_CASES:
-        hw = hw_params(case, args.gpus_per_host, nvlink_busbw_GBps=args.nvlink_busbw, nic_GBps=args.nic_GBps,
-                       alpha_nvlink_us=args.alpha_nvlink_us, alpha_net_us=args.alpha_net_us,
-                       launch_us=args.launch_us)
+        hw = args_hw(args, case)
         for H in hosts:
             for S in DEFAULTS["sizes"]:
                 bt, _ = best_piece(S, H, hw)
@@ -569,6 +627,13 @@ def assumptions(args) -> dict:
                      "nics x nic_GBps / G per local rank; pipelined by ringdp's schedule, NVLink and NIC work "
                      "overlap fully (assumed: GPUDirect RDMA, no SM or memory contention), RS/AG serialised "
                      "on one in-host stream; every collective pays launch_us",
+        "alpha_check_us": args.alpha_check_us,
+        "call_check": "ringdp's call check, a gloo all-gather across the H hosts per call, (H-1) x alpha_check_us, "
+                      "on the issuing thread beside the first in-host reduce-scatter; the first inter-host "
+                      "all-reduce waits for it (speedup_checked; speedup: the data's steps alone). alpha_check_us "
+                      f"assumed {DEFAULTS['alpha_check_us']:g} (a kernel TCP message and gloo's handling), "
+                      f"sensitivity over {DEFAULTS['alpha_check_range_us']} us; gloo issue 158 measured ~177 us "
+                      "a step over TCP between 2 hosts (2018)",
         "not_modelled": "NCCL tree, NVLS, SHARP/CollNet and PAT (NCCL picks them for small messages or at "
                         "scale; this compares against the ring only); congestion in the network fabric",
         "pieces": f"ringdp's default: policy.two_level_piece_bytes (at most {args.max_pieces} pieces of at least "
@@ -667,6 +732,25 @@ def print_report(out: dict, file=sys.stdout) -> None:
             g = next(x for x in out["grid"] if x["nic_case"] == case and x["size"] == S)
             p(f"| {size_name(S)} ({g['pieces']} x {size_name(g['piece_bytes'])}) | " + " | ".join(cells) + " |")
     p()
+    p("## with the call check (gloo across the hosts, (H-1) steps per call, beside the first in-host step): "
+      "speedup with ringdp's pieces for each step latency of the check, [the data's steps alone]; then the "
+      "same with a check in ceil(log2 H) steps (not what ringdp runs)")
+    for (case, what), shape in ((c, s) for c in NIC_CASES.items() for s in ("ring", "log")):
+        rows = [r for r in out["check_sensitivity"] if r["nic_case"] == case and r["check_steps"] == shape]
+        alphas = sorted({r["alpha_check_us"] for r in rows})
+        p()
+        p(f"**{what}; {'the check in log2 H steps; ' if shape == 'log' else ''}a step of the check: "
+          + " / ".join(f"{a:g} us" for a in alphas) + "**")
+        p()
+        p("| size | " + " | ".join(f"H={H}" for H in a["hosts"]) + " |")
+        p("|---|" + "---|" * len(a["hosts"]))
+        for S in CHECK_SIZES:
+            cells = []
+            for H in a["hosts"]:
+                hs = sorted((r for r in rows if r["hosts"] == H and r["size"] == S), key=lambda r: r["alpha_check_us"])
+                cells.append(" / ".join(f"{r['speedup_checked']:.2f}x" for r in hs) + f" [{hs[0]['speedup']:.2f}x]")
+            p(f"| {size_name(S)} | " + " | ".join(cells) + " |")
+    p()
     p("## piece rules against the model's best piece, H = 2..16, both NIC cases, 1 MiB-1 GiB: time with the rule / "
       "time with the best piece")
     p("| rule | geometric mean | worst (where) | cells within 5% |")
@@ -691,8 +775,8 @@ def plot(out: dict, path: Path) -> None:
                           key=lambda x: x["size"])
             xs = [x["size"] / MiB for x in rows]
             line, = ax.plot(xs, [x["speedup"] for x in rows], marker="o", label=f"H={H}, ringdp default")
-            ax.plot(xs, [x["speedup_fixed_piece"] for x in rows], ls="--", color=line.get_color(), alpha=0.5,
-                    label=f"H={H}, {size_name(out['args']['fixed_piece_bytes'])} pieces")
+            ax.plot(xs, [x["speedup_checked"] for x in rows], ls="--", color=line.get_color(), alpha=0.6,
+                    label=f"H={H}, with the call check")
             ax.plot(xs, [x["speedup_best_piece"] for x in rows], ls=":", color=line.get_color(),
                     label=f"H={H}, best piece")
         ax.axhline(1.0, color="k", lw=0.8)
@@ -706,8 +790,8 @@ def plot(out: dict, path: Path) -> None:
     axes[1].legend(fontsize=6.5, ncol=2)
     fig.suptitle(f"Model: {out['args']['gpus_per_host']} H100 per host, in-host {out['args']['nvlink_busbw']:g} GB/s, "
                  f"NIC {out['args']['nic_GBps']:g} GB/s, ringdp's pieces: at most {out['args']['max_pieces']} of at least "
-                 f"{size_name(out['args']['min_piece_bytes'])} "
-                 "(bench/cost_model.py)", fontsize=10)
+                 f"{size_name(out['args']['min_piece_bytes'])}; call check {out['args']['alpha_check_us']:g} us "
+                 "a host (bench/cost_model.py)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -732,6 +816,8 @@ def parse_args(argv=None):
     ap.add_argument("--alpha-nvlink-us", type=float, default=DEFAULTS["alpha_nvlink_us"])
     ap.add_argument("--alpha-net-us", type=float, default=DEFAULTS["alpha_net_us"])
     ap.add_argument("--launch-us", type=float, default=DEFAULTS["launch_us"])
+    ap.add_argument("--alpha-check-us", type=float, default=DEFAULTS["alpha_check_us"],
+                    help="the call check's gloo step between hosts (us)")
     ap.add_argument("--no-plot", action="store_true")
     return ap.parse_args(argv)
 

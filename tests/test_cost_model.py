@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -113,6 +114,20 @@ def test_schedule_closed_forms():
     assert cm.schedule([(1.0, 2.0, 3.0)]) == pytest.approx(6.0)
 
 
+def test_call_check_closed_forms():
+    """The call check: (H-1) gloo steps, beside the first reduce-scatter; the first all-reduce
+    waits for it, so it costs only what it outlasts that reduce-scatter by."""
+    hw = _hw("nic_per_gpu")
+    assert cm.call_check(2, hw) == pytest.approx(50e-6) and cm.call_check(16, hw) == pytest.approx(15 * 50e-6)
+    assert cm.schedule([(1.0, 2.0, 3.0)], check=0.5) == pytest.approx(6.0)  # hidden by rs 0
+    assert cm.schedule([(1.0, 2.0, 3.0)], check=5.0) == pytest.approx(5 + 2 + 3)
+    assert cm.schedule([(1.0, 10.0, 1.0)] * 4, check=3.0) == pytest.approx(3 + 4 * 10 + 1)
+    for H, S in ((2, MiB), (16, MiB), (16, 64 * MiB), (4, 1 << 30)):
+        rs0 = cm._stages(cm._pieces(S, 16 * MiB)[0], H, hw)[0]
+        extra = cm.two_level(S, H, hw, 16 * MiB, check=True) - cm.two_level(S, H, hw, 16 * MiB)
+        assert extra == pytest.approx(max(0.0, cm.call_check(H, hw) - rs0), abs=1e-12)
+
+
 def test_pieces():
     assert cm._pieces(10, None) == [10.0]
     assert cm._pieces(10, 4) == [4.0, 4.0, 2.0]
@@ -155,6 +170,7 @@ def test_script_end_to_end(tmp_path):
     for g in grid:
         assert g["flat_us"] > 0 and g["two_level_us"] > 0
         assert g["speedup"] == pytest.approx(g["flat_us"] / g["two_level_us"])
+        assert g["two_level_checked_us"] >= g["two_level_us"] and g["check_us"] == pytest.approx((g["hosts"] - 1) * 50)
         assert g["two_level_best_piece_us"] <= min(g["two_level_us"], g["two_level_unpipelined_us"]) + 1e-9
     # one NIC per host, 2 hosts, 1 GiB: the hierarchy's bound (1 - 1/N) / (1 - 1/H) = 1.875
     g = next(x for x in grid if x["nic_case"] == "nic_per_host" and x["hosts"] == 2 and x["size"] == 1 << 30)
@@ -165,6 +181,24 @@ def test_script_end_to_end(tmp_path):
         p = cm.policy.two_level_piece_bytes(g["size"], cm.policy.HIER_PIECE_BYTES)
         assert g["piece_bytes"] == min(p, g["size"]) and g["pieces"] == -(-g["size"] // p)
         assert g["pieces"] <= cm.policy.HIER_MAX_PIECES
+    # the check's sensitivity: slower steps of the check, never a faster call; at 16 hosts and
+    # 1 MiB a 200 us step makes the two levels lose to the flat ring
+    sens = out["check_sensitivity"]
+    assert {r["alpha_check_us"] for r in sens} == {20.0, 50.0, 200.0}
+    cell = lambda c: (c["nic_case"], c["hosts"], c["size"])  # noqa: E731
+    for c in sens:
+        same = sorted((x for x in sens if cell(x) == cell(c) and x["check_steps"] == c["check_steps"]),
+                      key=lambda x: x["alpha_check_us"])
+        assert [x["speedup_checked"] for x in same] == sorted((x["speedup_checked"] for x in same), reverse=True)
+        assert c["speedup_checked"] <= c["speedup"] + 1e-12
+        if c["check_steps"] == "log":  # ceil(log2 H) <= H - 1 steps: never slower than the ring
+            ring = next(x for x in sens if cell(x) == cell(c) and x["check_steps"] == "ring"
+                        and x["alpha_check_us"] == c["alpha_check_us"])
+            assert c["speedup_checked"] >= ring["speedup_checked"] - 1e-12
+            assert c["check_us"] == pytest.approx(int(np.ceil(np.log2(c["hosts"]))) * c["alpha_check_us"])
+    assert next(c for c in sens if cell(c) + (c["alpha_check_us"], c["check_steps"])
+                == ("nic_per_gpu", 16, MiB, 200.0, "ring"))["speedup_checked"] < 1
+    assert "with the call check" in r.stdout
     rules = {r["max_pieces"]: r for r in out["piece_rules"]}
     assert rules[cm.policy.HIER_MAX_PIECES]["is_ringdp_default"]
     for r in out["piece_rules"]:
@@ -298,7 +332,8 @@ def test_steps_factors_are_the_runs_own_steps_over_the_fits():
                + rows(5.0, 0.5, (256 * MiB,)) + rows(3.0, 1.5, (128 * MiB,)))
     got = cm.steps_factors(run, fits)
     assert got["shm"] == pytest.approx(3.0) and got["gloo"] == pytest.approx(1.5)
-    S = 16 * MiB  # one piece: the prediction is the two steps' sum
-    tl = cm.box_two_level(S, fits, got["shm"], got["gloo"], cm.measured_pieces(base)(S))["total_s"]
+    S = 16 * MiB  # one piece: the prediction is the two steps' sum and the call check
+    tl = cm.box_two_level(S, fits, got["shm"], got["gloo"], cm.measured_pieces(base)(S))
     step_rows = {r["series"]: r["time_us"] * 1e-6 for r in run["rows"] if r["size"] == S and "part" in r["series"]}
-    assert tl == pytest.approx(sum(step_rows.values()))
+    assert tl["check_s"] == pytest.approx(got["gloo"] * fits["gloo2"]["alpha_s"])  # one gloo round trip
+    assert tl["total_s"] == pytest.approx(sum(step_rows.values()) + tl["check_s"])
