@@ -39,9 +39,9 @@ It does three things, reading only committed benchmark JSONs (bench/allreduce.py
              (ringdp/policy.py two_level_piece_bytes, imported: at most HIER_MAX_PIECES pieces
              of at least RINGDP_HIER_PIECE_BYTES), fixed 16 MiB pieces (ringdp's rule before
              it), the best piece of a grid, and unpipelined; then with ringdp's call check
-             (a gloo ring all-gather across the H hosts per call, H-1 steps of an assumed
-             latency, beside the first in-host step) for a range of that latency, and what a
-             check in log2 H steps would give
+             (a gloo all-to-all of a row across the H hosts per call: one step of an assumed
+             latency and H-1 small messages, beside the first in-host step) for a range of
+             that latency, and as the ring all-gather (H-1 steps) it was before
 
 Writes <out-dir>/cost_model_projection.json (fits, validation, assumptions, grid) and
 <out-dir>/cost_model_projection.png (speedup of two-level over the flat ring against size,
@@ -53,7 +53,8 @@ Model (per step alpha, per byte beta; S = bytes of the tensor; n ranks):
     ring reduce-scatter   (n-1) alpha +  (n-1)/n S beta   (S = the input, the larger buffer)
     ring all-gather       (n-1) alpha +  (n-1)/n S beta   (S = the output)
     n = 1: 0.
-    call check            (H-1) alpha_check, beside the first in-host reduce-scatter
+    call check            alpha_check + (H-1) msg (gloo all-to-all; before: (H-1) alpha_check,
+                          its ring all-gather), beside the first in-host reduce-scatter
 """
 from __future__ import annotations
 
@@ -105,6 +106,9 @@ DEFAULTS = {
     # TCP, 2 steps, took 354 us, ~177 us a step, in 2018)
     "alpha_check_us": 50.0,
     "alpha_check_range_us": [20.0, 50.0, 200.0],
+    # ringdp sends the rows as gloo's all-to-all (every message posted at once: one step); each
+    # of its H-1 messages still costs the sender and receiver a little: assumed 5 us
+    "check_msg_us": 5.0,
     "min_piece_bytes": policy.HIER_PIECE_BYTES,  # RINGDP_HIER_PIECE_BYTES default: the minimum piece
     "max_pieces": policy.HIER_MAX_PIECES,
     "fixed_piece_bytes": 16 * MiB,  # the rule before policy.two_level_piece_bytes: fixed 16 MiB pieces
@@ -433,20 +437,28 @@ def hw_params(nic_case: str, G: int = 8, **over) -> dict:
     """Machine parameters in seconds and bytes/s. nic_case: nic_per_gpu (G NICs per host)
     or nic_per_host (one)."""
     p = {k: DEFAULTS[k] for k in ("nvlink_busbw_GBps", "nic_GBps", "alpha_nvlink_us", "alpha_net_us", "launch_us",
-                                  "alpha_check_us")}
+                                  "alpha_check_us", "check_msg_us")}
     p.update({k: v for k, v in over.items() if v is not None})
     return {"G": G, "nics": G if nic_case == "nic_per_gpu" else 1, "b_nv": p["nvlink_busbw_GBps"] * GB,
             "b_nic": p["nic_GBps"] * GB, "a_nv": p["alpha_nvlink_us"] * 1e-6, "a_net": p["alpha_net_us"] * 1e-6,
-            "launch": p["launch_us"] * 1e-6, "a_check": p["alpha_check_us"] * 1e-6}
+            "launch": p["launch_us"] * 1e-6, "a_check": p["alpha_check_us"] * 1e-6,
+            "o_check": p["check_msg_us"] * 1e-6}
+
+
+CHECK_SHAPES = {"alltoall": "gloo's all-to-all of the row to every member, the H-1 messages posted at once: "
+                            "one step and H-1 message costs (what ringdp runs)",
+                "ring": "gloo's ring all-gather: H-1 steps (what ringdp ran until 2026-12-05)"}
 
 
 def call_check(H: int, hw: dict) -> float:
-    """The call check of one two-level call: gloo's ring all-gather of a row per host among
-    the H ranks of a cross-host group, H-1 steps of a_check (its few words add nothing);
-    hw["check_log_steps"]: an exchange in ceil(log2 H) steps instead (recursive doubling or
-    Bruck's all-gather; not what ringdp runs: what such a check would give)."""
-    steps = int(np.ceil(np.log2(H))) if hw.get("check_log_steps") else H - 1
-    return steps * hw["a_check"]
+    """The call check of one two-level call, a row per host among the H ranks of a cross-host
+    group (its few words add nothing), in hw["check_shape"] (CHECK_SHAPES; default alltoall,
+    ringdp's): one step of a_check and H-1 messages of o_check, or a ring of H-1 steps."""
+    if H <= 1:
+        return 0.0
+    if hw.get("check_shape", "alltoall") == "ring":
+        return (H - 1) * hw["a_check"]
+    return hw["a_check"] + (H - 1) * hw.get("o_check", 0.0)
 
 
 def flat_ring(S: float, H: int, hw: dict) -> float:
@@ -561,18 +573,18 @@ CHECK_SIZES = [MiB << k for k in range(0, 7, 2)]  # 1, 4, 16, 64 MiB: where the 
 
 
 def check_sensitivity(args) -> list[dict]:
-    """The speedup with the call check for each step latency of DEFAULTS' range, as ringdp
-    runs it (a ring: H-1 steps) and in ceil(log2 H) steps, ringdp's pieces, the grid's hosts,
-    both NIC cases, at CHECK_SIZES (above them it weighs little)."""
+    """The speedup with the call check for each step latency of DEFAULTS' range, in each of
+    CHECK_SHAPES, ringdp's pieces, the grid's hosts, both NIC cases, at CHECK_SIZES (above
+    them it weighs little)."""
     rows = []
     for case in NIC_CASES:
         for a in DEFAULTS["alpha_check_range_us"]:
-            for log_steps in (False, True):
-                hw = dict(args_hw(args, case, alpha_check_us=a), check_log_steps=log_steps)
+            for shape in CHECK_SHAPES:
+                hw = dict(args_hw(args, case, alpha_check_us=a), check_shape=shape)
                 for H in args.hosts:
                     for S in CHECK_SIZES:
                         flat = flat_ring(S, H, hw)
-                        rows.append({"nic_case": case, "alpha_check_us": a, "check_steps": "log" if log_steps else "ring",
+                        rows.append({"nic_case": case, "alpha_check_us": a, "check_shape": shape,
                                      "hosts": H, "size": int(S), "check_us": call_check(H, hw) * 1e6,
                                      "speedup_checked": flat / two_level(S, H, hw, ringdp_piece(S, args), check=True),
                                      "speedup": flat / two_level(S, H, hw, ringdp_piece(S, args))})
@@ -628,7 +640,8 @@ def assumptions(args) -> dict:
                      "overlap fully (assumed: GPUDirect RDMA, no SM or memory contention), RS/AG serialised "
                      "on one in-host stream; every collective pays launch_us",
         "alpha_check_us": args.alpha_check_us,
-        "call_check": "ringdp's call check, a gloo all-gather across the H hosts per call, (H-1) x alpha_check_us, "
+        "call_check": "ringdp's call check, a gloo all-to-all of a row across the H hosts per call, alpha_check_us "
+                      "+ (H-1) x check_msg_us (before 2026-12-05 a ring all-gather, (H-1) x alpha_check_us), "
                       "on the issuing thread beside the first in-host reduce-scatter; the first inter-host "
                       "all-reduce waits for it (speedup_checked; speedup: the data's steps alone). alpha_check_us "
                       f"assumed {DEFAULTS['alpha_check_us']:g} (a kernel TCP message and gloo's handling), "
@@ -732,14 +745,14 @@ def print_report(out: dict, file=sys.stdout) -> None:
             g = next(x for x in out["grid"] if x["nic_case"] == case and x["size"] == S)
             p(f"| {size_name(S)} ({g['pieces']} x {size_name(g['piece_bytes'])}) | " + " | ".join(cells) + " |")
     p()
-    p("## with the call check (gloo across the hosts, (H-1) steps per call, beside the first in-host step): "
-      "speedup with ringdp's pieces for each step latency of the check, [the data's steps alone]; then the "
-      "same with a check in ceil(log2 H) steps (not what ringdp runs)")
-    for (case, what), shape in ((c, s) for c in NIC_CASES.items() for s in ("ring", "log")):
-        rows = [r for r in out["check_sensitivity"] if r["nic_case"] == case and r["check_steps"] == shape]
+    p("## with the call check (gloo across the hosts, beside the first in-host step): speedup with ringdp's "
+      "pieces for each step latency of the check, [the data's steps alone]; as ringdp sends it (an all-to-all: "
+      "one step), then as a ring all-gather (H-1 steps, ringdp before 2026-12-05)")
+    for (case, what), shape in ((c, s) for c in NIC_CASES.items() for s in CHECK_SHAPES):
+        rows = [r for r in out["check_sensitivity"] if r["nic_case"] == case and r["check_shape"] == shape]
         alphas = sorted({r["alpha_check_us"] for r in rows})
         p()
-        p(f"**{what}; {'the check in log2 H steps; ' if shape == 'log' else ''}a step of the check: "
+        p(f"**{what}; {'the check as a ring all-gather (before); ' if shape == 'ring' else ''}a step of the check: "
           + " / ".join(f"{a:g} us" for a in alphas) + "**")
         p()
         p("| size | " + " | ".join(f"H={H}" for H in a["hosts"]) + " |")

@@ -40,7 +40,8 @@ something else, even where the steps themselves look alike (counts that pad to t
 blocks, AVG and SUM, whose steps carry SUM, an all_reduce and a reduce_scatter with the
 same in-host reduce-scatter, the counts of an uneven all_reduce whose first pieces
 agree); then the call
-check, an all-gather of (kind, count, dtype, op, root) in the rank's check group (its
+check, an all-gather (sent as gloo's all-to-all: one network step whatever the number of
+hosts) of (kind, count, dtype, op, root) in the rank's check group (its
 cross-host group: on uneven hosts the leaders', who check for their hosts; the whole group
 on the flat path), where a rank whose in-host step failed, or that rejected its
 input itself (CrossHost.reject), puts a FAILED row and its reason in the store. Every rank
@@ -98,7 +99,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
 from . import _types, policy
@@ -940,7 +941,12 @@ class CrossHost:
         tell = self.inhost
         check = _Check(self, f"{what} (call check)", ranks, mine, every, dtype, t, tag, tell, fused,
                        "in its first in-host step" if header_only else "before any data moved")
-        check.work = self._start(check.what, lambda: group._allgather_base(every, mine, _gloo_opts(AllgatherOptions)),
+        # An all-gather of the rows as gloo's all-to-all of this row to every member: gloo posts
+        # every send and receive at once, one network step for any number of hosts, where its
+        # all-gather is a ring of 2(H-1) steps of half a row (docs/hierarchy.md "The call check")
+        tiled = mine.repeat(len(ranks))
+        check.work = self._start(check.what, lambda: group.alltoall_base(every, tiled, [], [],
+                                                                         _gloo_opts(AllToAllOptions)),
                                  t, tell, tag, ranks, net="gloo")
         return check
 
