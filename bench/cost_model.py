@@ -98,10 +98,10 @@ DEFAULTS = {
     "alpha_nvlink_us": 3.4,
     "alpha_net_us": 9.6,
     "launch_us": 8.4,
-    # the call check (ringdp/hosts.py CrossHost._check): one gloo all-gather of a few-word row
-    # per call in the cross-host group of H ranks, a ring of H-1 steps over the hosts' TCP
-    # network, on the issuing thread while the first in-host reduce-scatter runs on the GPU.
-    # Assumed 50 us a step (a kernel TCP message and gloo's handling of it); 20 and 200 us
+    # the call check (ringdp/hosts.py CrossHost._check): a few-word row per member gathered
+    # per call in the cross-host group of H ranks over the hosts' TCP network (call_check,
+    # CHECK_SHAPES), on the issuing thread while the first in-host reduce-scatter runs on the
+    # GPU. Assumed 50 us a step (a kernel TCP message and gloo's handling of it); 20 and 200 us
     # bound it in the sensitivity table (gloo issue 158: a 1 KB all-reduce of 2 hosts over
     # TCP, 2 steps, took 354 us, ~177 us a step, in 2018)
     "alpha_check_us": 50.0,
