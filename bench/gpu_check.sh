@@ -297,7 +297,8 @@ priority)
   cuda_test 60 "test_cuda_two_hosts[leaders]"
   cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
   cuda_test 45 "test_ipc_peer_killed[during]"
-  cuda_test 60 test_nccl_peer_killed
+  cuda_test 60 "test_nccl_peer_killed[ringdp]"
+  cuda_test 60 "test_nccl_peer_killed[torch]"
   cuda_test 45 test_registered_tensor_freed_in_flight
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
   ;;

@@ -942,9 +942,12 @@ def test_ipc_large(world):
     _assert_matrix(run_ranks(_large, world, (1 << 26) + 5, env=env, timeout=900))
 
 
-def _cuda_peer_killed(rank, world, when, victims=None, destroy=False):
+def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ringdp"):
     """The survivor's RingError and how long it took; with `destroy`, how long
-    ringdp.destroy() took after it (it must not wait on the dead peer)."""
+    ringdp.destroy() took after it (it must not wait on the dead peer). `sync`: how the
+    survivor waits after each call: "ringdp" (ringdp.synchronize(), a bounded wait of
+    ringdp's own) or "torch" (the host reads the result through the current stream, as
+    `loss.item()` does: only the NCCL transport's watchdog bounds that wait)."""
     import signal
     import threading
     import time
@@ -966,7 +969,10 @@ def _cuda_peer_killed(rank, world, when, victims=None, destroy=False):
     try:
         while time.monotonic() - t0 < 120:
             ringdp.all_reduce(t)
-            ringdp.synchronize()
+            if sync == "ringdp":
+                ringdp.synchronize()
+            else:
+                t[:1].item()
         return None
     except ringdp.RingError as e:
         failed = str(e), time.monotonic() - t0
@@ -997,14 +1003,19 @@ def test_ipc_peer_killed(when):
 
 
 @needs_cuda
-def test_nccl_peer_killed():
+@pytest.mark.parametrize("sync", ["ringdp", "torch"])
+def test_nccl_peer_killed(sync):
     """The NCCL transport, a SIGKILLed peer: the survivor gets a RingError naming its rank
-    within the timeout (its bounded stream wait aborts the communicator), and
-    ringdp.destroy() afterwards returns at once: a communicator that failed is aborted,
-    never destroyed (ncclCommDestroy would wait with the work stuck on the dead peer)."""
+    within the timeout, and ringdp.destroy() afterwards returns at once: a communicator that
+    failed is aborted, never destroyed (ncclCommDestroy would wait with the work stuck on the
+    dead peer). [ringdp]: the survivor waits with ringdp.synchronize(), whose bounded stream
+    wait aborts the communicator. [torch]: it only reads its result on the host through the
+    current stream (`loss.item()`), which waits in CUDA for the NCCL kernel: the watchdog
+    (csrc/common/watchdog.h) aborts the communicator at the timeout, the kernel returns, the
+    read goes on, and the next call raises the watchdog's reason."""
     _skip_without_nccl()
     env = {"RINGDP_TRANSPORT": "nccl", "RINGDP_TIMEOUT_S": "10", "RINGDP_TEST_NCCL_HOSTID": "1"}
-    res = run_ranks(_cuda_peer_killed, 2, "during", None, True, env=env, allow_missing=(1,), timeout=240)
+    res = run_ranks(_cuda_peer_killed, 2, "during", None, True, sync, env=env, allow_missing=(1,), timeout=240)
     status, value = res[0]
     assert status == "ok", value
     assert value is not None, "the survivor never noticed its peer died"
@@ -1012,6 +1023,8 @@ def test_nccl_peer_killed():
     assert "rank 0" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
     assert destroy_took < 10, f"ringdp.destroy() took {destroy_took:.1f} s after the failure"
+    if sync == "torch":
+        assert "not finished" in msg and "watchdog aborted" in msg, msg
 
 
 def _memory_cycles(rank, world):

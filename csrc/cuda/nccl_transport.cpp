@@ -20,6 +20,16 @@
 // size).
 // Everything is stream-ordered: a kernel that writes sbuf starts after the NCCL kernel that
 // sent sbuf's previous content has finished.
+//
+// Bounded waits. NCCL waits forever for a dead peer. A wait ringdp makes itself
+// (synchronize, quiesce, reject) is bounded by the timeout; a program that only joins
+// streams (Work.wait(), RingDDP's buckets) and then synchronises the host on its own
+// (`loss.item()`) is bounded by the watchdog (csrc/common/watchdog.h): every collective's
+// end event is watched from its enqueue; one not done within the timeout, or an error NCCL
+// reports while work is in flight, aborts the communicator from the watchdog's thread (the
+// NCCL kernels return, so the streams waiting for them go on), prints the reason once, and
+// the next call on this rank raises it. Threads: `nccl_mu_` guards the communicator and
+// every NCCL call on it, `fatal_mu_` the reason this communicator is unusable.
 #include "nccl_transport.h"
 
 #include <cuda_runtime.h>
@@ -27,12 +37,14 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
 
 #include "../common/error.h"
+#include "../common/watchdog.h"
 #include "../ring/ring.h"
 #include "../transport/transport.h"
 #include "cuda_util.h"
@@ -143,7 +155,6 @@ class NcclComm final : public Comm {
       rbuf_ = sbuf_ + slot_bytes_;
       RINGDP_CUDA_CHECK(StreamPool::acquire(device_, &stream_), "creating ringdp's CUDA stream");
       RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_in_, cudaEventDisableTiming), "cudaEventCreate");
-      RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev_out_, cudaEventDisableTiming), "cudaEventCreate");
       if (rank_ == 0 && world_ > 1) nccl_check(api_.GetUniqueId(&id_), "ncclGetUniqueId");
     } catch (...) {
       release();
@@ -190,6 +201,7 @@ class NcclComm final : public Comm {
     }
     if (world_ > 1) {
       DeviceGuard g(device_);
+      std::lock_guard<std::mutex> lk(nccl_mu_);
       nccl_check(api_.CommInitRank(&comm_, world_, id_, rank_), "ncclCommInitRank");
     }
     connected_ = true;
@@ -202,7 +214,7 @@ class NcclComm final : public Comm {
     if (count == 0 || world_ == 1) return;
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
     DeviceGuard g(device_);
-    enter(stream, timeout_s, reinterpret_cast<char*>(data), dtype, op);
+    enter("all_reduce", count, stream, timeout_s, reinterpret_cast<char*>(data), dtype, op);
     run_ring(ringdp::Kind::kAllReduce, count, 0);
   }
 
@@ -213,7 +225,7 @@ class NcclComm final : public Comm {
     if (count == 0) return;
     if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": reduce_scatter of a null pointer"));
     DeviceGuard g(device_);
-    enter(stream, timeout_s, reinterpret_cast<char*>(input), dtype, op);
+    enter("reduce_scatter", count, stream, timeout_s, reinterpret_cast<char*>(input), dtype, op);
     result_ = reinterpret_cast<char*>(output);
     result_base_ = static_cast<size_t>(rank_) * count;
     if (world_ == 1) {  // the output is the input (AVG over one rank: the identity)
@@ -231,7 +243,7 @@ class NcclComm final : public Comm {
     if (count == 0) return;
     if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_gather of a null pointer"));
     DeviceGuard g(device_);
-    enter(stream, timeout_s, reinterpret_cast<char*>(output), dtype, RedOp::kSum);
+    enter("all_gather", count, stream, timeout_s, reinterpret_cast<char*>(output), dtype, RedOp::kSum);
     // My block of the output first (unless the input is that block): the all-gather starts from it.
     copy_block(data_ + static_cast<size_t>(rank_) * count * esize_, reinterpret_cast<const char*>(input),
                count * esize_);
@@ -250,20 +262,20 @@ class NcclComm final : public Comm {
     if (count == 0 || world_ == 1) return;
     if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": broadcast of a null pointer"));
     DeviceGuard g(device_);
-    enter(stream, timeout_s, reinterpret_cast<char*>(data), dtype, RedOp::kSum);
+    enter("broadcast", count, stream, timeout_s, reinterpret_cast<char*>(data), dtype, RedOp::kSum);
     run_ring(ringdp::Kind::kBroadcast, count, root);
   }
 
   void check() override {
-    if (!fatal_.empty()) throw RingError(fatal_);
-    if (comm_) {
-      ncclResult_t r = ncclSuccess;
-      if (api_.CommGetAsyncError(comm_, &r) == ncclSuccess && r != ncclSuccess && r != ncclInProgress) {
-        fatal_ = cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
-        abort_comm();  // (NCCL: a communicator with an error is aborted; destroying it may hang)
-        throw RingError(fatal_);
-      }
+    std::string why = fatal();
+    if (why.empty()) {
+      std::lock_guard<std::mutex> lk(nccl_mu_);
+      why = async_error_locked();
+      if (why.empty()) return;
+      set_fatal(why);
+      abort_comm_locked();  // (NCCL: a communicator with an error is aborted; destroying it may hang)
     }
+    throw RingError(fatal());
   }
 
   void synchronize() override {
@@ -272,7 +284,7 @@ class NcclComm final : public Comm {
   }
 
   void reject(const std::string& why) override {
-    if (!fatal_.empty()) return;  // already unusable (aborted, failed, destroyed)
+    if (!fatal().empty()) return;  // already unusable (aborted, failed, destroyed)
     try {
       wait_stream("rejecting an input");  // the collectives already queued finish first
     } catch (...) {
@@ -282,7 +294,7 @@ class NcclComm final : public Comm {
   }
 
   void abort(const std::string& reason) override {
-    if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason);
+    set_fatal(cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason));
     abort_comm();
   }
 
@@ -295,8 +307,9 @@ class NcclComm final : public Comm {
     } catch (...) {
       drained = false;
     }
-    if (!drained || !fatal_.empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
-      abort_comm();
+    std::lock_guard<std::mutex> lk(nccl_mu_);
+    if (!drained || !fatal().empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
+      abort_comm_locked();
     } else if (comm_) {
       DeviceGuard g(device_);
       (void)api_.CommDestroy(comm_);
@@ -361,7 +374,7 @@ class NcclComm final : public Comm {
     if (r == ncclSuccess) return;
     throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));
   }
-  std::string last_error() const {
+  std::string last_error() const {  // (nccl_mu_ held)
     if (!api_.GetLastError || !comm_) return "";
     const char* m = api_.GetLastError(comm_);
     return (m && *m) ? cat(" (", m, ")") : std::string();
@@ -391,6 +404,11 @@ class NcclComm final : public Comm {
   void group(const void* sptr, size_t sbytes, void* rptr, size_t rbytes) {
     if (sbytes == 0 && rbytes == 0) return;
     const int succ = (rank_ + 1) % world_, pred = (rank_ - 1 + world_) % world_;
+    std::lock_guard<std::mutex> lk(nccl_mu_);
+    if (!comm_) {  // aborted under this collective (the watchdog, on an earlier call's timeout)
+      const std::string why = fatal();
+      throw RingError(why.empty() ? cat("ringdp nccl rank ", rank_, ": the NCCL communicator is gone") : why);
+    }
     nccl_check(api_.GroupStart(), "ncclGroupStart");
     ncclResult_t r1 = ncclSuccess, r2 = ncclSuccess;
     if (sbytes) r1 = api_.Send(sptr, sbytes, ncclInt8, succ, comm_, stream_);
@@ -410,8 +428,9 @@ class NcclComm final : public Comm {
 
   // Start a collective on `data` (the buffer the schedule's slices index): ringdp's stream
   // waits for the caller's. The caller holds a DeviceGuard for the whole collective.
-  void enter(uintptr_t stream, double timeout_s, char* data, DType dtype, RedOp op) {
+  void enter(const char* name, size_t count, uintptr_t stream, double timeout_s, char* data, DType dtype, RedOp op) {
     if (timeout_s > 0) timeout_s_ = timeout_s;
+    what_ = cat(name, " of ", count * dtype_size(dtype), " B (call ", ++calls_, " on this communicator)");
     caller_ = reinterpret_cast<cudaStream_t>(stream);
     RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller_), "cudaEventRecord on the caller's stream");
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
@@ -444,19 +463,81 @@ class NcclComm final : public Comm {
         case ringdp::Kind::kBroadcast: ring_broadcast(ring_, plan, root); break;
       }
     } catch (...) {
-      if (fatal_.empty())
-        fatal_ = cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now");
+      set_fatal(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
       abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
       throw;
     }
   }
 
-  // ncclCommAbort: NCCL kernels still in flight return; the communicator is gone (fatal_ says why).
+  // ncclCommAbort: NCCL kernels still in flight return; the communicator is gone (fatal() says why).
   void abort_comm() {
+    std::lock_guard<std::mutex> lk(nccl_mu_);
+    abort_comm_locked();
+  }
+  void abort_comm_locked() {
     if (!comm_) return;
     DeviceGuard g(device_);
     (void)api_.CommAbort(comm_);
     comm_ = nullptr;
+  }
+
+  // What NCCL reported asynchronously on the communicator, or "" (nccl_mu_ held).
+  std::string async_error_locked() const {
+    if (!comm_) return "";
+    ncclResult_t r = ncclSuccess;
+    if (api_.CommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return "";
+    return cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
+  }
+
+  // Why this communicator is unusable ("" while it is usable); the first reason stays.
+  std::string fatal() const {
+    std::lock_guard<std::mutex> lk(fatal_mu_);
+    return fatal_;
+  }
+  void set_fatal(const std::string& why) {
+    std::lock_guard<std::mutex> lk(fatal_mu_);
+    if (fatal_.empty()) fatal_ = why;
+  }
+
+  // ---- the watchdog's side (its thread; see the top of this file) ----------------------
+  Watchdog::Hooks watchdog_hooks() {
+    Watchdog::Hooks h;
+    h.done = [this](void* ev) {
+      DeviceGuard g(device_);
+      // (another error is the device's own: the next call on this rank meets it)
+      return cudaEventQuery(static_cast<cudaEvent_t>(ev)) != cudaErrorNotReady;
+    };
+    h.error = [this]() -> std::string {
+      std::unique_lock<std::mutex> lk(nccl_mu_, std::try_to_lock);  // busy enqueueing: next poll
+      return lk.owns_lock() ? async_error_locked() : std::string();
+    };
+    h.expire = [this](const std::string& reason) {
+      const std::string why =
+          reason.rfind("ringdp nccl rank ", 0) == 0 ? reason : cat("ringdp nccl rank ", rank_, ": ", reason);
+      set_fatal(cat(why, "; the watchdog aborted the NCCL communicator (results of this call and any after it are "
+                         "not valid): call ringdp.destroy() and initialise again"));
+      std::fprintf(stderr, "%s\n", fatal().c_str());
+      abort_comm();
+    };
+    h.retire = [this](void* ev) {
+      std::lock_guard<std::mutex> lk(ev_mu_);
+      free_events_.push_back(static_cast<cudaEvent_t>(ev));
+    };
+    return h;
+  }
+
+  // An event for a collective's end: a retired one, else a new one (all destroyed in release()).
+  cudaEvent_t take_event() {
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    if (!free_events_.empty()) {
+      cudaEvent_t ev = free_events_.back();
+      free_events_.pop_back();
+      return ev;
+    }
+    cudaEvent_t ev = nullptr;
+    RINGDP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    all_events_.push_back(ev);
+    return ev;
   }
 
   // A device-to-device copy on ringdp's stream (nothing when dst == src).
@@ -487,15 +568,18 @@ class NcclComm final : public Comm {
     if (released_) return;
     quiesce();
     released_ = true;
+    watchdog_.stop();  // (its thread gone: every event is back, none is polled)
     DeviceGuard g(device_);
     if (ev_in_) (void)cudaEventDestroy(ev_in_);
-    if (ev_out_) (void)cudaEventDestroy(ev_out_);
-    ev_in_ = ev_out_ = nullptr;
+    ev_in_ = nullptr;
+    for (cudaEvent_t ev : all_events_) (void)cudaEventDestroy(ev);
+    all_events_.clear();
+    free_events_.clear();
     StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
     if (sbuf_) (void)cudaFree(sbuf_);
     sbuf_ = rbuf_ = nullptr;
-    if (fatal_.empty()) fatal_ = cat("ringdp nccl rank ", rank_, ": this communicator was destroyed");
+    set_fatal(cat("ringdp nccl rank ", rank_, ": this communicator was destroyed"));
     (void)cudaGetLastError();
   }
 
@@ -509,16 +593,22 @@ class NcclComm final : public Comm {
   size_t slot_bytes_ = 0;
   double timeout_s_ = 300.0;
   ncclUniqueId id_{};
+  std::mutex nccl_mu_;            // the communicator and every NCCL call on it
   ncclComm_t comm_ = nullptr;
   char* sbuf_ = nullptr;
   char* rbuf_ = nullptr;
   cudaStream_t stream_ = nullptr;
   cudaEvent_t ev_in_ = nullptr;
-  cudaEvent_t ev_out_ = nullptr;
   bool connected_ = false;
   bool quiesced_ = false;
   bool released_ = false;
-  std::string fatal_;
+  mutable std::mutex fatal_mu_;
+  std::string fatal_;              // fatal(), set_fatal()
+  std::mutex ev_mu_;               // the end events: all_events_ (owned), free_events_ (not watched)
+  std::vector<cudaEvent_t> all_events_, free_events_;
+  size_t calls_ = 0;               // collectives enqueued (the watchdog names them by number)
+  std::string what_;               // the collective in flight, for the watchdog
+  Watchdog watchdog_{watchdog_hooks()};  // after what its hooks use; its thread starts at the first watch
 
   // The collective in flight.
   cudaStream_t caller_ = nullptr;
@@ -585,8 +675,15 @@ void NcclComm::finish_ring() {
   if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);
   pending_ptr_ = nullptr;
   pending_bytes_ = 0;
-  RINGDP_CUDA_CHECK(cudaEventRecord(ev_out_, stream_), "cudaEventRecord (ringdp stream)");
-  RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller_, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
+  cudaEvent_t end = take_event();
+  cudaError_t e = cudaEventRecord(end, stream_);
+  if (e == cudaSuccess) e = cudaStreamWaitEvent(caller_, end, 0);
+  if (e != cudaSuccess) {
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    free_events_.push_back(end);
+    throw_cuda(kName, rank_, "cudaEventRecord / cudaStreamWaitEvent at the end of a collective", e);
+  }
+  watchdog_.watch(end, timeout_s_, what_);  // from here on, bounded without a host wait
 }
 
 }  // namespace
