@@ -299,6 +299,7 @@ priority)
   cuda_test 45 "test_ipc_peer_killed[during]"
   cuda_test 60 "test_nccl_peer_killed[ringdp]"
   cuda_test 60 "test_nccl_peer_killed[torch]"
+  cuda_test 60 test_nccl_peer_dies_before_init
   cuda_test 45 test_registered_tensor_freed_in_flight
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
   ;;

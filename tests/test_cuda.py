@@ -1027,6 +1027,52 @@ def test_nccl_peer_killed(sync):
         assert "not finished" in msg and "watchdog aborted" in msg, msg
 
 
+def _nccl_peer_dies_before_init(rank, world):
+    """The last rank SIGKILLs itself right after the NCCL records were exchanged, before
+    ncclCommInitRank; the others' first call (which initialises) must raise, not wait."""
+    import signal
+    import time
+
+    import ringdp
+    from ringdp import rendezvous
+
+    _nccl_env(rank)
+    _setup(rank)
+    if rank == world - 1:
+        exchange = rendezvous.Rendezvous.exchange
+
+        def exchange_then_die(self, key, value, what=None):
+            got = exchange(self, key, value, what)
+            if key.startswith("cuda-nccl"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return got
+
+        rendezvous.Rendezvous.exchange = exchange_then_die
+    t0 = time.monotonic()
+    try:
+        ringdp.all_reduce(torch.ones(4, device="cuda"))
+        ringdp.synchronize()
+        return None
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@needs_cuda
+def test_nccl_peer_dies_before_init():
+    """A peer that dies between the exchange of the NCCL records and ncclCommInitRank (which
+    waits in NCCL's bootstrap for every rank): the survivor's init is bounded by the timeout
+    (csrc/common/bounded.h) and raises a RingError naming its rank and ncclCommInitRank."""
+    _skip_without_nccl()
+    env = {"RINGDP_TRANSPORT": "nccl", "RINGDP_TIMEOUT_S": "10", "RINGDP_TEST_NCCL_HOSTID": "1"}
+    res = run_ranks(_nccl_peer_dies_before_init, 2, env=env, allow_missing=(1,), timeout=240)
+    status, value = res[0]
+    assert status == "ok", value
+    assert value is not None, "the survivor initialised NCCL with a dead peer"
+    msg, took = value
+    assert "rank 0" in msg and "ncclCommInitRank" in msg, msg
+    assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
+
+
 def _memory_cycles(rank, world):
     """Free device memory before ringdp, then after each of two init/use/destroy cycles,
     measured by every rank at the same moment (barriers around each reading)."""

@@ -1,8 +1,16 @@
-"""The watchdog that bounds work finishing elsewhere (csrc/common/watchdog.h: the NCCL
-transport's guard against a step that waits on a dead peer while the program only joins
-streams), in C++ on threads with fake work: tests/cpp/watchdog.cpp (in time, late, an
-asynchronous error, a shorter timeout behind a longer one, no limit, stop() with work
-stuck, 20000 items), once as built and once under ThreadSanitizer."""
+"""The two guards that bound the NCCL transport's waits on a peer, in C++ on threads with
+fake work (the transport itself needs a GPU: tests/test_cuda.py):
+
+- tests/cpp/watchdog.cpp: the watchdog of work finishing on a stream
+  (csrc/common/watchdog.h; what aborts a communicator whose step waits on a dead peer while
+  the program only joins streams): in time, late, an asynchronous error, a shorter timeout
+  behind a longer one, no limit (0, infinity, NaN, 10^12 s), stop() with work stuck, 20000
+  items;
+- tests/cpp/bounded.cpp: a blocking call bounded by a timeout (csrc/common/bounded.h;
+  what runs ncclCommInitRank): on time, its exception, past the timeout (and what it made
+  released when it returns after all), no limit.
+
+Each once as built and once under ThreadSanitizer."""
 from __future__ import annotations
 
 import subprocess
@@ -11,22 +19,26 @@ import pytest
 
 import _cpp
 
+DRIVERS = ["watchdog", "bounded"]
 
-def _run(exe) -> str:
+
+def _run(exe, name: str) -> str:
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, f"watchdog checks failed:\n{r.stdout}\n{r.stderr}"
-    assert ", 0 failed" in r.stdout and "checks passed" in r.stdout, r.stdout
+    assert r.returncode == 0, f"{name} checks failed:\n{r.stdout}\n{r.stderr}"
+    assert f"{name}: " in r.stdout and "checks passed, 0 failed" in r.stdout, r.stdout
     return r.stdout + r.stderr
 
 
-def test_watchdog(tmp_path):
-    _run(_cpp.build(tmp_path, "watchdog", "tests/cpp/watchdog.cpp"))
+@pytest.mark.parametrize("name", DRIVERS)
+def test_guard(tmp_path, name):
+    _run(_cpp.build(tmp_path, name, f"tests/cpp/{name}.cpp"), name)
 
 
-def test_watchdog_thread_sanitizer(tmp_path):
+@pytest.mark.parametrize("name", DRIVERS)
+def test_guard_thread_sanitizer(tmp_path, name):
     try:
-        exe = _cpp.build(tmp_path, "watchdog_tsan", "tests/cpp/watchdog.cpp", flags=("-g", "-fsanitize=thread"))
+        exe = _cpp.build(tmp_path, name + "_tsan", f"tests/cpp/{name}.cpp", flags=("-g", "-fsanitize=thread"))
     except subprocess.CalledProcessError as e:
         pytest.skip(f"no ThreadSanitizer with this compiler: {e}")
-    out = _run(exe)
+    out = _run(exe, name)
     assert "ThreadSanitizer" not in out, out

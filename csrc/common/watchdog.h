@@ -29,6 +29,7 @@
 #include <thread>
 #include <utility>
 
+#include "bounded.h"
 #include "error.h"
 
 namespace ringdp {
@@ -51,7 +52,7 @@ class Watchdog {
   Watchdog& operator=(const Watchdog&) = delete;
 
   // After enqueueing the work behind `token`: it must be done within `timeout_s` seconds
-  // from now (0 or less: no limit). `what` names it in the reason ("all_reduce of 4096 B").
+  // from now (0, infinity: no limit; bounded.h limits()). `what` names it in the reason ("all_reduce of 4096 B").
   // After stop(), the token is retired at once.
   void watch(void* token, double timeout_s, std::string what) {
     std::unique_lock<std::mutex> lk(mu_);
@@ -62,7 +63,7 @@ class Watchdog {
     }
     const Clock::time_point now = Clock::now();
     Clock::time_point deadline = Clock::time_point::max();
-    if (timeout_s > 0)
+    if (limits(timeout_s))
       deadline = now + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s));
     items_.push_back(Item{token, now, deadline, timeout_s, std::move(what)});
     if (!thread_.joinable()) thread_ = std::thread([this] { run(); });

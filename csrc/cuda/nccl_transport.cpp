@@ -43,6 +43,7 @@
 #include <mutex>
 #include <thread>
 
+#include "../common/bounded.h"
 #include "../common/error.h"
 #include "../common/watchdog.h"
 #include "../ring/ring.h"
@@ -200,9 +201,30 @@ class NcclComm final : public Comm {
       }
     }
     if (world_ > 1) {
-      DeviceGuard g(device_);
+      // ncclCommInitRank waits in NCCL's bootstrap for every rank: a peer that died after
+      // the exchange above would hold this one there forever. Bounded by the timeout (on a
+      // thread of its own; abandoned there if it never returns, aborted if it does later).
+      const Api* api = &api_;  // (the loaded library's table lives as long as the process)
+      const int device = device_, world = world_, rank = rank_;
+      const ncclUniqueId id = id_;
+      ncclComm_t c = call_bounded<ncclComm_t>(
+          [api, device, world, rank, id]() -> ncclComm_t {
+            DeviceGuard g(device);
+            ncclComm_t made = nullptr;
+            const ncclResult_t r = api->CommInitRank(&made, world, id, rank);
+            if (r != ncclSuccess)
+              throw RingError(cat("ringdp nccl rank ", rank, ": ncclCommInitRank failed: ", api->GetErrorString(r)));
+            return made;
+          },
+          [api, device](ncclComm_t& late) {
+            DeviceGuard g(device);
+            (void)api->CommAbort(late);
+          },
+          timeout_s_, cat("ringdp nccl rank ", rank_, ": ncclCommInitRank"),
+          "a peer died or stopped after the ranks exchanged their records (the communicator is not usable: "
+          "ringdp.destroy() and initialise again)");
       std::lock_guard<std::mutex> lk(nccl_mu_);
-      nccl_check(api_.CommInitRank(&comm_, world_, id_, rank_), "ncclCommInitRank");
+      comm_ = c;
     }
     connected_ = true;
   }

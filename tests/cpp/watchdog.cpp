@@ -12,6 +12,8 @@
 #include <functional>
 #include <memory>
 #include <chrono>
+#include <cmath>
+#include <limits>
 #include <cstdio>
 #include <mutex>
 #include <string>
@@ -185,13 +187,16 @@ void shorter_timeout_behind() {
 }
 
 void no_limit_never_expires() {
-  Fake f(1);
+  // 0, infinity (timeout=float("inf")), NaN and 10^12 s: no deadline (a plain conversion of
+  // the last three to a clock duration overflows, and the work would expire at once)
+  Fake f(4);
   Watchdog w(f.hooks());
-  w.watch(Fake::tok(0), 0.0, "no limit");
+  const double limits[] = {0.0, std::numeric_limits<double>::infinity(), std::nan(""), 1e12};
+  for (size_t i = 0; i < 4; ++i) w.watch(Fake::tok(i), limits[i], "no limit " + std::to_string(i));
   std::this_thread::sleep_for(milliseconds(200));
   CHECK(f.n_expiries() == 0);
-  CHECK(w.watching() == 1);
-  f.done[0] = true;
+  CHECK(w.watching() == 4);
+  for (auto& d : f.done) d = true;
   CHECK(wait_until([&] { return w.watching() == 0; }, 2.0));
 }
 
