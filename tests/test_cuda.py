@@ -4,9 +4,10 @@ one GPU, each rank its own NCCL_HOSTID), reduce_scatter / all_gather / broadcast
 CUDA, and stream ordering. All of these carry the `cuda` marker and are skipped without a GPU and a
 CUDA build of ringdp.
 
-One test runs everywhere: the CPU simulation of the IPC protocol (csrc/cuda/sim), which
+Two tests run everywhere: the CPU simulations (csrc/cuda/sim) of the IPC protocol, which
 drives the real ring engine and the real step planner with threads as ranks and checks
-every slot/tensor reuse, the results, and freedom from deadlock.
+every slot/tensor reuse, the results, and freedom from deadlock; and of the NCCL
+transport's steps (nccl_steps.h), with NCCL's point-to-point emulated.
 
 RINGDP_REQUIRE_CUDA=1 (bench/gpu_check.sh sets it) turns every such skip into a failure
 that says why (no GPU, ringdp built without CUDA, libnccl missing), so that a run on a GPU
@@ -98,6 +99,16 @@ def test_protocol_simulation(tmp_path):
     r = subprocess.run([str(exe), "--quick"], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, f"protocol simulation failed:\n{r.stdout}\n{r.stderr}"
     assert "configurations passed" in r.stdout
+
+
+def test_nccl_step_simulation(tmp_path):
+    """The NCCL transport's steps (csrc/cuda/nccl_steps.h + csrc/ring/ring.cpp) on threads,
+    NCCL's point-to-point emulated as a rendezvous: every send meets a receive of its size,
+    no deadlock, results of all four collectives (every broadcast root) at world 1-6."""
+    exe = _cpp.build(tmp_path, "nccl_sim", "csrc/cuda/sim/nccl_sim.cpp", "csrc/ring/ring.cpp")
+    r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"NCCL step simulation failed:\n{r.stdout}\n{r.stderr}"
+    assert "4500 configurations passed" in r.stdout, r.stdout
 
 
 # ============================================================== rank bodies (spawned)

@@ -573,12 +573,7 @@ class IpcComm final : public Comm {
     plan.rank = rank_;
     plan.slice_elems = geometry().slice_elems(reduces ? cur_.acc : cur_.esize);  // > 0: slot_bytes >= 4096, channels <= 64
     plan.align = kPackElems;
-    switch (c.kind) {
-      case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, plan); break;
-      case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, plan); break;
-      case ringdp::Kind::kAllGather: ring_all_gather(ring_, plan); break;
-      case ringdp::Kind::kBroadcast: ring_broadcast(ring_, plan, root); break;
-    }
+    ring_run(ring_, c.kind, plan, root);
   }
 
   void setup() {

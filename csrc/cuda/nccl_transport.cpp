@@ -49,6 +49,7 @@
 #include "../ring/ring.h"
 #include "../transport/transport.h"
 #include "cuda_util.h"
+#include "nccl_steps.h"
 #include "step_ring.h"
 #include "reduce_kernels.cuh"
 
@@ -380,6 +381,8 @@ class NcclComm final : public Comm {
   void finish_ring();
 
  private:
+  friend class Steps<NcclComm>;  // its operations: group(), launch()
+
   // The NCCL transport runs the ring only: an unknown code, or one-shot, is refused before
   // anything is enqueued (oneshot_bytes() is 0, so ringdp's policy never asks for it).
   void ring_only(int algo, const char* what, size_t elems, DType dtype) const {
@@ -463,27 +466,26 @@ class NcclComm final : public Comm {
     op_ = op;
     esize_ = dtype_size(dtype);
     acc_ = acc_size(dtype);
-    pending_ptr_ = nullptr;
-    pending_bytes_ = 0;
+    steps_.begin(StepCall());  // nothing pending (a world-1 call finishes without the ring)
   }
 
-  // The ring (csrc/ring/ring.cpp) over data_; ends with finish_ring(). Partial sums travel in
-  // Acc (all_reduce, reduce_scatter: rbuf_ holds one slice of them), final values in T.
+  // The ring (csrc/ring/ring.cpp) over data_, its steps from nccl_steps.h; ends with
+  // finish_ring(). Partial sums travel in Acc (all_reduce, reduce_scatter: rbuf_ holds one
+  // slice of them), final values in T.
   void run_ring(ringdp::Kind kind, size_t count, int root) {
-    const bool reduces = kind == ringdp::Kind::kAllReduce || kind == ringdp::Kind::kReduceScatter;
-    RingPlan plan;
-    plan.count = count;
-    plan.world = world_;
-    plan.rank = rank_;
-    plan.slice_elems = std::max<size_t>(slot_bytes_ / (reduces ? acc_ : esize_) / kPackElems * kPackElems, kPackElems);
-    plan.align = kPackElems;
+    StepCall c;
+    c.data = data_;
+    c.result = result_;
+    c.result_base = result_base_;
+    c.esize = esize_;
+    c.acc = acc_;
+    c.op = op_;
+    c.world = world_;
+    c.sbuf = sbuf_;
+    c.rbuf = rbuf_;
+    steps_.begin(c);
     try {
-      switch (kind) {
-        case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, plan); break;
-        case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, plan); break;
-        case ringdp::Kind::kAllGather: ring_all_gather(ring_, plan); break;
-        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, plan, root); break;
-      }
+      ring_run(ring_, kind, step_plan(kind, count, world_, rank_, slot_bytes_, esize_, acc_), root);
     } catch (...) {
       set_fatal(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
       abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
@@ -641,62 +643,16 @@ class NcclComm final : public Comm {
   RedOp op_ = RedOp::kSum;
   size_t esize_ = 4;
   size_t acc_ = 4;
-  const void* pending_ptr_ = nullptr;  // produced by the previous step, sent by the next group
-  size_t pending_bytes_ = 0;
+  Steps<NcclComm> steps_;  // what each primitive enqueues (nccl_steps.h)
 
   mutable std::mutex mu_;
   std::map<uintptr_t, size_t> allocs_;
 };
 
-void NcclComm::step(StepKind k, const Slice& s) {
-  char* d = data_ + s.offset * esize_;
-  if (k == StepKind::kSend || k == StepKind::kCopySend) {
-    // Nothing to receive. A slice still pending (a broadcast's root, slice after slice) goes
-    // out alone first; its receiver's group has a receive only, so nothing waits in a cycle.
-    if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);
-    if (k == StepKind::kCopySend || acc_ == esize_) {
-      pending_ptr_ = d;  // send my values (final ones for copy_send) straight from the tensor
-    } else {
-      launch(StepKind::kSend, d, nullptr, nullptr, sbuf_, s.count, 0);  // widen to float32
-      pending_ptr_ = sbuf_;
-    }
-    pending_bytes_ = s.count * (k == StepKind::kCopySend ? esize_ : acc_);
-    return;
-  }
-  const bool partial_in = step_partial_in(k);
-  void* rdst = partial_in ? static_cast<void*>(rbuf_) : static_cast<void*>(d);
-  group(pending_ptr_, pending_bytes_, rdst, s.count * (partial_in ? acc_ : esize_));
-  pending_ptr_ = nullptr;
-  pending_bytes_ = 0;
-  const int avg_div = step_finalises(k) && op_ == RedOp::kAvg ? world_ : 0;
-  switch (k) {
-    case StepKind::kRecvReduceSend:
-      launch(k, d, nullptr, rbuf_, sbuf_, s.count, 0);
-      pending_ptr_ = sbuf_;
-      pending_bytes_ = s.count * acc_;
-      break;
-    case StepKind::kRecvReduceCopySend:
-      launch(k, d, d, rbuf_, nullptr, s.count, avg_div);
-      pending_ptr_ = d;
-      pending_bytes_ = s.count * esize_;
-      break;
-    case StepKind::kRecvReduceCopy:  // the final value goes to the output; nothing is sent
-      launch(k, d, result_ + (s.offset - result_base_) * esize_, rbuf_, nullptr, s.count, avg_div);
-      break;
-    case StepKind::kRecvCopySend:
-      pending_ptr_ = d;  // received in place: forward it from there
-      pending_bytes_ = s.count * esize_;
-      break;
-    default:
-      break;
-  }
-}
+void NcclComm::step(StepKind k, const Slice& s) { steps_.step(*this, k, s); }
 
 void NcclComm::finish_ring() {
-  // The last slice produced (a broadcast's root and the middle of its chain) goes out alone.
-  if (pending_bytes_) group(pending_ptr_, pending_bytes_, nullptr, 0);
-  pending_ptr_ = nullptr;
-  pending_bytes_ = 0;
+  steps_.finish(*this);
   cudaEvent_t end = take_event();
   cudaError_t e = cudaEventRecord(end, stream_);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(caller_, end, 0);

@@ -62,6 +62,9 @@
 // (nccl-tests busbw = algbw * (n-1)/n); broadcast the whole buffer once (busbw = algbw).
 #include "ring.h"
 
+#include <stdexcept>
+#include <string>
+
 #include "schedule.h"
 
 namespace ringdp {
@@ -192,6 +195,16 @@ void ring_broadcast(RingTransport& t, const RingPlan& p, int root) {
     if (close && pos == 0) t.recv(empty);
   }
   t.finish();
+}
+
+void ring_run(RingTransport& t, Kind kind, const RingPlan& plan, int root) {
+  switch (kind) {
+    case Kind::kAllReduce: ring_all_reduce(t, plan); return;
+    case Kind::kReduceScatter: ring_reduce_scatter(t, plan); return;
+    case Kind::kAllGather: ring_all_gather(t, plan); return;
+    case Kind::kBroadcast: ring_broadcast(t, plan, root); return;
+  }
+  throw std::invalid_argument("ring_run: unknown collective kind " + std::to_string(static_cast<int>(kind)));
 }
 
 }  // namespace ringdp

@@ -1,6 +1,7 @@
 #pragma once
 #include <cstddef>
 
+#include "../common/types.h"
 #include "../transport/transport.h"
 
 namespace ringdp {
@@ -27,6 +28,10 @@ void ring_all_gather(RingTransport& t, const RingPlan& plan);
 // Broadcast plan.count elements from `root` down the chain root, root+1, ..., root-1,
 // slice by slice. Calls t.finish() at the end.
 void ring_broadcast(RingTransport& t, const RingPlan& plan, int root);
+
+// The collective `kind` over `t` (one of the four above; `root`: a broadcast's source, else
+// ignored): the one dispatch every transport and simulation uses.
+void ring_run(RingTransport& t, Kind kind, const RingPlan& plan, int root);
 
 // Number of slices each rank sends (and receives) for this plan; transports use it to
 // size their bookkeeping and tests use it to check the schedule.

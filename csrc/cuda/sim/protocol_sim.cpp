@@ -230,12 +230,7 @@ class SimRank final {
       if (p.slice_elems == 0) die("slot geometry gives empty slices");
       p.align = kPackElems;
       result_base_ = static_cast<size_t>(rank_) * cfg_.count;
-      switch (cfg_.coll) {
-        case ringdp::Kind::kAllReduce: ring_all_reduce(ring_, p); break;
-        case ringdp::Kind::kReduceScatter: ring_reduce_scatter(ring_, p); break;
-        case ringdp::Kind::kAllGather: ring_all_gather(ring_, p); break;
-        case ringdp::Kind::kBroadcast: ring_broadcast(ring_, p, cfg_.root_of(rank_)); break;
-      }
+      ring_run(ring_, cfg_.coll, p, cfg_.root_of(rank_));
     }
   }
 

@@ -736,14 +736,7 @@ void ShmComm::run_ring(const Call& c) {
   const RingPlan plan{c.count, n, cfg_.rank, slice_elems, align};
   const RedOp op = reduces ? c.op : RedOp::kSum;  // (all_gather, broadcast: no arithmetic)
   // (an all_gather's own block is in place already: run_call)
-  auto drive = [&](RingTransport& t) {
-    switch (c.kind) {
-      case Kind::kAllReduce: ring_all_reduce(t, plan); break;
-      case Kind::kReduceScatter: ring_reduce_scatter(t, plan); break;
-      case Kind::kAllGather: ring_all_gather(t, plan); break;
-      case Kind::kBroadcast: ring_broadcast(t, plan, c.root); break;
-    }
-  };
+  auto drive = [&](RingTransport& t) { ring_run(t, c.kind, plan, c.root); };
   if (c.kind == Kind::kReduceScatter) {
     // Reads the input, writes only block `rank` of the result, into the output.
     shm::StagedTransport t(*link_, const_cast<char*>(c.in), c.data, static_cast<size_t>(cfg_.rank) * c.count,
