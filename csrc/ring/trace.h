@@ -43,11 +43,13 @@ inline std::vector<TraceEntry> collective_trace(const std::string& kind, size_t 
                                                 size_t slice_elems, size_t align, int root) {
   RecordingTransport t;
   const RingPlan p{count, world, rank, slice_elems, align};
-  if (kind == "all_reduce") ring_all_reduce(t, p);
-  else if (kind == "reduce_scatter") ring_reduce_scatter(t, p);
-  else if (kind == "all_gather") ring_all_gather(t, p);
-  else if (kind == "broadcast") ring_broadcast(t, p, root);
+  Kind k;
+  if (kind == "all_reduce") k = Kind::kAllReduce;
+  else if (kind == "reduce_scatter") k = Kind::kReduceScatter;
+  else if (kind == "all_gather") k = Kind::kAllGather;
+  else if (kind == "broadcast") k = Kind::kBroadcast;
   else throw std::invalid_argument("unknown collective " + kind);
+  ring_run(t, k, p, root);
   return t.log;
 }
 
