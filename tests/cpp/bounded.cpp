@@ -14,6 +14,7 @@
 #include <string>
 #include <thread>
 
+#include "checks.h"
 #include "common/bounded.h"
 
 using ringdp::call_bounded;
@@ -22,18 +23,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 namespace {
-int checks = 0, failures = 0;
-
-void check(bool ok, const char* what, int line, const std::string& detail = "") {
-  ++checks;
-  if (!ok) {
-    std::printf("FAIL line %d: %s %s\n", line, what, detail.c_str());
-    ++failures;
-  }
-}
-#define CHECK(c) check((c), #c, __LINE__)
-#define CHECK_MSG(c, m) check((c), #c, __LINE__, (m))
-
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 void on_time() {
@@ -126,7 +115,7 @@ void no_limit_waits() {
       v = call_bounded<int>([] { std::this_thread::sleep_for(milliseconds(150)); return 3; },
                             [](int&) {}, limit, "init", "cause");
     } catch (const RingError& e) {
-      check(false, "no limit raised", __LINE__, e.what());
+      checks::check(false, "no limit raised", __LINE__, e.what());
     }
     CHECK_MSG(v == 3, std::to_string(limit));
     CHECK_MSG(since(t0) >= 0.15, std::to_string(limit));
@@ -141,6 +130,5 @@ int main() {
   past_the_timeout();
   abandoned_failure_releases_nothing();
   no_limit_waits();
-  std::printf("bounded: %d checks passed, %d failed\n", checks - failures, failures);
-  return failures == 0 ? 0 : 1;
+  return checks::report("bounded");
 }

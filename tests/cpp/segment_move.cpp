@@ -13,21 +13,12 @@
 #include <string>
 #include <utility>
 
+#include "checks.h"
 #include "transport/shm/segment.h"
 
 using ringdp::shm::Segment;
 
 namespace {
-int checks = 0, failures = 0;
-
-void check(bool ok, const char* what, int line) {
-  ++checks;
-  if (!ok) {
-    std::printf("FAIL line %d: %s\n", line, what);
-    ++failures;
-  }
-}
-#define CHECK(c) check(static_cast<bool>(c), #c, __LINE__)
 
 bool exists(const std::string& name) {
   struct stat st;
@@ -66,6 +57,5 @@ int main() {
     CHECK(c.base() == b_base && exists(b_name));
   }
   CHECK(!exists(a_name) && !exists(b_name));  // nothing left behind, nothing freed twice
-  std::printf("segment moves: %d checks passed, %d failed\n", checks - failures, failures);
-  return failures == 0 ? 0 : 1;
+  return checks::report("segment moves");
 }

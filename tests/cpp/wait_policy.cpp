@@ -17,23 +17,14 @@
 #include <utility>
 #include <vector>
 
+#include "checks.h"
 #include "transport/shm/wait.h"
 
 using namespace ringdp::shm;
 using std::chrono::microseconds;
 
 namespace {
-int checks = 0, failures = 0;
-
-void check_eq(long long got, long long want, const char* what, int line) {
-  ++checks;
-  if (got != want) {
-    std::printf("FAIL line %d: %s = %lld, expected %lld\n", line, what, got, want);
-    ++failures;
-  }
-}
-#define CHECK_EQ(a, b) check_eq(static_cast<long long>(a), static_cast<long long>(b), #a, __LINE__)
-#define CHECK(c) check_eq(static_cast<long long>(static_cast<bool>(c)), 1, #c, __LINE__)
+using checks::check_eq;
 
 constexpr int64_t kCap = 50000;
 
@@ -201,6 +192,5 @@ int main() {
   waits_against_a_sleeping_peer();
   ping_pong_with_a_running_late_peer(microseconds(5));
   ping_pong_with_a_running_late_peer(microseconds(20));
-  std::printf("wait policy: %d checks passed, %d failed\n", checks - failures, failures);
-  return failures == 0 ? 0 : 1;
+  return checks::report("wait policy");
 }

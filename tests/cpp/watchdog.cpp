@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "checks.h"
 #include "common/watchdog.h"
 
 using ringdp::Watchdog;
@@ -27,18 +28,6 @@ using Clock = std::chrono::steady_clock;
 using std::chrono::milliseconds;
 
 namespace {
-int checks = 0, failures = 0;
-
-void check(bool ok, const char* what, int line, const std::string& detail = "") {
-  ++checks;
-  if (!ok) {
-    std::printf("FAIL line %d: %s %s\n", line, what, detail.c_str());
-    ++failures;
-  }
-}
-#define CHECK(c) check((c), #c, __LINE__)
-#define CHECK_MSG(c, m) check((c), #c, __LINE__, (m))
-
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 // Fake work: tokens are indices into `done`; the hooks count what the watchdog did.
@@ -256,6 +245,5 @@ int main() {
   no_limit_never_expires();
   stop_with_work_stuck();
   many_completed_by_another_thread();
-  std::printf("watchdog: %d checks passed, %d failed\n", checks - failures, failures);
-  return failures == 0 ? 0 : 1;
+  return checks::report("watchdog");
 }
