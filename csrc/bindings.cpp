@@ -309,9 +309,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::arg("tensor"), py::arg("root"), py::arg("stream"), py::arg("algo"), py::arg("timeout_s") = 0.0,
              py::call_guard<py::gil_scoped_release>())
         .def("reject", &Comm::reject, py::call_guard<py::gil_scoped_release>())
-        .def("check", &Comm::check)
+        .def("check", &Comm::check, py::call_guard<py::gil_scoped_release>())
         .def("synchronize", &Comm::synchronize, py::call_guard<py::gil_scoped_release>())
-        .def("abort", &Comm::abort)
+        .def("abort", &Comm::abort, py::call_guard<py::gil_scoped_release>())
         .def("quiesce", &Comm::quiesce, py::call_guard<py::gil_scoped_release>())
         .def("destroy", &Comm::destroy, py::call_guard<py::gil_scoped_release>())
         .def("is_registered",

@@ -1034,8 +1034,8 @@ def test_nccl_peer_killed(sync):
     assert "rank 0" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
     assert destroy_took < 10, f"ringdp.destroy() took {destroy_took:.1f} s after the failure"
-    if sync == "torch":
-        assert "not finished" in msg and "watchdog aborted" in msg, msg
+    if sync == "torch":  # (the deadline, or NCCL's own error while the work was in flight)
+        assert "watchdog aborted" in msg, msg
 
 
 def _nccl_peer_dies_before_init(rank, world):
@@ -1080,7 +1080,7 @@ def test_nccl_peer_dies_before_init():
     assert status == "ok", value
     assert value is not None, "the survivor initialised NCCL with a dead peer"
     msg, took = value
-    assert "rank 0" in msg and "ncclCommInitRank" in msg, msg
+    assert "rank 0" in msg and "ncclCommInitRank did not return within" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
 
 

@@ -29,15 +29,23 @@
 // reports while work is in flight, aborts the communicator from the watchdog's thread (the
 // NCCL kernels return, so the streams waiting for them go on), prints the reason once, and
 // the next call on this rank raises it. Threads: `nccl_mu_` guards the communicator and
-// every NCCL call on it, `fatal_mu_` the reason this communicator is unusable.
+// every NCCL call on it, `fatal_mu_` the reason this communicator is unusable. An NCCL call
+// may block with `nccl_mu_` held (ncclGroupEnd behind a stream stalled on a dead peer, once
+// CUDA's launch queue is full; a first call's connection to a stuck peer): an abort waits
+// for the lock at most kAbortGraceS, then aborts under it, as torch's NCCL watchdog does
+// (NCCL's abort flag ends that call's waits). `comm_ended_` makes the abort or destroy
+// happen once, and no NCCL call reaches the communicator after it. Collectives of a
+// single rank, and those captured into a CUDA graph (they run at replay), are not watched.
 #include "nccl_transport.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -62,6 +70,9 @@ namespace {
 std::mutex g_load_mu;
 Api g_api;
 bool g_loaded = false;
+// Set at exit: an abandoned ncclCommInitRank that returns during teardown leaks its
+// communicator instead of calling into a library (and g_api) being torn down.
+std::atomic<bool> g_exiting{false};
 
 template <class F>
 bool sym(void* h, const char* name, F& out) {
@@ -110,6 +121,7 @@ const Api& load(const std::string& library) {
                         "RINGDP_NCCL_LIBRARY at libnccl.so.2"));
   g_api = api;
   g_loaded = true;
+  std::atexit([] { g_exiting = true; });
   return g_api;
 }
 
@@ -218,13 +230,14 @@ class NcclComm final : public Comm {
             return made;
           },
           [api, device](ncclComm_t& late) {
+            if (g_exiting) return;
             DeviceGuard g(device);
             (void)api->CommAbort(late);
           },
           timeout_s_, cat("ringdp nccl rank ", rank_, ": ncclCommInitRank"),
           "a peer died or stopped after the ranks exchanged their records (the communicator is not usable: "
           "ringdp.destroy() and initialise again)");
-      std::lock_guard<std::mutex> lk(nccl_mu_);
+      std::lock_guard<std::timed_mutex> lk(nccl_mu_);
       comm_ = c;
     }
     connected_ = true;
@@ -292,7 +305,10 @@ class NcclComm final : public Comm {
   void check() override {
     std::string why = fatal();
     if (why.empty()) {
-      std::lock_guard<std::mutex> lk(nccl_mu_);
+      // (an NCCL call in flight on another thread: never wait behind it here; its own
+      // failure, a later check or the watchdog reports)
+      std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::try_to_lock);
+      if (!lk.owns_lock()) return;
       why = async_error_locked();
       if (why.empty()) return;
       set_fatal(why);
@@ -330,14 +346,13 @@ class NcclComm final : public Comm {
     } catch (...) {
       drained = false;
     }
-    std::lock_guard<std::mutex> lk(nccl_mu_);
     if (!drained || !fatal().empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
-      abort_comm_locked();
-    } else if (comm_) {
-      DeviceGuard g(device_);
-      (void)api_.CommDestroy(comm_);
-      comm_ = nullptr;
+      abort_comm();
+      return;
     }
+    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
+    end_comm(/*destroy=*/true);
+    comm_ = nullptr;
   }
 
   void destroy() override { release(); }
@@ -400,7 +415,7 @@ class NcclComm final : public Comm {
     throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));
   }
   std::string last_error() const {  // (nccl_mu_ held)
-    if (!api_.GetLastError || !comm_) return "";
+    if (!api_.GetLastError || !comm_ || comm_ended_) return "";
     const char* m = api_.GetLastError(comm_);
     return (m && *m) ? cat(" (", m, ")") : std::string();
   }
@@ -429,8 +444,8 @@ class NcclComm final : public Comm {
   void group(const void* sptr, size_t sbytes, void* rptr, size_t rbytes) {
     if (sbytes == 0 && rbytes == 0) return;
     const int succ = (rank_ + 1) % world_, pred = (rank_ - 1 + world_) % world_;
-    std::lock_guard<std::mutex> lk(nccl_mu_);
-    if (!comm_) {  // aborted under this collective (the watchdog, on an earlier call's timeout)
+    std::lock_guard<std::timed_mutex> lk(nccl_mu_);
+    if (!comm_ || comm_ended_) {  // aborted under this collective (the watchdog, on an earlier call's timeout)
       const std::string why = fatal();
       throw RingError(why.empty() ? cat("ringdp nccl rank ", rank_, ": the NCCL communicator is gone") : why);
     }
@@ -493,21 +508,32 @@ class NcclComm final : public Comm {
     }
   }
 
-  // ncclCommAbort: NCCL kernels still in flight return; the communicator is gone (fatal() says why).
+  // ncclCommAbort: NCCL kernels still in flight return; the communicator is gone (fatal() says
+  // why). From any thread; behind an NCCL call that blocks with nccl_mu_ held, after
+  // kAbortGraceS, under it (top of this file).
   void abort_comm() {
-    std::lock_guard<std::mutex> lk(nccl_mu_);
-    abort_comm_locked();
+    std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::defer_lock);
+    if (lk.try_lock_for(std::chrono::duration<double>(kAbortGraceS))) {
+      abort_comm_locked();
+      return;
+    }
+    end_comm(/*destroy=*/false);  // (comm_ stays for the call in flight; comm_ended_ bars the rest)
   }
   void abort_comm_locked() {
-    if (!comm_) return;
-    DeviceGuard g(device_);
-    (void)api_.CommAbort(comm_);
+    end_comm(/*destroy=*/false);
     comm_ = nullptr;
+  }
+  // The communicator's one end, ncclCommAbort or ncclCommDestroy: the first caller's.
+  void end_comm(bool destroy) {
+    ncclComm_t c = comm_.load();
+    if (c == nullptr || comm_ended_.exchange(true)) return;
+    DeviceGuard g(device_);
+    (void)(destroy ? api_.CommDestroy(c) : api_.CommAbort(c));
   }
 
   // What NCCL reported asynchronously on the communicator, or "" (nccl_mu_ held).
   std::string async_error_locked() const {
-    if (!comm_) return "";
+    if (!comm_ || comm_ended_) return "";
     ncclResult_t r = ncclSuccess;
     if (api_.CommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return "";
     return cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
@@ -527,12 +553,28 @@ class NcclComm final : public Comm {
   Watchdog::Hooks watchdog_hooks() {
     Watchdog::Hooks h;
     h.done = [this](void* ev) {
+      // This thread's queries must not meet a graph that another thread captures in the
+      // global mode (torch.cuda.graph's default): they would invalidate it, as they did
+      // under torch's NCCL watchdog. Thread-local mode ignores other threads' captures.
+      thread_local bool capture_mode_set = false;
+      if (!capture_mode_set) {
+        cudaStreamCaptureMode m = cudaStreamCaptureModeThreadLocal;
+        (void)cudaThreadExchangeStreamCaptureMode(&m);
+        capture_mode_set = true;
+      }
       DeviceGuard g(device_);
-      // (another error is the device's own: the next call on this rank meets it)
-      return cudaEventQuery(static_cast<cudaEvent_t>(ev)) != cudaErrorNotReady;
+      const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev));
+      if (e == cudaSuccess) return true;
+      if (e == cudaErrorNotReady) return false;
+      (void)cudaGetLastError();
+      // a capture's refusal: ask again; another error is the device's own (the next call on
+      // this rank meets it): nothing left to watch
+      return !(e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureInvalidated ||
+               e == cudaErrorStreamCaptureImplicit || e == cudaErrorCapturedEvent ||
+               e == cudaErrorStreamCaptureWrongThread);
     };
     h.error = [this]() -> std::string {
-      std::unique_lock<std::mutex> lk(nccl_mu_, std::try_to_lock);  // busy enqueueing: next poll
+      std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::try_to_lock);  // busy enqueueing: next poll
       return lk.owns_lock() ? async_error_locked() : std::string();
     };
     h.expire = [this](const std::string& reason) {
@@ -617,8 +659,10 @@ class NcclComm final : public Comm {
   size_t slot_bytes_ = 0;
   double timeout_s_ = 300.0;
   ncclUniqueId id_{};
-  std::mutex nccl_mu_;            // the communicator and every NCCL call on it
-  ncclComm_t comm_ = nullptr;
+  static constexpr double kAbortGraceS = 2.0;  // an abort's wait behind a blocked NCCL call
+  std::timed_mutex nccl_mu_;      // the communicator and every NCCL call on it
+  std::atomic<ncclComm_t> comm_{nullptr};
+  std::atomic<bool> comm_ended_{false};  // aborted or destroyed (end_comm): no NCCL call after it
   char* sbuf_ = nullptr;
   char* rbuf_ = nullptr;
   cudaStream_t stream_ = nullptr;
@@ -661,7 +705,14 @@ void NcclComm::finish_ring() {
     free_events_.push_back(end);
     throw_cuda(kName, rank_, "cudaEventRecord / cudaStreamWaitEvent at the end of a collective", e);
   }
-  watchdog_.watch(end, timeout_s_, what_);  // from here on, bounded without a host wait
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(caller_, &capturing) != cudaSuccess) (void)cudaGetLastError();
+  if (world_ > 1 && capturing == cudaStreamCaptureStatusNone) {
+    watchdog_.watch(end, timeout_s_, what_);  // from here on, bounded without a host wait
+  } else {  // no peer to wait for, or it runs at the graph's replay: nothing to watch now
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    free_events_.push_back(end);
+  }
 }
 
 }  // namespace

@@ -14,7 +14,7 @@
 //   * the results against a reference computed rank by rank: all_reduce (SUM, MIN, MAX,
 //     AVG) identical on every rank; reduce_scatter's block and its input left untouched;
 //     all_gather's blocks; broadcast's copy of the root's values;
-// each collective twice in a row on the same ranks (the pending slice reset between calls).
+// each collective twice in a row on the same ranks.
 // A rendezvous has more ordering than NCCL (a small send may complete before its receive is
 // posted), so passing here means the real pairing cannot deadlock either.
 //
@@ -248,11 +248,12 @@ class Rank {
       for (size_t j = 0; j < c.count; ++j)
         store(data_.bytes.data(), rank_ * c.count + j, value(rank_, rank_ * c.count + j, n));
     }
-    if (n == 1) {
+    if (c.count == 0) return;  // (NcclComm returns before enter())
+    if (n == 1) {  // NcclComm: all_reduce and broadcast return; the halves copy, then finish
       if (c.coll == Kind::kReduceScatter) std::memcpy(result_.bytes.data(), data_.bytes.data(), c.count * c.esize);
+      if (c.coll == Kind::kReduceScatter || c.coll == Kind::kAllGather) finish_ring();
       return;
     }
-    if (c.count == 0) return;
     steps_.begin(sc);
     ring_run(ring_, c.coll, nccl::step_plan(c.coll, c.count, n, rank_, c.slot_bytes, c.esize, 4), c.root);
   }
