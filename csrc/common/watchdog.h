@@ -45,7 +45,9 @@ class Watchdog {
     std::function<void(void*)> retire;                // the token is no longer watched: reuse it
   };
 
-  explicit Watchdog(Hooks hooks, std::chrono::microseconds poll = std::chrono::milliseconds(2))
+  // `poll`: how often the oldest token is asked while work is in flight (torch polls every
+  // 100 ms; the deadlines here are seconds, and a finished token goes back to its owner sooner)
+  explicit Watchdog(Hooks hooks, std::chrono::microseconds poll = std::chrono::milliseconds(10))
       : h_(std::move(hooks)), poll_(poll) {}
   ~Watchdog() { stop(); }
   Watchdog(const Watchdog&) = delete;
