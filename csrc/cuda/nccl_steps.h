@@ -27,7 +27,8 @@ namespace ringdp {
 namespace cuda {
 namespace nccl {
 
-// One collective's buffers and element sizes (what NcclComm::enter sets).
+// One collective's buffers and element sizes (the owner's collective in flight: what
+// NcclComm::enter sets).
 struct StepCall {
   char* data = nullptr;      // the buffer the schedule's slices index (reduce_scatter: the input)
   char* result = nullptr;    // reduce_scatter: the output, holding element result_base on
@@ -54,53 +55,55 @@ inline RingPlan step_plan(ringdp::Kind kind, size_t count, int world, int rank, 
   return plan;
 }
 
+// The steps of one collective after another; the only state carried between steps is the
+// slice produced and not yet sent. `c` is the owner's collective in flight.
 template <class Ops>
 class Steps {
  public:
-  void begin(const StepCall& c) {
-    c_ = c;
+  // A new collective: nothing pending.
+  void reset() {
     pending_ptr_ = nullptr;
     pending_bytes_ = 0;
   }
 
-  void step(Ops& ops, StepKind k, const Slice& s) {
-    char* d = c_.data + s.offset * c_.esize;
+  void step(Ops& ops, const StepCall& c, StepKind k, const Slice& s) {
+    char* d = c.data + s.offset * c.esize;
     if (k == StepKind::kSend || k == StepKind::kCopySend) {
       // Nothing to receive. A slice still pending (a broadcast's root, slice after slice) goes
       // out alone first; its receiver's group has a receive only, so nothing waits in a cycle.
       if (pending_bytes_) ops.group(pending_ptr_, pending_bytes_, nullptr, 0);
-      if (k == StepKind::kCopySend || c_.acc == c_.esize) {
+      if (k == StepKind::kCopySend || c.acc == c.esize) {
         pending_ptr_ = d;  // send my values (final ones for copy_send) straight from the tensor
       } else {
-        ops.launch(StepKind::kSend, d, nullptr, nullptr, c_.sbuf, s.count, 0);  // widen to Acc
-        pending_ptr_ = c_.sbuf;
+        ops.launch(StepKind::kSend, d, nullptr, nullptr, c.sbuf, s.count, 0);  // widen to Acc
+        pending_ptr_ = c.sbuf;
       }
-      pending_bytes_ = s.count * (k == StepKind::kCopySend ? c_.esize : c_.acc);
+      pending_bytes_ = s.count * (k == StepKind::kCopySend ? c.esize : c.acc);
       return;
     }
     const bool partial_in = step_partial_in(k);
-    void* rdst = partial_in ? static_cast<void*>(c_.rbuf) : static_cast<void*>(d);
-    ops.group(pending_ptr_, pending_bytes_, rdst, s.count * (partial_in ? c_.acc : c_.esize));
+    void* rdst = partial_in ? static_cast<void*>(c.rbuf) : static_cast<void*>(d);
+    ops.group(pending_ptr_, pending_bytes_, rdst, s.count * (partial_in ? c.acc : c.esize));
     pending_ptr_ = nullptr;
     pending_bytes_ = 0;
-    const int avg_div = step_finalises(k) && c_.op == RedOp::kAvg ? c_.world : 0;
+    const int avg_div = step_finalises(k) && c.op == RedOp::kAvg ? c.world : 0;
     switch (k) {
       case StepKind::kRecvReduceSend:
-        ops.launch(k, d, nullptr, c_.rbuf, c_.sbuf, s.count, 0);
-        pending_ptr_ = c_.sbuf;
-        pending_bytes_ = s.count * c_.acc;
+        ops.launch(k, d, nullptr, c.rbuf, c.sbuf, s.count, 0);
+        pending_ptr_ = c.sbuf;
+        pending_bytes_ = s.count * c.acc;
         break;
       case StepKind::kRecvReduceCopySend:
-        ops.launch(k, d, d, c_.rbuf, nullptr, s.count, avg_div);
+        ops.launch(k, d, d, c.rbuf, nullptr, s.count, avg_div);
         pending_ptr_ = d;
-        pending_bytes_ = s.count * c_.esize;
+        pending_bytes_ = s.count * c.esize;
         break;
       case StepKind::kRecvReduceCopy:  // the final value goes to the output; nothing is sent
-        ops.launch(k, d, c_.result + (s.offset - c_.result_base) * c_.esize, c_.rbuf, nullptr, s.count, avg_div);
+        ops.launch(k, d, c.result + (s.offset - c.result_base) * c.esize, c.rbuf, nullptr, s.count, avg_div);
         break;
       case StepKind::kRecvCopySend:
         pending_ptr_ = d;  // received in place: forward it from there
-        pending_bytes_ = s.count * c_.esize;
+        pending_bytes_ = s.count * c.esize;
         break;
       default:  // kRecv: received in place, nothing more
         break;
@@ -116,7 +119,6 @@ class Steps {
   }
 
  private:
-  StepCall c_;
   const void* pending_ptr_ = nullptr;  // produced by the previous step, sent by the next group
   size_t pending_bytes_ = 0;
 };

@@ -262,10 +262,10 @@ class NcclComm final : public Comm {
     if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": reduce_scatter of a null pointer"));
     DeviceGuard g(device_);
     enter("reduce_scatter", count, stream, timeout_s, reinterpret_cast<char*>(input), dtype, op);
-    result_ = reinterpret_cast<char*>(output);
-    result_base_ = static_cast<size_t>(rank_) * count;
+    call_.result = reinterpret_cast<char*>(output);
+    call_.result_base = static_cast<size_t>(rank_) * count;
     if (world_ == 1) {  // the output is the input (AVG over one rank: the identity)
-      copy_block(result_, data_, count * esize_);
+      copy_block(call_.result, call_.data, count * call_.esize);
       finish_ring();
       return;
     }
@@ -281,8 +281,8 @@ class NcclComm final : public Comm {
     DeviceGuard g(device_);
     enter("all_gather", count, stream, timeout_s, reinterpret_cast<char*>(output), dtype, RedOp::kSum);
     // My block of the output first (unless the input is that block): the all-gather starts from it.
-    copy_block(data_ + static_cast<size_t>(rank_) * count * esize_, reinterpret_cast<const char*>(input),
-               count * esize_);
+    copy_block(call_.data + static_cast<size_t>(rank_) * count * call_.esize, reinterpret_cast<const char*>(input),
+               count * call_.esize);
     if (world_ == 1) {
       finish_ring();
       return;
@@ -474,33 +474,24 @@ class NcclComm final : public Comm {
     caller_ = reinterpret_cast<cudaStream_t>(stream);
     RINGDP_CUDA_CHECK(cudaEventRecord(ev_in_, caller_), "cudaEventRecord on the caller's stream");
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(stream_, ev_in_, 0), "cudaStreamWaitEvent (ringdp stream)");
-    data_ = data;
-    result_ = nullptr;
-    result_base_ = 0;
     dtype_ = dtype;
-    op_ = op;
-    esize_ = dtype_size(dtype);
-    acc_ = acc_size(dtype);
-    steps_.begin(StepCall());  // nothing pending (a world-1 call finishes without the ring)
+    call_ = StepCall();
+    call_.data = data;
+    call_.esize = dtype_size(dtype);
+    call_.acc = acc_size(dtype);
+    call_.op = op;
+    call_.world = world_;
+    call_.sbuf = sbuf_;
+    call_.rbuf = rbuf_;
+    steps_.reset();  // (a world-1 call finishes without the ring)
   }
 
-  // The ring (csrc/ring/ring.cpp) over data_, its steps from nccl_steps.h; ends with
+  // The ring (csrc/ring/ring.cpp) over call_.data, its steps from nccl_steps.h; ends with
   // finish_ring(). Partial sums travel in Acc (all_reduce, reduce_scatter: rbuf_ holds one
   // slice of them), final values in T.
   void run_ring(ringdp::Kind kind, size_t count, int root) {
-    StepCall c;
-    c.data = data_;
-    c.result = result_;
-    c.result_base = result_base_;
-    c.esize = esize_;
-    c.acc = acc_;
-    c.op = op_;
-    c.world = world_;
-    c.sbuf = sbuf_;
-    c.rbuf = rbuf_;
-    steps_.begin(c);
     try {
-      ring_run(ring_, kind, step_plan(kind, count, world_, rank_, slot_bytes_, esize_, acc_), root);
+      ring_run(ring_, kind, step_plan(kind, count, world_, rank_, slot_bytes_, call_.esize, call_.acc), root);
     } catch (...) {
       set_fatal(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
       abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
@@ -585,10 +576,7 @@ class NcclComm final : public Comm {
       std::fprintf(stderr, "%s\n", fatal().c_str());
       abort_comm();
     };
-    h.retire = [this](void* ev) {
-      std::lock_guard<std::mutex> lk(ev_mu_);
-      free_events_.push_back(static_cast<cudaEvent_t>(ev));
-    };
+    h.retire = [this](void* ev) { give_back(static_cast<cudaEvent_t>(ev)); };
     return h;
   }
 
@@ -605,6 +593,10 @@ class NcclComm final : public Comm {
     all_events_.push_back(ev);
     return ev;
   }
+  void give_back(cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    free_events_.push_back(ev);
+  }
 
   // A device-to-device copy on ringdp's stream (nothing when dst == src).
   void copy_block(char* dst, const char* src, size_t bytes) {
@@ -618,7 +610,7 @@ class NcclComm final : public Comm {
     std::memset(&a, 0, sizeof(a));
     a.kind = k;
     a.dtype = dtype_;
-    a.op = op_;
+    a.op = call_.op;
     a.in = in;
     a.out = out;
     a.src = src;
@@ -680,20 +672,15 @@ class NcclComm final : public Comm {
 
   // The collective in flight.
   cudaStream_t caller_ = nullptr;
-  char* data_ = nullptr;      // the buffer the schedule's slices index (reduce_scatter: the input)
-  char* result_ = nullptr;    // reduce_scatter: the output, element result_base_ of the buffer
-  size_t result_base_ = 0;
+  StepCall call_;            // its buffers, sizes and op (nccl_steps.h)
   DType dtype_ = DType::kFloat32;
-  RedOp op_ = RedOp::kSum;
-  size_t esize_ = 4;
-  size_t acc_ = 4;
   Steps<NcclComm> steps_;  // what each primitive enqueues (nccl_steps.h)
 
   mutable std::mutex mu_;
   std::map<uintptr_t, size_t> allocs_;
 };
 
-void NcclComm::step(StepKind k, const Slice& s) { steps_.step(*this, k, s); }
+void NcclComm::step(StepKind k, const Slice& s) { steps_.step(*this, call_, k, s); }
 
 void NcclComm::finish_ring() {
   steps_.finish(*this);
@@ -701,8 +688,7 @@ void NcclComm::finish_ring() {
   cudaError_t e = cudaEventRecord(end, stream_);
   if (e == cudaSuccess) e = cudaStreamWaitEvent(caller_, end, 0);
   if (e != cudaSuccess) {
-    std::lock_guard<std::mutex> lk(ev_mu_);
-    free_events_.push_back(end);
+    give_back(end);
     throw_cuda(kName, rank_, "cudaEventRecord / cudaStreamWaitEvent at the end of a collective", e);
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
@@ -710,8 +696,7 @@ void NcclComm::finish_ring() {
   if (world_ > 1 && capturing == cudaStreamCaptureStatusNone) {
     watchdog_.watch(end, timeout_s_, what_);  // from here on, bounded without a host wait
   } else {  // no peer to wait for, or it runs at the graph's replay: nothing to watch now
-    std::lock_guard<std::mutex> lk(ev_mu_);
-    free_events_.push_back(end);
+    give_back(end);
   }
 }
 

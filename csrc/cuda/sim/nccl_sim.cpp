@@ -223,7 +223,7 @@ class Rank {
   }
 
   // ---- what StepRing forwards ------------------------------------------------------------
-  void step(StepKind k, const Slice& s) { steps_.step(*this, k, s); }
+  void step(StepKind k, const Slice& s) { steps_.step(*this, call_, k, s); }
   void finish_ring() { steps_.finish(*this); }
 
   // One collective, as NcclComm runs it (enter, then run_ring).
@@ -231,19 +231,19 @@ class Rank {
     const Config& c = cfg_;
     const int n = c.world;
     fill();
-    StepCall sc;
-    sc.data = data_.bytes.data();
-    sc.esize = c.esize;
-    sc.acc = 4;
-    sc.op = c.op;
-    sc.world = n;
-    sc.sbuf = sbuf_.bytes.data();
-    sc.rbuf = rbuf_.bytes.data();
+    call_ = StepCall();  // enter()
+    call_.data = data_.bytes.data();
+    call_.esize = c.esize;
+    call_.acc = 4;
+    call_.op = c.op;
+    call_.world = n;
+    call_.sbuf = sbuf_.bytes.data();
+    call_.rbuf = rbuf_.bytes.data();
     if (c.coll == Kind::kReduceScatter) {
-      sc.result = result_.bytes.data();
-      sc.result_base = static_cast<size_t>(rank_) * c.count;
+      call_.result = result_.bytes.data();
+      call_.result_base = static_cast<size_t>(rank_) * c.count;
     }
-    steps_.begin(StepCall());  // enter(): nothing pending
+    steps_.reset();  // enter(): nothing pending
     if (c.coll == Kind::kAllGather) {  // my block first (NcclComm: copy_block)
       for (size_t j = 0; j < c.count; ++j)
         store(data_.bytes.data(), rank_ * c.count + j, value(rank_, rank_ * c.count + j, n));
@@ -254,7 +254,6 @@ class Rank {
       if (c.coll == Kind::kReduceScatter || c.coll == Kind::kAllGather) finish_ring();
       return;
     }
-    steps_.begin(sc);
     ring_run(ring_, c.coll, nccl::step_plan(c.coll, c.count, n, rank_, c.slot_bytes, c.esize, 4), c.root);
   }
 
@@ -322,6 +321,7 @@ class Rank {
   int rank_;
   std::vector<std::vector<Channel>>& ch_;
   StepRing<Rank> ring_;
+  StepCall call_;  // the collective in flight
   Steps<Rank> steps_;
   Buffer data_, result_, sbuf_, rbuf_;
   size_t groups_ = 0;
