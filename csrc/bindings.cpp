@@ -310,6 +310,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              py::call_guard<py::gil_scoped_release>())
         .def("reject", &Comm::reject, py::call_guard<py::gil_scoped_release>())
         .def("check", &Comm::check, py::call_guard<py::gil_scoped_release>())
+        .def("calls", &Comm::calls)
+        .def("failure_of", &Comm::failure_of)
         .def("synchronize", &Comm::synchronize, py::call_guard<py::gil_scoped_release>())
         .def("abort", &Comm::abort, py::call_guard<py::gil_scoped_release>())
         .def("quiesce", &Comm::quiesce, py::call_guard<py::gil_scoped_release>())

@@ -197,17 +197,17 @@ class RingWork(dist.Work):
     def _settle(self, tf, cuda=None) -> None:
         """Complete the torch future `tf` with this Work's outcome: its failure, or the
         outputs, set on ringdp's stream or else on the call's. `cuda`: the CUDA parts'
-        (endpoint, done event); ringdp's stream first waits on each event, recorded after its
-        collective: a call made on ringdp's worker (a callback) ran on the stream current
-        there, and a hierarchical one on the hierarchy's stream, neither of which ringdp's
-        stream had waited for (comm._run_cuda)."""
+        records (cuda_comm.Enqueued); ringdp's stream first waits on each one's `done`
+        event, recorded after its collective: a call made on ringdp's worker (a callback) ran
+        on the stream current there, and a hierarchical one on the hierarchy's stream,
+        neither of which ringdp's stream had waited for (comm._run_cuda)."""
         if self._exc is not None:
             fail_future(tf, self._exc)
             return
         if cuda:
-            stream = cuda[-1][0].stream
-            for _endpoint, done in cuda:
-                stream.wait_event(done)
+            stream = cuda[-1].endpoint.stream
+            for c in cuda:
+                stream.wait_event(c.done)
             on = torch.cuda.stream(stream)
         else:
             on = self._on_call_stream()
@@ -248,20 +248,29 @@ class RingWork(dist.Work):
 
     def is_completed(self):
         """Done, and on CUDA finished on the GPU too (as torch's NCCL Work and comm.Work
-        answer: the end event queried), not just enqueued."""
+        answer: the end event queried), not just enqueued; or failed."""
         if not self._done.is_set():
             return False
-        if self._exc is not None:
+        if self._exc is not None or self._struck() is not None:
             return True
         if self._finished is not None:  # (after the copy-out, or a call done inline, on the call's stream)
             return self._finished.query()
         return all(w.is_completed() for w in self._parts if w._cuda is not None)
 
     def is_success(self):
-        return self._exc is None and self.is_completed()
+        return self.is_completed() and self.exception() is None
 
     def exception(self):
-        return self._exc
+        """The failure of a part, or one that struck a CUDA part on the device after it was
+        enqueued (comm.Work.exception); None while none failed."""
+        return self._exc if self._exc is not None else self._struck()
+
+    def _struck(self):
+        """The first failure that struck a CUDA part after its call returned, or None."""
+        if not self._done.is_set():
+            return None
+        return next((e for e in (w._cuda.failure() for w in self._parts if w._cuda is not None) if e is not None),
+                    None)
 
     def get_future(self):
         if self._tf is None:  # complete when made (_complete): made now, complete, once

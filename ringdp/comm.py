@@ -108,12 +108,11 @@ def _current_tag(tag) -> str:
     return _tags.tag if tag is None else _check_tag(tag)
 
 
-def _join_stream(cuda) -> None:
+def _join_stream(cuda: "cuda_comm.Enqueued") -> None:
     """A CUDA collective, enqueued: raise what the device reported so far, and make the
     current stream wait for the collective's end (its event on ringdp's stream)."""
-    endpoint, done = cuda
-    endpoint.check()
-    torch.cuda.current_stream(endpoint.device).wait_event(done)
+    cuda.endpoint.check()
+    torch.cuda.current_stream(cuda.endpoint.device).wait_event(cuda.done)
 
 
 class Work:
@@ -121,12 +120,16 @@ class Work:
 
     CPU: wait() blocks until the collective finished. CUDA: wait() blocks until it is
     enqueued, raises any failure the device reported so far, and makes the current stream
-    wait for the collective's end (no host synchronisation); is_completed() asks the GPU."""
+    wait for the collective's end (no host synchronisation); is_completed() asks the GPU;
+    is_success() and exception() also ask the transport whether a failure struck this
+    collective (its end event completes all the same: an NCCL communicator the watchdog
+    aborted, an IPC kernel that gave up on a dead peer), as torch's NCCL Work reports its
+    watchdog's timeout."""
 
     def __init__(self, future: Future, outputs: list, cuda=None, waiting=None):
         self._future = future
         self._outputs = outputs  # the tensors the collective writes
-        self._cuda = cuda  # CUDA: (endpoint, event recorded on ringdp's stream after the collective)
+        self._cuda = cuda  # CUDA: its cuda_comm.Enqueued (endpoint, end event, the transports' call numbers)
         self._waiting = waiting  # queued on the worker: Communicator._caller_waits(future) (None: ran inline)
         self._torch_future: torch.futures.Future | None = None
         self._lock = threading.Lock()
@@ -155,13 +158,22 @@ class Work:
     def is_completed(self) -> bool:
         if not self._future.done():
             return False
-        return self._cuda is None or self._future.exception() is not None or self._cuda[1].query()
+        if self._cuda is None or self._future.exception() is not None:
+            return True
+        return self._cuda.done.query() or self._cuda.failure() is not None
 
     def is_success(self) -> bool:
-        return self.is_completed() and self._future.exception() is None
+        return self.is_completed() and self.exception() is None
 
     def exception(self):
-        return self._future.exception() if self._future.done() else None
+        """The collective's failure: its call's error, or on CUDA a failure that struck it
+        on the device (cuda_comm.Enqueued.failure); None while it has not failed."""
+        if not self._future.done():
+            return None
+        exc = self._future.exception()
+        if exc is None and self._cuda is not None:
+            exc = self._cuda.failure()
+        return exc
 
     def get_future(self) -> torch.futures.Future:
         """A torch.futures.Future that completes (on ringdp's worker thread) with the list of
@@ -172,7 +184,7 @@ class Work:
             if self._torch_future is None:
                 outputs, cuda = self._outputs, self._cuda
                 tf = HelpingFuture(functools.partial(_wait_context, self._waiting, self._future),
-                                   devices=[cuda[0].device] if cuda else None)
+                                   devices=[cuda.endpoint.device] if cuda else None)
                 self._torch_future = tf
                 # the callback holds the outputs, not this Work: no reference cycle keeps the
                 # tensors (a whole step's gradients) alive after the future is dropped
@@ -259,7 +271,7 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
     _completed(tf)
     if exc is None and cuda is not None:
         try:
-            cuda[0].check()
+            cuda.endpoint.check()
         except BaseException as e:  # noqa: BLE001 -- handed to the waiter
             exc = e
     if exc is not None:
@@ -268,8 +280,8 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
         # the future's event: on ringdp's stream, after it waited for the collective's end (its
         # `done` event: recorded on ringdp's stream, or, for a call made on the worker, on the
         # stream current there, which a hierarchical call's own stream joined, not ringdp's)
-        stream, done = cuda[0].stream, cuda[1]
-        stream.wait_event(done)
+        stream = cuda.endpoint.stream
+        stream.wait_event(cuda.done)
         with torch.cuda.stream(stream):
             tf.set_result(list(outputs))
     else:
@@ -996,15 +1008,16 @@ class Communicator:
             # tensors before waiting; the allocator keeps them until the ring is done
             for x in tensors:
                 x.record_stream(caller)
-            done = torch.cuda.Event()
-            done.record(caller)
+            cuda = cuda_comm.Enqueued(ep, torch.cuda.Event())
+            cuda.enqueued()
+            cuda.done.record(caller)
             fut = Future()
             _settle(fut, None)
-            return Work(fut, list(outputs), (ep, done))
+            return Work(fut, list(outputs), cuda)
         try:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))  # on the calling thread
-            done = torch.cuda.Event()
+            cuda = cuda_comm.Enqueued(ep, torch.cuda.Event())
             for x in tensors:
                 x.record_stream(ep.stream)
         except BaseException:
@@ -1015,9 +1028,10 @@ class Communicator:
         def run():
             ep.stream.wait_event(ready)
             enqueue(ep, ep.stream.cuda_stream)
-            done.record(ep.stream)
+            cuda.enqueued()
+            cuda.done.record(ep.stream)
 
-        return self._enqueue(run, async_op, outputs, cuda=(ep, done), refuse=refuse)
+        return self._enqueue(run, async_op, outputs, cuda=cuda, refuse=refuse)
 
     def _decide(self, nbytes: int, forced: str, transport: str, capacity: int) -> str:
         key = (transport, capacity)

@@ -12,7 +12,7 @@ import socket
 import torch
 
 from . import _types, policy
-from ._native import _C
+from ._native import RingError, _C
 from .rendezvous import Rendezvous
 
 
@@ -148,6 +148,22 @@ class CudaEndpoint:
         for ep, _ in self._parts:
             ep.native.check()
 
+    def marks(self) -> tuple:
+        """Where each of this endpoint's transports stands: its calls() (right after a
+        collective was enqueued on this thread: that collective's numbers)."""
+        return (self.native.calls(), *(ep.native.calls() for ep, _ in self._parts))
+
+    def failure(self, marks: tuple) -> RingError | None:
+        """The failure that struck the collective enqueued at `marks` (marks()), on any of
+        this endpoint's transports, or None (cuda_api.h failure_of). Torn down meanwhile
+        (close()): the parts are gone; this endpoint's transport still answers for itself."""
+        natives = [self.native, *(ep.native for ep, _ in self._parts)]
+        for native, call in zip(natives, marks):
+            why = native.failure_of(call)
+            if why:
+                return RingError(why)
+        return None
+
     def synchronize(self) -> None:
         """Wait for everything queued on this endpoint's transports (NCCL first: _ordered)
         and, on a hierarchy, on its stream (a call's last steps: copies, AVG's division);
@@ -182,6 +198,27 @@ class CudaEndpoint:
                 first = first or e
         if first is not None:
             raise first
+
+
+class Enqueued:
+    """A CUDA collective's record for its Work (ringdp/comm.py): the endpoint, the event
+    recorded after the collective (`done`), and, once enqueued, where the endpoint's
+    transports stood (`marks`, set by `enqueued()` on the thread that enqueued it). Its end
+    event completes even when a failure struck it (an aborted NCCL kernel returns, an IPC
+    kernel gives up), so failure() asks the transports whether its result is valid."""
+
+    __slots__ = ("endpoint", "done", "marks")
+
+    def __init__(self, endpoint: CudaEndpoint, done):
+        self.endpoint, self.done, self.marks = endpoint, done, None
+
+    def enqueued(self) -> None:
+        self.marks = self.endpoint.marks()
+
+    def failure(self) -> RingError | None:
+        """The RingError of a failure that struck this collective, or None (also while it is
+        not enqueued yet: a failure before that is its future's)."""
+        return None if self.marks is None else self.endpoint.failure(self.marks)
 
 
 class _InHost:

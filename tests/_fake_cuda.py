@@ -85,3 +85,43 @@ def torch_future(log: list, current: list):
             self.value = e
 
     return TorchFuture
+
+
+class Endpoint:
+    """A fake cuda_comm.CudaEndpoint of one transport for the Work tests: `stream`, `device`,
+    check(), and the transports' numbering (cuda_api.h calls, failure_of): `call()` counts a
+    collective enqueued; `strike(why, first)` makes collective `first` and every later one
+    failed, as the watchdog's abort or an IPC failure record does."""
+
+    def __init__(self, stream, device="cuda:0"):
+        self.stream, self.device = stream, device
+        self.calls, self.first_struck, self.why = 0, None, ""
+
+    def check(self):
+        pass
+
+    def call(self):
+        self.calls += 1
+
+    def strike(self, why, first):
+        self.why, self.first_struck = why, first
+
+    def marks(self):
+        return (self.calls,)
+
+    def failure(self, marks):
+        from ringdp import RingError
+
+        (call,) = marks
+        return RingError(self.why) if self.first_struck is not None and call >= self.first_struck else None
+
+
+def enqueued(ep, done):
+    """A cuda_comm.Enqueued of `ep` (an Endpoint) and its `done` event, after a collective was
+    counted on `ep`: what comm._run_cuda hands a CUDA Work."""
+    from ringdp import cuda_comm
+
+    ep.call()
+    rec = cuda_comm.Enqueued(ep, done)
+    rec.enqueued()
+    return rec

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from _dist import CASE_TIMEOUT_S, cyclic_garbage, run_ranks, values
+import _fake_cuda
 from _fake_cuda import fake_cuda, on_stream, torch_future
 from _torch_features import GLOO_ALLTOALL_LIST, STORAGE_SWAP
 
@@ -1851,7 +1852,7 @@ def test_ringwork_copy_out_on_the_calls_stream(monkeypatch):
 
     class Part:  # a ringdp Work of a queued CUDA collective
         def __init__(self):
-            self._future, self._cuda = Future(), (type("Ep", (), {"stream": Stream("ringdp")})(), None)
+            self._future, self._cuda = Future(), _fake_cuda.enqueued(_fake_cuda.Endpoint(Stream("ringdp")), None)
 
         def wait(self):
             log.append(("part wait", current[0]))
@@ -1942,8 +1943,9 @@ def _cuda_call_paths(rank, world):
     the calling thread with the current stream, and makes no event and no record_stream; an
     async one records `ready` on the current stream and every tensor on ringdp's stream (on
     the calling thread), then on the worker ringdp's stream waits on `ready`, the collective
-    is enqueued on ringdp's stream and `done` recorded there; Work.wait() makes the waiter's
-    stream wait on `done`."""
+    is enqueued on ringdp's stream, the transports' call numbers are read (on the thread that
+    enqueued it, right after: the Work's marks) and `done` recorded there; Work.wait() makes
+    the waiter's stream wait on `done`."""
     import threading
 
     import ringdp
@@ -1959,7 +1961,8 @@ def _cuda_call_paths(rank, world):
     ringdp_stream = Stream("ringdp")
     native = type("Native", (), {"check": lambda self: None})()
     ep = type("Ep", (), {"stream": ringdp_stream, "kind": "ipc", "device": "cuda:0", "native": native, "hier": None,
-                         "check": lambda self: None})()
+                         "check": lambda self: None,
+                         "marks": lambda self: log.append(("marks", threading.current_thread().name))})()
     torch.cuda.Event = Event  # (this rank process only)
     torch.cuda.current_stream = lambda device=None: Stream("current")
     comm._cuda = ep
@@ -1997,9 +2000,9 @@ def test_cuda_call_paths_inline_and_queued():
         assert worker != main
         assert queued == [("record", "event1", "current", main), ("record_stream", "ringdp"),
                           ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
-                          ("enqueue", "ringdp-handle", worker), ("record", "event2", "ringdp", worker),
+                          ("enqueue", "ringdp-handle", worker), ("marks", worker), ("record", "event2", "ringdp", worker),
                           ("wait", "current", "event2", main)], queued
-        assert on_worker == [("enqueue", "current-handle", worker), ("record_stream", "current"),
+        assert on_worker == [("enqueue", "current-handle", worker), ("record_stream", "current"), ("marks", worker),
                              ("record", "event3", "current", worker), ("wait", "current", "event3", main)], on_worker
 
 
@@ -2129,19 +2132,19 @@ def test_cuda_future_is_set_after_the_collective(monkeypatch):
     log, current = [], ["pool"]
     Stream, Event, _gpu = _cuda_fakes(monkeypatch, log, current)
     me = threading.current_thread().name
-    ep = type("Ep", (), {"stream": Stream("ringdp"), "device": "cuda:0", "check": lambda self: None})()
+    ep = _fake_cuda.Endpoint(Stream("ringdp"))
     done = Event()  # recorded on "pool" after the collective (comm._run_cuda, inline on the worker)
     fut = Future()
-    work = Work(fut, ["out"], (ep, done))
+    work = Work(fut, ["out"], _fake_cuda.enqueued(ep, done))
     work.get_future()
     fut.set_result(None)
     assert log == [("wait", "ringdp", done.name, me), ("future", "ringdp")], log
     log.clear()
-    parts = [Work(Future(), ["out"], (ep, Event())) for _ in range(2)]
+    parts = [Work(Future(), ["out"], _fake_cuda.enqueued(ep, Event())) for _ in range(2)]
     ring = backend.RingWork(parts, ["out"], cuda_devices=["cuda:0"])
     for p in parts:
         p._future.set_result(None)
-    assert log == [("wait", "ringdp", parts[0]._cuda[1].name, me), ("wait", "ringdp", parts[1]._cuda[1].name, me),
+    assert log == [("wait", "ringdp", parts[0]._cuda.done.name, me), ("wait", "ringdp", parts[1]._cuda.done.name, me),
                    ("future", "ringdp")], log
     assert ring.get_future().value == ["out"]
 
@@ -2156,12 +2159,60 @@ def test_ringwork_cuda_completed_once_the_gpu_ran_it(monkeypatch):
 
     log, current = [], ["caller"]
     Stream, Event, gpu = _cuda_fakes(monkeypatch, log, current, finished=False)
-    ep = type("Ep", (), {"stream": Stream("ringdp"), "device": "cuda:0", "check": lambda self: None})()
+    ep = _fake_cuda.Endpoint(Stream("ringdp"))
     for finalize in (None, lambda: None):  # (the copy-out: its own event, on the call's stream)
         gpu[0] = False
-        part = Work(Future(), ["out"], (ep, Event()))
+        part = Work(Future(), ["out"], _fake_cuda.enqueued(ep, Event()))
         ring = backend.RingWork([part], ["out"], finalize=finalize, cuda_devices=["cuda:0"])
         part._future.set_result(None)  # enqueued on ringdp's stream; the GPU has not run it
         assert (part.is_completed(), ring.is_completed(), ring.is_success()) == (False, False, False), finalize
         gpu[0] = True
         assert (part.is_completed(), ring.is_completed(), ring.is_success()) == (True, True, True), finalize
+
+
+def test_cuda_work_reports_the_failure_that_struck_it(monkeypatch):
+    """A CUDA collective's end event completes even when a failure struck it (the NCCL
+    watchdog aborted the communicator and the kernel returned; an IPC kernel gave up on a
+    dead peer): comm.Work's and RingWork's is_success() and exception() ask the transport
+    (cuda_api.h failure_of, by the collective's number) and report the failure; a
+    collective that finished before it stays a success; the failure completes a Work whose
+    event has not (yet) completed."""
+    from concurrent.futures import Future
+
+    from ringdp import RingError, backend
+    from ringdp.comm import Work
+
+    log, current = [], ["caller"]
+    Stream, Event, gpu = _cuda_fakes(monkeypatch, log, current, finished=True)
+    ep = _fake_cuda.Endpoint(Stream("ringdp"))
+
+    def work(finalize=None):
+        part = Work(Future(), ["out"], _fake_cuda.enqueued(ep, Event()))
+        ring = backend.RingWork([part], ["out"], finalize=finalize, cuda_devices=["cuda:0"])
+        part._future.set_result(None)
+        return part, ring
+
+    def state(w):
+        e = w.exception()
+        return w.is_completed(), w.is_success(), str(e) if e is not None else None
+
+    before = work()  # collective 1: finished before the failure
+    struck = work()  # collective 2: in flight when the watchdog aborted
+    struck_copy_out = work(finalize=lambda: None)  # collective 3 (RingWork with a copy-out)
+    for w in (*before, *struck, *struck_copy_out):
+        assert state(w) == (True, True, None)
+    ep.strike("ringdp nccl rank 0: all_reduce of 16 B (call 2) not finished ...; the watchdog aborted", 2)
+    for w in before:
+        assert state(w) == (True, True, None)
+    for w in (*struck, *struck_copy_out):
+        done, ok, why = state(w)
+        assert done and not ok and "the watchdog aborted" in why, (w, done, ok, why)
+        assert isinstance(w.exception(), RingError)
+    gpu[0] = False  # (its event not complete yet: the failure is its outcome all the same)
+    assert state(struck[0])[:2] == (True, False) and state(struck[1])[:2] == (True, False)
+    assert state(before[0]) == (False, False, None)
+    # a queued call not yet enqueued (no marks): its failure, if any, is its future's
+    pending = Work(Future(), ["out"], __import__("ringdp").cuda_comm.Enqueued(ep, Event()))
+    assert pending.exception() is None and not pending.is_completed()
+    pending._future.set_exception(RingError("rank 0: refused"))
+    assert str(pending.exception()) == "rank 0: refused" and not pending.is_success()

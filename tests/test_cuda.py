@@ -953,12 +953,14 @@ def test_ipc_large(world):
     _assert_matrix(run_ranks(_large, world, (1 << 26) + 5, env=env, timeout=900))
 
 
-def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ringdp"):
+def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ringdp", works=False):
     """The survivor's RingError and how long it took; with `destroy`, how long
     ringdp.destroy() took after it (it must not wait on the dead peer). `sync`: how the
     survivor waits after each call: "ringdp" (ringdp.synchronize(), a bounded wait of
     ringdp's own) or "torch" (the host reads the result through the current stream, as
-    `loss.item()` does: only the NCCL transport's watchdog bounds that wait)."""
+    `loss.item()` does: only the NCCL transport's watchdog bounds that wait). `works`: the
+    calls are async (Work.wait() before the survivor's read), and the value ends with
+    _work_states() of the good call's Work and of the survivor's last two."""
     import signal
     import threading
     import time
@@ -968,7 +970,7 @@ def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ring
     _nccl_env(rank)
     _setup(rank)
     t = torch.ones(1 << 22, device="cuda")
-    ringdp.all_reduce(t)  # one good call first
+    good = ringdp.all_reduce(t, async_op=works)  # one good call first
     ringdp.synchronize()
     if rank in (victims or (world - 1,)):
         if when == "before":
@@ -977,9 +979,16 @@ def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ring
         while True:
             ringdp.all_reduce(t)
     t0 = time.monotonic()
+    recent = []  # (works) the survivor's last two Works
     try:
         while time.monotonic() - t0 < 120:
-            ringdp.all_reduce(t)
+            if works:
+                w = ringdp.all_reduce(t, async_op=True)
+                recent = [*recent, w][-2:]
+                if sync == "torch":
+                    w.wait()
+            else:
+                ringdp.all_reduce(t)
             if sync == "ringdp":
                 ringdp.synchronize()
             else:
@@ -987,6 +996,8 @@ def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ring
         return None
     except ringdp.RingError as e:
         failed = str(e), time.monotonic() - t0
+    if works:
+        failed = (*failed, _work_states([good, *recent]))
     if not destroy:
         return failed
     t1 = time.monotonic()
@@ -997,6 +1008,28 @@ def _cuda_peer_killed(rank, world, when, victims=None, destroy=False, sync="ring
     return (*failed, time.monotonic() - t1)
 
 
+def _work_states(works) -> list:
+    """(is_completed(), is_success(), the exception's type name or None, whether the call
+    itself ran: enqueued without an error) of each Work."""
+    out = []
+    for w in works:
+        e = w.exception()
+        out.append((w.is_completed(), w.is_success(), type(e).__name__ if e is not None else None,
+                    w._future.exception() is None))
+    return out
+
+
+def _assert_struck(states) -> None:
+    """A dead peer's failure struck a collective the survivor had enqueued without error,
+    and its Work (its end event complete all the same: an IPC kernel that gave up, an NCCL
+    kernel the watchdog's abort returned) says so; the good call's Work, finished before
+    the peer died, stays a success; its last Work failed (struck, or refused at its start)."""
+    good, *recent = states
+    assert good == (True, True, None, True), states
+    assert (True, False, "RingError", True) in recent, states
+    assert recent[-1][1:3] == (False, "RingError"), states
+
+
 @needs_cuda
 @pytest.mark.parametrize("when", ["before", "during"])
 def test_ipc_peer_killed(when):
@@ -1004,13 +1037,15 @@ def test_ipc_peer_killed(when):
     its rank within the timeout (RINGDP_TIMEOUT_S=10)."""
     world = 2
     env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "10"}
-    res = run_ranks(_cuda_peer_killed, world, when, env=env, allow_missing=(world - 1,), timeout=240)
+    res = run_ranks(_cuda_peer_killed, world, when, None, False, "ringdp", True, env=env, allow_missing=(world - 1,),
+                    timeout=240)
     status, value = res[0]
     assert status == "ok", value
     assert value is not None, "the survivor never noticed its peer died"
-    msg, took = value
+    msg, took, states = value
     assert "rank 0" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
+    _assert_struck(states)
 
 
 @needs_cuda
@@ -1026,11 +1061,12 @@ def test_nccl_peer_killed(sync):
     read goes on, and the next call raises the watchdog's reason."""
     _skip_without_nccl()
     env = {"RINGDP_TRANSPORT": "nccl", "RINGDP_TIMEOUT_S": "10", "RINGDP_TEST_NCCL_HOSTID": "1"}
-    res = run_ranks(_cuda_peer_killed, 2, "during", None, True, sync, env=env, allow_missing=(1,), timeout=240)
+    res = run_ranks(_cuda_peer_killed, 2, "during", None, True, sync, True, env=env, allow_missing=(1,), timeout=240)
     status, value = res[0]
     assert status == "ok", value
     assert value is not None, "the survivor never noticed its peer died"
-    msg, took, destroy_took = value
+    msg, took, states, destroy_took = value
+    _assert_struck(states)
     assert "rank 0" in msg, msg
     assert took < 10 + 30, f"the survivor took {took:.1f} s to fail (timeout 10 s): {msg}"
     assert destroy_took < 10, f"ringdp.destroy() took {destroy_took:.1f} s after the failure"

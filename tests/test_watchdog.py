@@ -1,4 +1,4 @@
-"""The two guards that bound the NCCL transport's waits on a peer, in C++ on threads with
+"""The NCCL transport's guards against a peer that dies, in C++ on threads with
 fake work (the transport itself needs a GPU: tests/test_cuda.py):
 
 - tests/cpp/watchdog.cpp: the watchdog of work finishing on a stream
@@ -8,7 +8,10 @@ fake work (the transport itself needs a GPU: tests/test_cuda.py):
   items;
 - tests/cpp/bounded.cpp: a blocking call bounded by a timeout (csrc/common/bounded.h;
   what runs ncclCommInitRank): on time, its exception, past the timeout (and what it made
-  released when it returns after all), no limit.
+  released when it returns after all), no limit;
+- tests/cpp/failure.cpp: which collectives a failure struck (csrc/common/failure.h; what a
+  CUDA Work's is_success()/exception() ask the transport): those not seen finished, or the
+  one a device record names and every later one; the first reason stays; on threads.
 
 Each once as built and once under ThreadSanitizer."""
 from __future__ import annotations
@@ -19,7 +22,7 @@ import pytest
 
 import _cpp
 
-DRIVERS = ["watchdog", "bounded"]
+DRIVERS = ["watchdog", "bounded", "failure"]
 
 
 def _run(exe, name: str) -> str:

@@ -98,6 +98,19 @@ class Comm : public Endpoint {
   virtual size_t oneshot_bytes() const = 0;
   // Raise the first failure the device reported, if any. Cheap: reads host memory.
   virtual void check() = 0;
+  // Collectives started so far on this communicator: read right after a collective was
+  // enqueued (on the thread that enqueued it), its number (every rank counts the same).
+  virtual uint64_t calls() const = 0;
+  // Why collective number `call` failed, or "" when no failure struck it as far as this
+  // rank knows now. A failure strikes the collective it happened in and every later one;
+  // a struck collective's end event may complete all the same (an aborted NCCL kernel
+  // returns), so its Work asks here before it reports success (ringdp/comm.py).
+  //   IPC:  the device's failure record names the collective (a timeout, a peer that gave
+  //         up, a mismatch, an abort met by a kernel in flight).
+  //   NCCL: every collective not seen finished when the watchdog, an NCCL error, a failed
+  //         call or an abort ended the communicator (csrc/common/failure.h).
+  // Cheap; never throws.
+  virtual std::string failure_of(uint64_t call) const = 0;
   // Wait for all work queued so far on ringdp's stream, then check().
   virtual void synchronize() = 0;
   // This rank rejected its input for the next collective (ringdp/comm.py's checks): make the

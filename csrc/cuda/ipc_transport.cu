@@ -29,6 +29,7 @@
 #include <mutex>
 
 #include "../common/error.h"
+#include "../common/failure.h"
 #include "../ring/ring.h"
 #include "../transport/transport.h"
 #include "cuda_util.h"
@@ -327,6 +328,18 @@ class IpcComm final : public Comm {
     if (!fatal_.empty()) throw RingError(fatal_);
   }
 
+  // The device's failure record names the collective it struck (FailCtx::call): that one
+  // failed and every later one too (their kernels return at once behind it). An abort or a
+  // rejection strikes only the collectives whose kernels meet it, which report it there.
+  uint64_t calls() const override { return call_; }
+  std::string failure_of(uint64_t call) const override {
+    if (host_ && host_->rec.code != kErrNone) {
+      std::atomic_thread_fence(std::memory_order_acquire);
+      return call != 0 && call >= host_->rec.call ? failure_message(host_->rec) : std::string();
+    }
+    return struck_.failure_of(call);  // (destroyed: what the record said then)
+  }
+
   void synchronize() override {
     if (stream_) {
       DeviceGuard g(device_);
@@ -617,6 +630,10 @@ class IpcComm final : public Comm {
     ev_in_ = ev_out_ = nullptr;
     StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
+    if (host_ && host_->rec.code != kErrNone) {  // (failure_of after destroy())
+      std::atomic_thread_fence(std::memory_order_acquire);
+      struck_.fail_from(failure_message(host_->rec), host_->rec.call);
+    }
     if (host_) (void)cudaFreeHost(host_);
     host_ = nullptr;
     host_dev_ = nullptr;
@@ -686,6 +703,7 @@ class IpcComm final : public Comm {
     f.my_abort = &ctrl(rank_)->abort.v;
     f.host_abort = &host_dev_->host_abort;
     f.timeout_ns = timeout_ns_;
+    f.call = call_;
     f.rank = rank_;
     return f;
   }
@@ -784,6 +802,7 @@ class IpcComm final : public Comm {
   std::string abort_reason_;
 
   uint64_t call_ = 0;         // collectives started (every rank counts the same)
+  FailureLedger struck_;      // after destroy(): the collectives the device record said failed
   uint64_t oneshot_seq_ = 0;  // one-shot collectives started
   uint64_t timeout_ns_ = 0;
   Call cur_;

@@ -29,7 +29,10 @@
 // reports while work is in flight, aborts the communicator from the watchdog's thread (the
 // NCCL kernels return, so the streams waiting for them go on), prints the reason once, and
 // the next call on this rank raises it. Threads: `nccl_mu_` guards the communicator and
-// every NCCL call on it, `fatal_mu_` the reason this communicator is unusable. An NCCL call
+// every NCCL call on it; `failure_` (csrc/common/failure.h, its own lock) holds the reason
+// this communicator is unusable and which collectives that struck: those not seen finished
+// (the watchdog's polls and the bounded stream waits report what finished), so that the
+// Work of a collective aborted under it says it failed (failure_of). An NCCL call
 // may block with `nccl_mu_` held (ncclGroupEnd behind a stream stalled on a dead peer, once
 // CUDA's launch queue is full; a first call's connection to a stuck peer): an abort waits
 // for the lock at most kAbortGraceS, then aborts under it, as torch's NCCL watchdog does
@@ -53,6 +56,7 @@
 
 #include "../common/bounded.h"
 #include "../common/error.h"
+#include "../common/failure.h"
 #include "../common/watchdog.h"
 #include "../ring/ring.h"
 #include "../transport/transport.h"
@@ -311,7 +315,7 @@ class NcclComm final : public Comm {
       if (!lk.owns_lock()) return;
       why = async_error_locked();
       if (why.empty()) return;
-      set_fatal(why);
+      failure_.fail(why);
       abort_comm_locked();  // (NCCL: a communicator with an error is aborted; destroying it may hang)
     }
     throw RingError(fatal());
@@ -321,6 +325,9 @@ class NcclComm final : public Comm {
     wait_stream("synchronize");
     check();
   }
+
+  uint64_t calls() const override { return calls_; }
+  std::string failure_of(uint64_t call) const override { return failure_.failure_of(call); }
 
   void reject(const std::string& why) override {
     if (!fatal().empty()) return;  // already unusable (aborted, failed, destroyed)
@@ -333,7 +340,7 @@ class NcclComm final : public Comm {
   }
 
   void abort(const std::string& reason) override {
-    set_fatal(cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason));
+    failure_.fail(cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason));
     abort_comm();
   }
 
@@ -347,6 +354,9 @@ class NcclComm final : public Comm {
       drained = false;
     }
     if (!drained || !fatal().empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
+      if (!drained)  // (a timeout already said why: abort(); a CUDA error did not)
+        failure_.fail(cat("ringdp nccl rank ", rank_, ": the shutdown could not drain ringdp's stream; the "
+                          "collectives in flight were aborted"));
       abort_comm();
       return;
     }
@@ -424,10 +434,14 @@ class NcclComm final : public Comm {
   void wait_stream(const char* what) {
     if (!stream_) return;
     DeviceGuard g(device_);
+    const uint64_t upto = queued_;  // (wholly on the stream before the query: finished once it says so)
     const auto t0 = std::chrono::steady_clock::now();
     for (;;) {
       cudaError_t e = cudaStreamQuery(stream_);
-      if (e == cudaSuccess) return;
+      if (e == cudaSuccess) {
+        failure_.finished(upto);
+        return;
+      }
       if (e != cudaErrorNotReady) throw_cuda(kName, rank_, cat("cudaStreamQuery (", what, ")"), e);
       check();
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -493,7 +507,7 @@ class NcclComm final : public Comm {
     try {
       ring_run(ring_, kind, step_plan(kind, count, world_, rank_, slot_bytes_, call_.esize, call_.acc), root);
     } catch (...) {
-      set_fatal(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
+      failure_.fail(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
       abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
       throw;
     }
@@ -531,14 +545,7 @@ class NcclComm final : public Comm {
   }
 
   // Why this communicator is unusable ("" while it is usable); the first reason stays.
-  std::string fatal() const {
-    std::lock_guard<std::mutex> lk(fatal_mu_);
-    return fatal_;
-  }
-  void set_fatal(const std::string& why) {
-    std::lock_guard<std::mutex> lk(fatal_mu_);
-    if (fatal_.empty()) fatal_ = why;
-  }
+  std::string fatal() const { return failure_.reason(); }
 
   // ---- the watchdog's side (its thread; see the top of this file) ----------------------
   Watchdog::Hooks watchdog_hooks() {
@@ -555,14 +562,24 @@ class NcclComm final : public Comm {
       }
       DeviceGuard g(device_);
       const cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(ev));
-      if (e == cudaSuccess) return true;
+      if (e == cudaSuccess) {
+        failure_.finished(call_of(static_cast<cudaEvent_t>(ev)));  // (and every one before it)
+        return true;
+      }
       if (e == cudaErrorNotReady) return false;
       (void)cudaGetLastError();
-      // a capture's refusal: ask again; another error is the device's own (the next call on
-      // this rank meets it): nothing left to watch
-      return !(e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureInvalidated ||
-               e == cudaErrorStreamCaptureImplicit || e == cudaErrorCapturedEvent ||
-               e == cudaErrorStreamCaptureWrongThread);
+      // a capture's refusal: ask again
+      if (e == cudaErrorStreamCaptureUnsupported || e == cudaErrorStreamCaptureInvalidated ||
+          e == cudaErrorStreamCaptureImplicit || e == cudaErrorCapturedEvent ||
+          e == cudaErrorStreamCaptureWrongThread)
+        return false;
+      // the device's own error (the next CUDA call on this rank meets it too): this
+      // collective's result is not valid; nothing left to watch
+      const uint64_t call = call_of(static_cast<cudaEvent_t>(ev));
+      failure_.fail_from(cat("ringdp nccl rank ", rank_, ": CUDA reported ", cudaGetErrorName(e), " (",
+                             cudaGetErrorString(e), ") for collective ", call, " on this communicator"),
+                         call);
+      return true;
     };
     h.error = [this]() -> std::string {
       std::unique_lock<std::timed_mutex> lk(nccl_mu_, std::try_to_lock);  // busy enqueueing: next poll
@@ -571,7 +588,7 @@ class NcclComm final : public Comm {
     h.expire = [this](const std::string& reason) {
       const std::string why =
           reason.rfind("ringdp nccl rank ", 0) == 0 ? reason : cat("ringdp nccl rank ", rank_, ": ", reason);
-      set_fatal(cat(why, "; the watchdog aborted the NCCL communicator (results of this call and any after it are "
+      failure_.fail(cat(why, "; the watchdog aborted the NCCL communicator (results of this call and any after it are "
                          "not valid): call ringdp.destroy() and initialise again"));
       std::fprintf(stderr, "%s\n", fatal().c_str());
       abort_comm();
@@ -595,7 +612,14 @@ class NcclComm final : public Comm {
   }
   void give_back(cudaEvent_t ev) {
     std::lock_guard<std::mutex> lk(ev_mu_);
+    call_of_.erase(ev);
     free_events_.push_back(ev);
+  }
+  // The collective whose end a watched event marks (0: none known).
+  uint64_t call_of(cudaEvent_t ev) {
+    std::lock_guard<std::mutex> lk(ev_mu_);
+    auto it = call_of_.find(ev);
+    return it == call_of_.end() ? 0 : it->second;
   }
 
   // A device-to-device copy on ringdp's stream (nothing when dst == src).
@@ -637,7 +661,7 @@ class NcclComm final : public Comm {
     stream_ = nullptr;
     if (sbuf_) (void)cudaFree(sbuf_);
     sbuf_ = rbuf_ = nullptr;
-    set_fatal(cat("ringdp nccl rank ", rank_, ": this communicator was destroyed"));
+    failure_.fail(cat("ringdp nccl rank ", rank_, ": this communicator was destroyed"), /*strikes=*/false);
     (void)cudaGetLastError();
   }
 
@@ -662,11 +686,12 @@ class NcclComm final : public Comm {
   bool connected_ = false;
   bool quiesced_ = false;
   bool released_ = false;
-  mutable std::mutex fatal_mu_;
-  std::string fatal_;              // fatal(), set_fatal()
+  FailureLedger failure_;          // why it is unusable, and which collectives that struck
   std::mutex ev_mu_;               // the end events: all_events_ (owned), free_events_ (not watched)
   std::vector<cudaEvent_t> all_events_, free_events_;
-  size_t calls_ = 0;               // collectives enqueued (the watchdog names them by number)
+  std::atomic<uint64_t> calls_{0};  // collectives started (calls(); the watchdog names them by number)
+  std::atomic<uint64_t> queued_{0};  // the last collective wholly enqueued (finish_ring)
+  std::map<cudaEvent_t, uint64_t> call_of_;  // a watched end event's collective (under ev_mu_)
   std::string what_;               // the collective in flight, for the watchdog
   Watchdog watchdog_{watchdog_hooks()};  // after what its hooks use; its thread starts at the first watch
 
@@ -694,10 +719,15 @@ void NcclComm::finish_ring() {
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(caller_, &capturing) != cudaSuccess) (void)cudaGetLastError();
   if (world_ > 1 && capturing == cudaStreamCaptureStatusNone) {
+    {
+      std::lock_guard<std::mutex> lk(ev_mu_);
+      call_of_[end] = calls_;
+    }
     watchdog_.watch(end, timeout_s_, what_);  // from here on, bounded without a host wait
   } else {  // no peer to wait for, or it runs at the graph's replay: nothing to watch now
     give_back(end);
   }
+  queued_ = calls_.load();
 }
 
 }  // namespace

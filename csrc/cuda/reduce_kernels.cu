@@ -73,6 +73,7 @@ __device__ void report(const FailCtx& f, int32_t code, int32_t peer, int32_t ch,
     r->target = target;
     r->seen = seen;
     r->waited_ns = waited;
+    r->call = f.call;
     if (mine) r->mine = *mine;
     if (theirs) r->theirs = *theirs;
     __threadfence_system();

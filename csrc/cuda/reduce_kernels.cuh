@@ -100,6 +100,7 @@ struct ErrorRecord {
   uint64_t target;  // counter value we needed
   uint64_t seen;    // counter value we saw last
   uint64_t waited_ns;
+  uint64_t call;    // the collective it struck (FailCtx::call); it and every later one failed
   SlotMeta mine;    // our own call (for mismatches)
   SlotMeta theirs;  // the peer's descriptor (for mismatches)
   char reason[kReasonBytes];  // kErrPeerAborted: the peer's reason, if it left one
@@ -113,6 +114,7 @@ struct FailCtx {
   uint64_t* my_abort;               // our abort flag (device, read by peers)
   const volatile int32_t* host_abort;  // host-mapped; nonzero: stop now
   uint64_t timeout_ns;
+  uint64_t call;  // the collective this launch belongs to (the host's count: ErrorRecord::call)
   int32_t rank;
 };
 
