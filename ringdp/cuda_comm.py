@@ -149,55 +149,22 @@ class CudaEndpoint:
             ep.native.check()
 
     def marks(self) -> tuple:
-        """Where each of this endpoint's transports stands: its calls() (right after a
-        collective was enqueued on this thread: that collective's numbers)."""
-        return (self.native.calls(), *(ep.native.calls() for ep, _ in self._parts))
+        """Where each of this endpoint's transports stands: (native, its calls()) pairs, read
+        right after a collective was enqueued on this thread (that collective's numbers).
+        The natives answer for their collectives after close() too (cuda_api.h failure_of)."""
+        return tuple((native, native.calls()) for native in (self.native, *(ep.native for ep, _ in self._parts)))
 
-    def failure(self, marks: tuple) -> RingError | None:
+    @staticmethod
+    def failure(marks: tuple) -> RingError | None:
         """The failure that struck the collective enqueued at `marks` (marks()), on any of
-        this endpoint's transports, or None (cuda_api.h failure_of). Torn down meanwhile
-        (close()): the parts are gone; this endpoint's transport still answers for itself."""
-        natives = [self.native, *(ep.native for ep, _ in self._parts)]
-        for native, call in zip(natives, marks):
+        the transports it ran on, or None. Across hosts, a rank whose in-host result came from
+        another rank's cross-host step that a failure struck (LEADERS' broadcast, TWO_LEVEL's
+        all-gather) is not told here: its own transports finished; its next call raises."""
+        for native, call in marks:
             why = native.failure_of(call)
             if why:
                 return RingError(why)
         return None
-
-    def synchronize(self) -> None:
-        """Wait for everything queued on this endpoint's transports (NCCL first: _ordered)
-        and, on a hierarchy, on its stream (a call's last steps: copies, AVG's division);
-        raise their failures."""
-        for ep in self._ordered():
-            ep.native.synchronize()
-        if self.hier is not None:
-            self.hier.stream.synchronize()
-
-    def close(self, rendezvous) -> None:
-        """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
-        hierarchy's endpoints after this one, each with its own peers).
-        `rendezvous` None (the process group was destroyed): no barrier, local teardown.
-        A failed drain or barrier (a dead peer) tears the parts down locally, without
-        their barriers (each would wait its timeout for the same peer); every endpoint is
-        freed whatever another raised, and the first error is raised after."""
-        ordered = self._ordered()
-        parts, self._parts, self.hier = self._parts, [], None
-        first = None
-        try:
-            for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
-                ep.native.quiesce()
-            if rendezvous is not None:
-                rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
-        except BaseException as e:  # noqa: BLE001 -- raised below, once everything is freed
-            first, rendezvous = e, None
-        for free in [self.native.destroy] + [functools.partial(ep.close, rdv if rendezvous is not None else None)
-                                             for ep, rdv in parts]:
-            try:
-                free()
-            except BaseException as e:  # noqa: BLE001
-                first = first or e
-        if first is not None:
-            raise first
 
 
 class Enqueued:

@@ -107,13 +107,16 @@ class Endpoint:
         self.why, self.first_struck = why, first
 
     def marks(self):
-        return (self.calls,)
+        return ((self, self.calls),)
 
-    def failure(self, marks):
-        from ringdp import RingError
+    def failure_of(self, call):  # (the native's)
+        return self.why if self.first_struck is not None and call >= self.first_struck else ""
 
-        (call,) = marks
-        return RingError(self.why) if self.first_struck is not None and call >= self.first_struck else None
+    @staticmethod
+    def failure(marks):
+        from ringdp import cuda_comm
+
+        return cuda_comm.CudaEndpoint.failure(marks)
 
 
 def enqueued(ep, done):

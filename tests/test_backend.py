@@ -2216,3 +2216,35 @@ def test_cuda_work_reports_the_failure_that_struck_it(monkeypatch):
     assert pending.exception() is None and not pending.is_completed()
     pending._future.set_exception(RingError("rank 0: refused"))
     assert str(pending.exception()) == "rank 0: refused" and not pending.is_success()
+
+
+def test_cuda_endpoint_failure_survives_close():
+    """A hierarchical CudaEndpoint's collectives run on its parts (IPC in the host, NCCL
+    between hosts): marks() keeps each part's native with its call number, so a Work struck
+    on a part still says so after close() dropped the parts (ringdp.destroy(), then a look
+    at the Works). Natives faked: calls() and failure_of() as cuda_api.h."""
+    from ringdp import RingError, cuda_comm
+
+    class Native:
+        def __init__(self, calls, first_struck=None):
+            self.n, self.first = calls, first_struck
+
+        def calls(self):
+            return self.n
+
+        def failure_of(self, call):
+            return f"struck from {self.first}" if self.first is not None and call >= self.first else ""
+
+    ep = object.__new__(cuda_comm.CudaEndpoint)
+    flat, ipc, net = Native(0), Native(5), Native(3)
+    ep.native, ep._parts = flat, [(type("Part", (), {"native": ipc})(), None),
+                                  (type("Part", (), {"native": net})(), None)]
+    marks = ep.marks()
+    assert [(n, c) for n, c in marks] == [(flat, 0), (ipc, 5), (net, 3)]
+    assert ep.failure(marks) is None
+    net.first = 3  # the watchdog struck the cross-host step of this collective
+    ep._parts = []  # close()
+    err = ep.failure(marks)
+    assert isinstance(err, RingError) and str(err) == "struck from 3", err
+    net.first = 4  # a later collective's failure leaves this one a success
+    assert ep.failure(marks) is None

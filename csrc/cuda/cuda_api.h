@@ -108,8 +108,12 @@ class Comm : public Endpoint {
   //   IPC:  the device's failure record names the collective (a timeout, a peer that gave
   //         up, a mismatch, an abort met by a kernel in flight).
   //   NCCL: every collective not seen finished when the watchdog, an NCCL error, a failed
-  //         call or an abort ended the communicator (csrc/common/failure.h).
-  // Cheap; never throws.
+  //         call or an abort ended the communicator (csrc/common/failure.h). Seen finished:
+  //         by the watchdog's polls (10 ms) or a bounded stream wait; collectives it does not
+  //         watch (captured into a CUDA graph) only by the latter, so an abort may strike
+  //         them late.
+  // A call that enqueues nothing (0 elements, world 1) takes no number: its Work shares
+  // the previous collective's verdict. Cheap; never throws.
   virtual std::string failure_of(uint64_t call) const = 0;
   // Wait for all work queued so far on ringdp's stream, then check().
   virtual void synchronize() = 0;

@@ -321,9 +321,12 @@ class IpcComm final : public Comm {
   }
 
   void check() override {
-    if (host_ && host_->rec.code != kErrNone) {
-      std::atomic_thread_fence(std::memory_order_acquire);
-      throw RingError(failure_message(host_->rec));
+    {
+      std::lock_guard<std::mutex> lk(rec_mu_);
+      if (host_ && host_->rec.code != kErrNone) {
+        std::atomic_thread_fence(std::memory_order_acquire);
+        throw RingError(failure_message(host_->rec));
+      }
     }
     if (!fatal_.empty()) throw RingError(fatal_);
   }
@@ -333,6 +336,7 @@ class IpcComm final : public Comm {
   // rejection strikes only the collectives whose kernels meet it, which report it there.
   uint64_t calls() const override { return call_; }
   std::string failure_of(uint64_t call) const override {
+    std::lock_guard<std::mutex> lk(rec_mu_);  // (a Work may ask while destroy() frees the record)
     if (host_ && host_->rec.code != kErrNone) {
       std::atomic_thread_fence(std::memory_order_acquire);
       return call != 0 && call >= host_->rec.call ? failure_message(host_->rec) : std::string();
@@ -371,6 +375,7 @@ class IpcComm final : public Comm {
   }
 
   void abort(const std::string& reason) override {
+    std::lock_guard<std::mutex> lk(rec_mu_);
     abort_reason_ = reason.empty() ? std::string("abort requested") : reason;
     if (host_) host_->host_abort = 1;
     if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
@@ -630,13 +635,16 @@ class IpcComm final : public Comm {
     ev_in_ = ev_out_ = nullptr;
     StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
-    if (host_ && host_->rec.code != kErrNone) {  // (failure_of after destroy())
-      std::atomic_thread_fence(std::memory_order_acquire);
-      struck_.fail_from(failure_message(host_->rec), host_->rec.call);
+    {
+      std::lock_guard<std::mutex> lk(rec_mu_);
+      if (host_ && host_->rec.code != kErrNone) {  // (failure_of after destroy())
+        std::atomic_thread_fence(std::memory_order_acquire);
+        struck_.fail_from(failure_message(host_->rec), host_->rec.call);
+      }
+      if (host_) (void)cudaFreeHost(host_);
+      host_ = nullptr;
+      host_dev_ = nullptr;
     }
-    if (host_) (void)cudaFreeHost(host_);
-    host_ = nullptr;
-    host_dev_ = nullptr;
     if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this communicator was destroyed");
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -799,7 +807,8 @@ class IpcComm final : public Comm {
   bool quiesced_ = false;
   bool destroyed_ = false;
   std::string fatal_;
-  std::string abort_reason_;
+  std::string abort_reason_;   // (rec_mu_)
+  mutable std::mutex rec_mu_;  // host_'s lifetime for the record's readers (check, failure_of), abort_reason_
 
   uint64_t call_ = 0;         // collectives started (every rank counts the same)
   FailureLedger struck_;      // after destroy(): the collectives the device record said failed
