@@ -277,7 +277,8 @@ priority)
   # most used first, limits ~3x the ~13-15 s a test took on the H100: the core paths whose
   # code changed since the first GPU run (bad0456: the IPC matrix, Work, RingDDP, NCCL, a
   # killed peer) among the tests that never ran on a GPU (the halves, the backend on CUDA,
-  # two simulated hosts)
+  # two simulated hosts); a killed peer early: the NCCL watchdog and a struck Work's
+  # is_success()/exception() (2026-12-05) have never run
   cuda_test 60 "test_ipc_matrix[2-default]"
   cuda_test 45 "test_cuda_halves[ipc-2]"
   cuda_test 45 "test_ipc_halves_registered[2]"
@@ -287,6 +288,8 @@ priority)
   cuda_test 45 test_backend_halves_cuda
   cuda_test 45 "test_nccl_world2[default]"
   cuda_test 60 "test_cuda_halves[nccl-2]"
+  cuda_test 60 "test_nccl_peer_killed[torch]"
+  cuda_test 45 "test_ipc_peer_killed[during]"
   cuda_test 75 "test_cuda_two_hosts[two_level]"
   cuda_test 60 test_ringddp_cuda_two_hosts
   cuda_test 60 "test_cuda_two_hosts_halves[two_level-False]"
@@ -296,9 +299,7 @@ priority)
   cuda_test 45 test_cuda_two_hosts_mismatch_raises
   cuda_test 60 "test_cuda_two_hosts[leaders]"
   cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
-  cuda_test 45 "test_ipc_peer_killed[during]"
   cuda_test 60 "test_nccl_peer_killed[ringdp]"
-  cuda_test 60 "test_nccl_peer_killed[torch]"
   cuda_test 60 test_nccl_peer_dies_before_init
   cuda_test 45 test_registered_tensor_freed_in_flight
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
