@@ -166,6 +166,41 @@ class CudaEndpoint:
                 return RingError(why)
         return None
 
+    def synchronize(self) -> None:
+        """Wait for everything queued on this endpoint's transports (NCCL first: _ordered)
+        and, on a hierarchy, on its stream (a call's last steps: copies, AVG's division);
+        raise their failures."""
+        for ep in self._ordered():
+            ep.native.synchronize()
+        if self.hier is not None:
+            self.hier.stream.synchronize()
+
+    def close(self, rendezvous) -> None:
+        """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
+        hierarchy's endpoints after this one, each with its own peers).
+        `rendezvous` None (the process group was destroyed): no barrier, local teardown.
+        A failed drain or barrier (a dead peer) tears the parts down locally, without
+        their barriers (each would wait its timeout for the same peer); every endpoint is
+        freed whatever another raised, and the first error is raised after."""
+        ordered = self._ordered()
+        parts, self._parts, self.hier = self._parts, [], None
+        first = None
+        try:
+            for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
+                ep.native.quiesce()
+            if rendezvous is not None:
+                rendezvous.barrier("cuda-closed", "peers to close the CUDA transport")
+        except BaseException as e:  # noqa: BLE001 -- raised below, once everything is freed
+            first, rendezvous = e, None
+        for free in [self.native.destroy] + [functools.partial(ep.close, rdv if rendezvous is not None else None)
+                                             for ep, rdv in parts]:
+            try:
+                free()
+            except BaseException as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
+
 
 class Enqueued:
     """A CUDA collective's record for its Work (ringdp/comm.py): the endpoint, the event
