@@ -251,14 +251,16 @@ class RingWork(dist.Work):
         answer: the end event queried), not just enqueued; or failed."""
         if not self._done.is_set():
             return False
-        if self._exc is not None or self._struck() is not None:
+        if self._exc is not None:
             return True
         if self._finished is not None:  # (after the copy-out, or a call done inline, on the call's stream)
-            return self._finished.query()
-        return all(w.is_completed() for w in self._parts if w._cuda is not None)
+            ran = self._finished.query()
+        else:
+            ran = all(w.is_completed() for w in self._parts if w._cuda is not None)
+        return ran or self._struck() is not None
 
     def is_success(self):
-        return self.is_completed() and self.exception() is None
+        return self.exception() is None and self.is_completed()
 
     def exception(self):
         """The failure of a part, or one that struck a CUDA part on the device after it was

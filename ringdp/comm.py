@@ -163,7 +163,7 @@ class Work:
         return self._cuda.done.query() or self._cuda.failure() is not None
 
     def is_success(self) -> bool:
-        return self.is_completed() and self.exception() is None
+        return self.exception() is None and self.is_completed()
 
     def exception(self):
         """The collective's failure: its call's error, or on CUDA a failure that struck it

@@ -154,18 +154,6 @@ class CudaEndpoint:
         The natives answer for their collectives after close() too (cuda_api.h failure_of)."""
         return tuple((native, native.calls()) for native in (self.native, *(ep.native for ep, _ in self._parts)))
 
-    @staticmethod
-    def failure(marks: tuple) -> RingError | None:
-        """The failure that struck the collective enqueued at `marks` (marks()), on any of
-        the transports it ran on, or None. Across hosts, a rank whose in-host result came from
-        another rank's cross-host step that a failure struck (LEADERS' broadcast, TWO_LEVEL's
-        all-gather) is not told here: its own transports finished; its next call raises."""
-        for native, call in marks:
-            why = native.failure_of(call)
-            if why:
-                return RingError(why)
-        return None
-
     def synchronize(self) -> None:
         """Wait for everything queued on this endpoint's transports (NCCL first: _ordered)
         and, on a hierarchy, on its stream (a call's last steps: copies, AVG's division);
@@ -218,9 +206,16 @@ class Enqueued:
         self.marks = self.endpoint.marks()
 
     def failure(self) -> RingError | None:
-        """The RingError of a failure that struck this collective, or None (also while it is
-        not enqueued yet: a failure before that is its future's)."""
-        return None if self.marks is None else self.endpoint.failure(self.marks)
+        """The RingError of a failure that struck this collective on any of the transports it
+        ran on (cuda_api.h failure_of), or None (also while it is not enqueued yet: a failure
+        before that is its future's). Across hosts, a rank whose in-host result came from
+        another rank's cross-host step that a failure struck (LEADERS' broadcast, TWO_LEVEL's
+        all-gather) is not told here: its own transports finished; its next call raises."""
+        for native, call in self.marks or ():
+            why = native.failure_of(call)
+            if why:
+                return RingError(why)
+        return None
 
 
 class _InHost:

@@ -109,14 +109,8 @@ class Endpoint:
     def marks(self):
         return ((self, self.calls),)
 
-    def failure_of(self, call):  # (the native's)
+    def failure_of(self, call):  # (its marks name it as their native)
         return self.why if self.first_struck is not None and call >= self.first_struck else ""
-
-    @staticmethod
-    def failure(marks):
-        from ringdp import cuda_comm
-
-        return cuda_comm.CudaEndpoint.failure(marks)
 
 
 def enqueued(ep, done):

@@ -2239,12 +2239,14 @@ def test_cuda_endpoint_failure_survives_close():
     flat, ipc, net = Native(0), Native(5), Native(3)
     ep.native, ep._parts = flat, [(type("Part", (), {"native": ipc})(), None),
                                   (type("Part", (), {"native": net})(), None)]
-    marks = ep.marks()
+    rec = cuda_comm.Enqueued(ep, None)
+    rec.enqueued()
+    marks = rec.marks
     assert [(n, c) for n, c in marks] == [(flat, 0), (ipc, 5), (net, 3)]
-    assert ep.failure(marks) is None
+    assert rec.failure() is None
     net.first = 3  # the watchdog struck the cross-host step of this collective
     ep._parts = []  # close()
-    err = ep.failure(marks)
+    err = rec.failure()
     assert isinstance(err, RingError) and str(err) == "struck from 3", err
     net.first = 4  # a later collective's failure leaves this one a success
-    assert ep.failure(marks) is None
+    assert rec.failure() is None

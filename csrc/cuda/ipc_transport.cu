@@ -323,10 +323,7 @@ class IpcComm final : public Comm {
   void check() override {
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
-      if (host_ && host_->rec.code != kErrNone) {
-        std::atomic_thread_fence(std::memory_order_acquire);
-        throw RingError(failure_message(host_->rec));
-      }
+      if (const ErrorRecord* r = record_locked()) throw RingError(failure_message(*r));
     }
     if (!fatal_.empty()) throw RingError(fatal_);
   }
@@ -337,11 +334,16 @@ class IpcComm final : public Comm {
   uint64_t calls() const override { return call_; }
   std::string failure_of(uint64_t call) const override {
     std::lock_guard<std::mutex> lk(rec_mu_);  // (a Work may ask while destroy() frees the record)
-    if (host_ && host_->rec.code != kErrNone) {
-      std::atomic_thread_fence(std::memory_order_acquire);
-      return call != 0 && call >= host_->rec.call ? failure_message(host_->rec) : std::string();
-    }
+    if (const ErrorRecord* r = record_locked())
+      return call != 0 && call >= r->call ? failure_message(*r) : std::string();
     return struck_.failure_of(call);  // (destroyed: what the record said then)
+  }
+
+  // The device's failure record once a kernel wrote one, else null (rec_mu_ held).
+  const ErrorRecord* record_locked() const {
+    if (!host_ || host_->rec.code == kErrNone) return nullptr;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    return &host_->rec;
   }
 
   void synchronize() override {
@@ -637,10 +639,8 @@ class IpcComm final : public Comm {
     stream_ = nullptr;
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
-      if (host_ && host_->rec.code != kErrNone) {  // (failure_of after destroy())
-        std::atomic_thread_fence(std::memory_order_acquire);
-        struck_.fail_from(failure_message(host_->rec), host_->rec.call);
-      }
+      if (const ErrorRecord* r = record_locked())  // (failure_of after destroy())
+        struck_.fail_from(failure_message(*r), r->call);
       if (host_) (void)cudaFreeHost(host_);
       host_ = nullptr;
       host_dev_ = nullptr;
