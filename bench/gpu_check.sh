@@ -296,6 +296,7 @@ priority)
   cuda_test 45 "test_ipc_halves_mismatch_raises[ring]"
   cuda_test 45 "test_ipc_broadcast_roots_disagree_raises[many-slices]"
   cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
+  cuda_test 60 test_cuda_two_hosts_aborted_cross_step_fails_host_peers
   cuda_test 45 test_cuda_two_hosts_mismatch_raises
   cuda_test 60 "test_cuda_two_hosts[leaders]"
   cuda_test 45 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
@@ -352,6 +353,7 @@ hosts)
   cuda_test 90 "test_cuda_two_hosts_halves[two_level-False]"
   cuda_test 60 test_cuda_two_hosts_mismatch_raises
   cuda_test 60 "test_cuda_two_hosts_host_dies[during]"
+  cuda_test 60 test_cuda_two_hosts_aborted_cross_step_fails_host_peers
   cuda_test 60 test_ringddp_cuda_two_hosts
   cuda_test 90 "test_cuda_two_hosts[leaders]"
   cuda_test 90 "test_cuda_two_hosts_halves[leaders-False]"

@@ -314,6 +314,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def("failure_of", &Comm::failure_of)
         .def("synchronize", &Comm::synchronize, py::call_guard<py::gil_scoped_release>())
         .def("abort", &Comm::abort, py::call_guard<py::gil_scoped_release>())
+        .def("halt", &Comm::halt, py::call_guard<py::gil_scoped_release>())
+        .def("follow", &Comm::follow, py::arg("leader"), py::call_guard<py::gil_scoped_release>())
         .def("quiesce", &Comm::quiesce, py::call_guard<py::gil_scoped_release>())
         .def("destroy", &Comm::destroy, py::call_guard<py::gil_scoped_release>())
         .def("is_registered",

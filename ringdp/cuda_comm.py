@@ -113,6 +113,11 @@ class CudaEndpoint:
             net = Rendezvous(f"{prefix}cuda-{name}/", me, len(across.cross_ranks), comm.timeout, store=comm._store)
             between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
             self._parts.append((between, net))
+        if inhost is not None and between is not None:
+            # The in-host steps after the cross-host one read its result: an abort of the NCCL
+            # endpoint halts the IPC one first, so that they fail on this rank and on the host's
+            # ranks that read them, rather than pass on what the abort left (cuda_api.h follow).
+            inhost.native.follow(between.native)
         self.hier = across.on_cuda(None if inhost is None else _InHost(inhost),
                                    None if between is None else _Across(between, torch.cuda.Stream(self.device)),
                                    self.device, poison=self._poison)
@@ -208,9 +213,11 @@ class Enqueued:
     def failure(self) -> RingError | None:
         """The RingError of a failure that struck this collective on any of the transports it
         ran on (cuda_api.h failure_of), or None (also while it is not enqueued yet: a failure
-        before that is its future's). Across hosts, a rank whose in-host result came from
-        another rank's cross-host step that a failure struck (LEADERS' broadcast, TWO_LEVEL's
-        all-gather) is not told here: its own transports finished; its next call raises."""
+        before that is its future's). Across hosts, a rank whose in-host result comes from
+        another rank's cross-host step (LEADERS' broadcast, TWO_LEVEL's all-gather) is told
+        through its IPC transport: that step's abort halts the other rank's IPC endpoint
+        (CudaEndpoint._hierarchy, cuda_api.h follow), whose next kernel fails, and this rank's
+        kernel that reads it with it."""
         for native, call in self.marks or ():
             why = native.failure_of(call)
             if why:

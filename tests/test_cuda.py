@@ -798,6 +798,59 @@ def test_cuda_two_hosts_host_dies(when):
         assert took < 10 + 30, f"rank {r} took {took:.1f} s to fail (timeout 10 s): {msg}"
 
 
+def _cross_step_aborted(rank, world):
+    """Hosts a,a,b (the leaders' path): host b's rank starts its cross-host step late (a long
+    kernel first); meanwhile host a's leader (rank 0) aborts its NCCL endpoint, as its
+    watchdog does on a timeout or an NCCL error, while its in-host broadcast waits behind that
+    step. Returns, of the good call before and of this call: whether each Work says success,
+    its exception, and whether the tensor holds the closed form."""
+    import threading
+
+    import ringdp
+
+    _as_two_hosts(rank, "aab")
+    _setup(rank)
+    n, want = 1 << 20, float(world * (world + 1) // 2)
+    first = torch.full((n,), float(rank + 1), device="cuda")
+    good = ringdp.all_reduce(first, async_op=True)
+    ringdp.synchronize()
+    t = torch.full((n,), float(rank + 1), device="cuda")
+    if rank == 2:
+        torch.cuda._sleep(int(4e9))  # ~2 s of GPU time before its cross-host step
+    if rank == 0:
+        nccl = next(ep.native for ep, _ in ringdp.get_communicator()._cuda._parts if ep.kind == "nccl")
+        threading.Timer(0.5, lambda: nccl.abort("test: the cross-host step was aborted")).start()
+    w = ringdp.all_reduce(t, async_op=True)
+    try:
+        w.wait()
+    except ringdp.RingError:
+        pass  # (what it says is the Work's exception() below)
+    torch.cuda.synchronize()
+    e = w.exception()
+    return (good.is_success(), bool((first == want).all().item()), w.is_completed(), w.is_success(),
+            None if e is None else str(e), bool((t == want).all().item()))
+
+
+@needs_cuda
+def test_cuda_two_hosts_aborted_cross_step_fails_host_peers():
+    """An aborted cross-host NCCL step returns, and the in-host steps queued behind it would
+    run on what it left: its rank's IPC endpoint follows the NCCL one (cuda_api.h follow), so
+    the abort halts it first; that rank's in-host broadcast fails at its start, and rank 1,
+    which reads it, fails with the reason, instead of a Work that says success over a wrong
+    result. No Work says success with a wrong result on any rank."""
+    _skip_without_nccl()
+    res = values(run_ranks(_cross_step_aborted, 3, env=dict(_TWO_HOSTS_ENV, RINGDP_TIMEOUT_S="20"), timeout=240))
+    for r, (good_ok, good_right, done, ok, err, right) in enumerate(res):
+        assert good_ok and good_right, (r, res[r])
+        assert done, (r, res[r])
+        assert right or not ok, f"rank {r}: its Work says success, but its tensor is wrong ({err})"
+    for r in (0, 1):
+        assert not res[r][3] and res[r][4] is not None, (r, res[r])
+    assert "test: the cross-host step was aborted" in res[0][4], res[0][4]
+    assert "rank 0 stopped: its cross-host step failed" in res[1][4], res[1][4]
+    assert "test: the cross-host step was aborted" in res[1][4], res[1][4]
+
+
 # ============================================================== the backend on CUDA (issue 11)
 def _backend_ddp(rank, world, steps, spec):
     """Stock torch DDP on a CUDA model in a default group of ringdp's backend (`spec`):

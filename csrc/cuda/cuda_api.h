@@ -133,6 +133,23 @@ class Comm : public Endpoint {
   // Ask every pending and future device wait of this rank to give up (e.g. the host knows a
   // peer died). Later calls raise RingError carrying `reason`.
   virtual void abort(const std::string& reason) = 0;
+  // Hierarchical calls (ringdp/cuda_comm.py): this endpoint's collectives consume `leader`'s
+  // results (the in-host IPC steps after the cross-host NCCL step, on the same rank). When
+  // `leader` is aborted (its watchdog, an NCCL error, a call failed half-way, abort()), it
+  // halts this endpoint first, so that a step queued behind the aborted one fails, and this
+  // host's ranks that read it fail with it, instead of passing on what the abort left as a
+  // result. IPC only (each kernel then checks for a halt at its start: one read of
+  // host-mapped memory per block); NCCL throws RingError. Before the first collective.
+  virtual void follow(const std::shared_ptr<Comm>& leader) = 0;
+  // (The leader's side of follow().) Halt `follower` when this endpoint is aborted, before its
+  // kernels return. NCCL only; IPC throws RingError. Thread-safe.
+  virtual void lead(std::weak_ptr<Comm> follower) = 0;
+  // Stop this rank's device work from any thread (a leader's abort): every kernel that starts
+  // after it (on a following endpoint) or waits (on any) fails, reporting `reason` as its own
+  // and beside its abort flag, so peers that stop on it name it; the next call raises it.
+  // Unlike abort(), it leaves the failures of collectives no kernel of which met it to their
+  // kernels. Never throws.
+  virtual void halt(const std::string& reason) = 0;
   // Collective: wait for this rank's work, then release everything that refers to peers.
   virtual void quiesce() = 0;
   // Free this rank's own resources (after every rank quiesced). Registered memory still in

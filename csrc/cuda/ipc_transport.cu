@@ -50,6 +50,7 @@ constexpr size_t kArenaAlign = 512;
 struct HostShared {
   ErrorRecord rec;
   volatile int32_t host_abort;
+  char halt_reason[kReasonBytes];  // halt()'s reason, written before host_abort; kernels copy it beside the abort flag
   // Sources of reject()'s copies into this rank's Ctrl (pinned, so the copies are async).
   char reason[kReasonBytes];
   uint64_t one;
@@ -73,7 +74,7 @@ std::string meta_str(const SlotMeta& m) {
              k == ringdp::Kind::kBroadcast ? cat(" root=", m.root) : std::string());
 }
 
-class IpcComm final : public Comm {
+class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> {
  public:
   static constexpr const char* kName = "cuda-ipc";
   // Its call check rides on the slices' descriptors (step_kernel): a broadcast's root checks
@@ -324,6 +325,7 @@ class IpcComm final : public Comm {
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
       if (const ErrorRecord* r = record_locked()) throw RingError(failure_message(*r));
+      if (halted_ && fatal_.empty()) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_));
     }
     if (!fatal_.empty()) throw RingError(fatal_);
   }
@@ -377,10 +379,37 @@ class IpcComm final : public Comm {
   }
 
   void abort(const std::string& reason) override {
+    halt(reason.empty() ? std::string("abort requested") : reason);
     std::lock_guard<std::mutex> lk(rec_mu_);
-    abort_reason_ = reason.empty() ? std::string("abort requested") : reason;
-    if (host_) host_->host_abort = 1;
     if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
+  }
+
+  // (cuda_api.h) From any thread: only the host-mapped flag, its reason and halted_ change
+  // (fatal_ stays the calling thread's), under rec_mu_, which keeps host_ alive.
+  void halt(const std::string& reason) override {
+    std::lock_guard<std::mutex> lk(rec_mu_);
+    if (abort_reason_.empty()) abort_reason_ = reason.empty() ? std::string("halted") : reason;
+    halted_ = true;
+    if (!host_ || host_->host_abort != 0) return;  // (a kernel may be reading the reason already)
+    const std::string r = cat("stopped: ", abort_reason_).substr(0, kReasonBytes - 1);
+    std::memset(host_->halt_reason, 0, kReasonBytes);
+    std::memcpy(host_->halt_reason, r.data(), r.size());
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // the reason before the flag
+    host_->host_abort = 1;
+  }
+
+  void follow(const std::shared_ptr<Comm>& leader) override {
+    if (!leader || leader.get() == this)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": follow() needs another endpoint to follow"));
+    if (call_ != 0)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": follow() after ", call_,
+                          " collectives; kernels already queued would not check for a halt"));
+    leader->lead(std::weak_ptr<Comm>(shared_from_this()));
+    gated_ = true;
+  }
+
+  void lead(std::weak_ptr<Comm>) override {
+    throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": a CUDA IPC endpoint leads no other (Comm::lead is NCCL's)"));
   }
 
   void quiesce() override {
@@ -710,6 +739,8 @@ class IpcComm final : public Comm {
     f.lock = reinterpret_cast<unsigned long long*>(&ctrl(rank_)->lock.v);
     f.my_abort = &ctrl(rank_)->abort.v;
     f.host_abort = &host_dev_->host_abort;
+    f.gate = gated_ ? &host_dev_->host_abort : nullptr;
+    f.halt_reason = host_dev_->halt_reason;
     f.timeout_ns = timeout_ns_;
     f.call = call_;
     f.rank = rank_;
@@ -807,8 +838,10 @@ class IpcComm final : public Comm {
   bool quiesced_ = false;
   bool destroyed_ = false;
   std::string fatal_;
-  std::string abort_reason_;   // (rec_mu_)
-  mutable std::mutex rec_mu_;  // host_'s lifetime for the record's readers (check, failure_of), abort_reason_
+  std::string abort_reason_;   // (rec_mu_) the first of abort()'s and halt()'s reasons
+  mutable std::mutex rec_mu_;  // host_'s lifetime for the record's readers (check, failure_of) and halt(); abort_reason_
+  std::atomic<bool> halted_{false};  // halt() ran (any thread): the next call raises
+  bool gated_ = false;               // follow(): every kernel checks host_abort at its start (FailCtx::gate)
 
   uint64_t call_ = 0;         // collectives started (every rank counts the same)
   FailureLedger struck_;      // after destroy(): the collectives the device record said failed

@@ -344,6 +344,17 @@ class NcclComm final : public Comm {
     abort_comm();
   }
 
+  void halt(const std::string& reason) override { abort(reason); }  // (an NCCL step cannot stop half-way)
+
+  void follow(const std::shared_ptr<Comm>&) override {
+    throw RingError(cat("ringdp nccl rank ", rank_, ": an NCCL endpoint follows no other (Comm::follow is IPC's)"));
+  }
+
+  void lead(std::weak_ptr<Comm> follower) override {
+    std::lock_guard<std::mutex> lk(followers_mu_);
+    followers_.push_back(std::move(follower));
+  }
+
   void quiesce() override {
     if (quiesced_) return;
     quiesced_ = true;
@@ -532,8 +543,22 @@ class NcclComm final : public Comm {
   void end_comm(bool destroy) {
     ncclComm_t c = comm_.load();
     if (c == nullptr || comm_ended_.exchange(true)) return;
+    if (!destroy) halt_followers();  // before the aborted kernels return and the steps behind them start
     DeviceGuard g(device_);
     (void)(destroy ? api_.CommDestroy(c) : api_.CommAbort(c));
+  }
+
+  // The endpoints that consume this one's results (Comm::lead): halted with this one's reason.
+  void halt_followers() {
+    std::vector<std::weak_ptr<Comm>> fs;
+    {
+      std::lock_guard<std::mutex> lk(followers_mu_);
+      fs = followers_;
+    }
+    const std::string why = fatal();
+    for (auto& w : fs)
+      if (auto f = w.lock())
+        f->halt(cat("its cross-host step failed: ", why.empty() ? cat("ringdp nccl rank ", rank_, ": aborted") : why));
   }
 
   // What NCCL reported asynchronously on the communicator, or "" (nccl_mu_ held).
@@ -687,6 +712,8 @@ class NcclComm final : public Comm {
   bool quiesced_ = false;
   bool released_ = false;
   FailureLedger failure_;          // why it is unusable, and which collectives that struck
+  std::mutex followers_mu_;        // followers_ (lead(): the thread that sets up; the abort's)
+  std::vector<std::weak_ptr<Comm>> followers_;  // halted before this communicator's abort
   std::mutex ev_mu_;               // the end events: all_events_ (owned), free_events_ (not watched)
   std::vector<cudaEvent_t> all_events_, free_events_;
   std::atomic<uint64_t> calls_{0};  // collectives started (calls(); the watchdog names them by number)

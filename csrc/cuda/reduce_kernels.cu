@@ -57,7 +57,8 @@ __device__ __forceinline__ SlotMeta load_meta_cg(const SlotMeta* m) {
 __device__ void report(const FailCtx& f, int32_t code, int32_t peer, int32_t ch, int32_t what,
                        uint64_t target, uint64_t seen, uint64_t waited, const SlotMeta* mine,
                        const SlotMeta* theirs, const char* reason = nullptr) {
-  if (atomicCAS(f.lock, 0ull, 1ull) == 0ull) {
+  if (atomicCAS(f.lock, 0ull, 1ull) != 0ull) return;  // another block of this rank reports (and raises the flag)
+  {
     ErrorRecord* r = f.record;
     if (reason) {  // the peer's reason (written before its abort flag), from L2
       for (size_t i = 0; i + 1 < kReasonBytes; ++i) {
@@ -80,8 +81,33 @@ __device__ void report(const FailCtx& f, int32_t code, int32_t peer, int32_t ch,
     r->code = code;
     __threadfence_system();
   }
-  // Tell the neighbours (they poll this while they wait on us). Only this rank writes it.
+  // The host stopped this rank: its reason goes beside the abort flag, where the peers that
+  // see the flag read it (the host-side reject() writes the same place).
+  __threadfence_system();  // (the reason was written before the flag that sent us here)
+  if (code == kErrHostAbort && f.halt_reason != nullptr && f.halt_reason[0] != 0) {
+    char* mine_reason = reinterpret_cast<char*>(f.my_abort) + kAbortReasonOffset;
+    for (size_t i = 0; i + 1 < kReasonBytes; ++i) {
+      const char c = f.halt_reason[i];
+      mine_reason[i] = c;
+      if (c == 0) break;
+    }
+    mine_reason[kReasonBytes - 1] = 0;
+    __threadfence_system();
+  }
+  // Tell the neighbours (they poll this while they wait on us), after everything they read
+  // with it. Only this rank writes it, and only its first report.
   st_release_sys(f.my_abort, 1);
+}
+
+// Thread 0 of a block at a kernel's start: whether this rank may go on (it has not failed,
+// and, on an endpoint that follows another, its host has not stopped it: FailCtx::gate).
+__device__ __noinline__ bool may_start(const FailCtx& f, int32_t ch) {
+  if (ld_relaxed_sys(f.my_abort) != 0) return false;  // already failed and reported
+  if (f.gate != nullptr && *f.gate != 0) {
+    report(f, kErrHostAbort, f.rank, ch, kWaitPosted, 0, 0, 0, nullptr, nullptr);
+    return false;
+  }
+  return true;
 }
 
 // Thread 0 of a block: wait until *flag >= target. Returns false (after reporting, unless
@@ -328,7 +354,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   __shared__ int s_ok;
   __shared__ const char* s_src;
   if (threadIdx.x == 0) {
-    bool ok = ld_relaxed_sys(s.fail.my_abort) == 0;
+    bool ok = may_start(s.fail, ch);
     const char* src = nullptr;
     if (ok && s.pred_posted)
       ok = wait_geq(s.pred_posted + ch * kLineWords, s.consume_target, s.pred_abort, s.pred_rank, kWaitPosted, ch,
@@ -466,7 +492,7 @@ __global__ void __launch_bounds__(kBlockThreads) oneshot_kernel(OneShotArgs a, b
   // 1. The buffer of this parity was last used by call seq-2; every peer that has entered
   //    call seq-1 has finished reading it (its kernels run in order). Normally already true.
   if (threadIdx.x == 0) {
-    bool ok = ld_relaxed_sys(a.fail.my_abort) == 0;
+    bool ok = may_start(a.fail, ch);
     if (ok && a.seq > 1) {
       for (int p = 0; p < a.world && ok; ++p)
         if (p != a.rank)

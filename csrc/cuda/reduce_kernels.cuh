@@ -113,6 +113,11 @@ struct FailCtx {
   unsigned long long* lock;         // device word in our own region, 0 until the first failure
   uint64_t* my_abort;               // our abort flag (device, read by peers)
   const volatile int32_t* host_abort;  // host-mapped; nonzero: stop now
+  // Hierarchical calls: host_abort when this endpoint follows another (Comm::follow: its steps
+  // consume the cross-host step's results), checked at each kernel's start too, so that a step
+  // queued behind an aborted one fails instead of passing on what the abort left; null otherwise.
+  const volatile int32_t* gate;
+  const volatile char* halt_reason;  // host-mapped, NUL-terminated; why the host stopped this rank ("" if unknown)
   uint64_t timeout_ns;
   uint64_t call;  // the collective this launch belongs to (the host's count: ErrorRecord::call)
   int32_t rank;
