@@ -982,7 +982,7 @@ def case_cuda_endpoints_follow(rank, world, hosts):
 def test_cuda_hierarchy_ipc_follows_nccl(hosts):
     """A rank with both an in-host IPC endpoint and a cross-host NCCL one chains them (IPC
     follows NCCL); a rank with one of them chains nothing. The halt itself is the GPU's to
-    show: tests/test_cuda.py::test_cuda_two_hosts_no_false_success."""
+    show: tests/test_cuda.py::test_cuda_two_hosts_aborted_cross_step_fails_host_peers."""
     res = values(run_ranks(case_cuda_endpoints_follow, 4, list(hosts), timeout=120))
     ipc = lambda r, n, f: (("ipc", r, n), f)  # noqa: E731
     nccl = lambda r, n: (("nccl", r, n), [])  # noqa: E731

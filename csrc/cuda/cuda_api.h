@@ -146,9 +146,10 @@ class Comm : public Endpoint {
   virtual void lead(std::weak_ptr<Comm> follower) = 0;
   // Stop this rank's device work from any thread (a leader's abort): every kernel that starts
   // after it (on a following endpoint) or waits (on any) fails, reporting `reason` as its own
-  // and beside its abort flag, so peers that stop on it name it; the next call raises it.
-  // Unlike abort(), it leaves the failures of collectives no kernel of which met it to their
-  // kernels. Never throws.
+  // and beside its abort flag, so peers that stop on it name it. The next check() (every
+  // call's first step) raises it, after announcing it to the peers as reject() does if no
+  // kernel of this rank met it. Unlike abort(), it leaves the failures of collectives no
+  // kernel of which met it to their kernels. NCCL: abort(). Never throws; no CUDA call.
   virtual void halt(const std::string& reason) = 0;
   // Collective: wait for this rank's work, then release everything that refers to peers.
   virtual void quiesce() = 0;

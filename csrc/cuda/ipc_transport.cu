@@ -322,10 +322,17 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   }
 
   void check() override {
+    std::string halted;
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
       if (const ErrorRecord* r = record_locked()) throw RingError(failure_message(*r));
-      if (halted_ && fatal_.empty()) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_));
+      if (halted_ && fatal_.empty()) halted = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
+    }
+    if (!halted.empty()) {
+      // Halted with no kernel of this rank left to meet it (nothing was queued behind the
+      // leader's abort): the peers would wait on this rank until their timeout. Tell them.
+      announce("");
+      throw RingError(halted);
     }
     if (!fatal_.empty()) throw RingError(fatal_);
   }
@@ -360,13 +367,27 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     if (!fatal_.empty()) return;  // already unusable (aborted, failed, destroyed)
     fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this rank rejected its input (", why,
                  "); a rejection poisons the CUDA communicator: call ringdp.destroy() and initialise again");
-    if (!host_ || !connected_ || quiesced_) return;
-    // After the collectives already queued on ringdp's stream (peers run them too): the
-    // reason, then the abort flag. Peers waiting on this rank stop and report the reason.
-    const std::string r = cat("rejected its input: ", why).substr(0, kReasonBytes - 1);
-    std::memset(host_->reason, 0, kReasonBytes);
-    std::memcpy(host_->reason, r.data(), r.size());
-    host_->one = 1;
+    announce(cat("rejected its input: ", why));
+  }
+
+  // Once, on a calling thread (reject, or check() of a halted endpoint): after the
+  // collectives already queued on ringdp's stream (peers run them too), the reason beside
+  // this rank's abort flag, then the flag. Peers waiting on this rank stop and report it.
+  // The reason is told_, the first this rank gives (a halt's, which a kernel may be copying
+  // to the same place, or `why`), so every writer of Ctrl::reason writes the same bytes.
+  // No CUDA call under rec_mu_: with the launch queue full behind a stalled NCCL step, an
+  // enqueue blocks until that step returns, which needs the halt (rec_mu_) and the abort.
+  void announce(const std::string& why) {
+    {
+      std::lock_guard<std::mutex> lk(rec_mu_);
+      if (announced_ || !host_ || !connected_ || quiesced_) return;
+      announced_ = true;
+      if (told_.empty()) told_ = why.substr(0, kReasonBytes - 1);
+      std::memset(host_->reason, 0, kReasonBytes);
+      std::memcpy(host_->reason, told_.data(), told_.size());
+      host_->one = 1;
+    }
+    // (host_ stays: only release() frees it, on a calling thread too, as before)
     DeviceGuard g(device_);
     Ctrl* me = ctrl(rank_);
     cudaError_t e = cudaMemcpyAsync(me->reason, host_->reason, kReasonBytes, cudaMemcpyHostToDevice, stream_);
@@ -389,11 +410,11 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   void halt(const std::string& reason) override {
     std::lock_guard<std::mutex> lk(rec_mu_);
     if (abort_reason_.empty()) abort_reason_ = reason.empty() ? std::string("halted") : reason;
+    if (told_.empty()) told_ = cat("stopped: ", abort_reason_).substr(0, kReasonBytes - 1);
     halted_ = true;
     if (!host_ || host_->host_abort != 0) return;  // (a kernel may be reading the reason already)
-    const std::string r = cat("stopped: ", abort_reason_).substr(0, kReasonBytes - 1);
     std::memset(host_->halt_reason, 0, kReasonBytes);
-    std::memcpy(host_->halt_reason, r.data(), r.size());
+    std::memcpy(host_->halt_reason, told_.data(), told_.size());
     std::atomic_thread_fence(std::memory_order_seq_cst);  // the reason before the flag
     host_->host_abort = 1;
   }
@@ -666,14 +687,16 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     ev_in_ = ev_out_ = nullptr;
     StreamPool::release(device_, stream_);  // idle (quiesce synchronised it); see StreamPool
     stream_ = nullptr;
+    HostShared* gone = nullptr;
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
       if (const ErrorRecord* r = record_locked())  // (failure_of after destroy())
         struck_.fail_from(failure_message(*r), r->call);
-      if (host_) (void)cudaFreeHost(host_);
+      gone = host_;
       host_ = nullptr;
       host_dev_ = nullptr;
     }
+    if (gone) (void)cudaFreeHost(gone);  // (not under rec_mu_: a halt from another thread never waits on it)
     if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this communicator was destroyed");
     {
       std::lock_guard<std::mutex> lk(mu_);
@@ -841,6 +864,8 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   std::string abort_reason_;   // (rec_mu_) the first of abort()'s and halt()'s reasons
   mutable std::mutex rec_mu_;  // host_'s lifetime for the record's readers (check, failure_of) and halt(); abort_reason_
   std::atomic<bool> halted_{false};  // halt() ran (any thread): the next call raises
+  std::string told_;                 // (rec_mu_) the reason this rank gives its peers beside its abort flag
+  bool announced_ = false;           // (rec_mu_) announce() enqueued the reason and the flag
   bool gated_ = false;               // follow(): every kernel checks host_abort at its start (FailCtx::gate)
 
   uint64_t call_ = 0;         // collectives started (every rank counts the same)

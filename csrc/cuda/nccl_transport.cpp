@@ -558,7 +558,7 @@ class NcclComm final : public Comm {
     const std::string why = fatal();
     for (auto& w : fs)
       if (auto f = w.lock())
-        f->halt(cat("its cross-host step failed: ", why.empty() ? cat("ringdp nccl rank ", rank_, ": aborted") : why));
+        f->halt(cat("its NCCL endpoint was aborted: ", why.empty() ? cat("ringdp nccl rank ", rank_, ": aborted") : why));
   }
 
   // What NCCL reported asynchronously on the communicator, or "" (nccl_mu_ held).
