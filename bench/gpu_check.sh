@@ -304,6 +304,7 @@ priority)
   cuda_test 60 test_nccl_peer_dies_before_init
   cuda_test 45 test_registered_tensor_freed_in_flight
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
+  cuda_test 45 "test_graph_capture[ringdp]"
   ;;
 # ------------------------------------------------------------------ smoke
 smoke)
@@ -328,6 +329,7 @@ smoke)
   cuda_test 45 "test_cuda_work_semantics[ipc]"
   cuda_test 45 "test_ringddp_cuda_matches_single_process[ipc]"
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
+  cuda_test 45 "test_graph_capture[ringdp]"
   ;;
 # ------------------------------------------------------------------ nccl
 nccl)
@@ -345,6 +347,7 @@ nccl)
   cuda_test 60 "test_backend_stock_ddp_cuda[cpu:ringdp,cuda:nccl]"
   cuda_test 60 test_backend_halves_cuda
   cuda_test 60 "test_cuda_min_max_ignore_nan[nccl]"
+  cuda_test 60 "test_graph_capture[backend]"
   ;;
 # ------------------------------------------------------------------ hosts
 hosts)

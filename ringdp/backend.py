@@ -43,7 +43,9 @@ Routing (``ProcessGroupRingdp``):
     instead when ringdp cannot run them: a group made with "cuda:nccl" (or an extension built
     without CUDA), an op other than SUM/AVG/MIN/MAX/PREMUL_SUM (AVG of integers too), a
     dtype ringdp does not reduce, a non-contiguous or sparse tensor, a tensor on another
-    CUDA device than the one ringdp's CUDA endpoint was made for, list forms with tensors of
+    CUDA device than the one ringdp's CUDA endpoint was made for, a call made while the
+    current stream captures a CUDA graph (ringdp's CUDA collectives cannot be captured;
+    NCCL's can, and every rank captures the same calls), list forms with tensors of
     different shapes, sizes that do not match the world size, and every collective not
     listed here.
   * everything else (send/recv, all_to_all, gather, scatter, reduce, object collectives,
@@ -544,6 +546,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             elif t.is_cuda:
                 if not t.is_contiguous() or not self._use_ringdp_cuda():
                     return False
+                if torch.cuda.is_current_stream_capturing():  # (ringdp's cannot be captured;
+                    return False                              # NCCL's can: every rank captures alike)
                 ep = self._comm._cuda  # one device per endpoint: tensors elsewhere go to nccl
                 if ep is not None and t.device != ep.device:
                     return False

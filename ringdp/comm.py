@@ -844,7 +844,19 @@ class Communicator:
         announced to the peers, in order, so that they fail at once, then re-raised.
         `refuse(why)`: the same announcement, made by the worker in place of the call if the
         call is dropped while queued (_run_item), so that this rank's calls stay in step with
-        its peers' (a call skipped silently would pair its next call with their dropped one)."""
+        its peers' (a call skipped silently would pair its next call with their dropped one).
+        A CUDA call while the current stream captures a CUDA graph is refused first, without
+        an announcement (which would itself be CUDA work inside the capture)."""
+        if isinstance(tensor, torch.Tensor) and tensor.is_cuda and torch.cuda.is_current_stream_capturing():
+            # not announced: no CUDA call may be made here (a first call would set the endpoint
+            # up inside the capture); every rank captures the same calls, so every rank stops here
+            raise ValueError(
+                f"ringdp.{what} on rank {self.rank}: the current CUDA stream is capturing a CUDA graph, and "
+                "ringdp's CUDA collectives cannot be captured (a call's kernels wait for its peers' counters "
+                "at values fixed when it is enqueued, so a replay would not wait for them): make the call "
+                "outside the capture (the torch.distributed backend hands captured calls to its inner NCCL "
+                "group)"
+            )
         t = self.timeout  # (the rejection's, when `timeout` itself is bad)
         try:
             t = policy.timeout_s(timeout, self.timeout)

@@ -2218,6 +2218,53 @@ def test_cuda_work_reports_the_failure_that_struck_it(monkeypatch):
     assert str(pending.exception()) == "rank 0: refused" and not pending.is_success()
 
 
+def _capture_refused(rank, world):
+    """A CUDA call made while the current stream captures a CUDA graph, with CUDA faked (a
+    tensor that says it is on CUDA, a build that says it has CUDA, the capture state): the
+    collectives' common start refuses it, naming the rank and the capture, without
+    announcing it (no CUDA work inside the capture); the backend's eligibility predicate
+    hands it to its inner NCCL group instead; without a capture both take it."""
+    import ringdp
+    from ringdp import _native, comm as comm_mod
+
+    pg = ringdp_group()
+    comm = pg._comm
+    _native._C.WITH_CUDA = True  # (this rank process only; nothing reaches the extension)
+
+    class OnCuda(torch.Tensor):
+        is_cuda = property(lambda self: True)
+        is_cpu = property(lambda self: False)
+
+    t = torch.zeros(8).as_subclass(OnCuda)
+    capturing = [False]
+    torch.cuda.is_current_stream_capturing = lambda: capturing[0]
+    assert comm_mod._C.WITH_CUDA
+    announced = []
+    comm._reject = lambda *a, **k: announced.append(a)
+
+    def prepare():
+        return comm._prepare(t, lambda: comm._check(t, None, "broadcast"), None, None, None, "broadcast")[1]
+
+    out = {"check": prepare(), "native": pg._native([t])}
+    capturing[0] = True
+    try:
+        prepare()
+        out["check_capturing"] = None
+    except ValueError as e:
+        out["check_capturing"] = str(e)
+    out["native_capturing"] = pg._native([t])
+    out["announced"] = len(announced)
+    return out
+
+
+def test_cuda_call_refused_while_capturing_a_graph():
+    for r, out in enumerate(values(run_ranks(_capture_refused, 2))):
+        assert out["check"] == 0 and out["native"] is True, out  # (SUM's code)
+        msg = out["check_capturing"]
+        assert msg is not None and f"ringdp.broadcast on rank {r}" in msg and "capturing a CUDA graph" in msg, msg
+        assert out["native_capturing"] is False and out["announced"] == 0, out
+
+
 def test_cuda_endpoint_failure_survives_close():
     """A hierarchical CudaEndpoint's collectives run on its parts (IPC in the host, NCCL
     between hosts): marks() keeps each part's native with its call number, so a Work struck

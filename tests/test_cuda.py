@@ -904,6 +904,67 @@ def test_backend_stock_ddp_cuda(spec):
     assert res[0][1] == res[1][1], "ranks ended with different parameters"
 
 
+def _graph_capture(rank, world, via):
+    """A collective made while the current stream captures a CUDA graph. via "ringdp":
+    ringdp.all_reduce refuses it (ValueError naming the capture) without touching its
+    endpoint, which works as before afterwards. via "backend": dist.all_reduce on a
+    "cpu:ringdp,cuda:ringdp" group hands it to its inner NCCL group (made eagerly first, by a
+    PRODUCT all-reduce, which ringdp does not reduce), whose call the graph holds: replayed,
+    it sums the values filled in before the replay."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    _nccl_env(rank)
+    _setup(rank)
+    want = float(world * (world + 1) // 2)
+    t = torch.full((4099,), float(rank + 1), device="cuda")
+    ringdp.all_reduce(t) if via == "ringdp" else dist.all_reduce(t)  # the endpoint, outside the capture
+    torch.cuda.synchronize()
+    if via == "backend":
+        dist.all_reduce(torch.ones(4, device="cuda"), op=dist.ReduceOp.PRODUCT)  # the inner NCCL group
+        torch.cuda.synchronize()
+    x = torch.zeros(4099, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    refused = None
+    try:
+        with torch.cuda.graph(g):
+            x.fill_(float(rank + 1))
+            ringdp.all_reduce(x) if via == "ringdp" else dist.all_reduce(x)
+    except ValueError as e:
+        refused = str(e)
+    replayed = None
+    if refused is None:
+        x.zero_()
+        g.replay()
+        torch.cuda.synchronize()
+        replayed = bool((x == want).all().item())
+    u = torch.full((4099,), float(rank + 1), device="cuda")
+    ringdp.all_reduce(u) if via == "ringdp" else dist.all_reduce(u)
+    torch.cuda.synchronize()
+    return refused, replayed, bool((t == want).all().item()), bool((u == want).all().item())
+
+
+@needs_cuda
+@pytest.mark.parametrize("via", ["ringdp", "backend"])
+def test_graph_capture(via):
+    """ringdp's CUDA collectives cannot be captured into a CUDA graph (a replay would reuse
+    the counter values its kernels wait for): the direct API refuses the call with a clear
+    error and stays usable; the backend runs captured calls on its inner NCCL group."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "60", "RINGDP_CUDA_ARENA_MB": "16"}
+    if via == "backend":
+        _skip_without_nccl()
+        env["RINGDP_TEST_NCCL_HOSTID"] = "1"
+    spec = "cpu:ringdp,cuda:ringdp" if via == "backend" else "gloo"
+    res = values(run_ranks(_graph_capture, 2, via, env=env, timeout=240, backend=spec))
+    for r, (refused, replayed, before, after) in enumerate(res):
+        assert before and after, (r, res[r])
+        if via == "ringdp":
+            assert refused is not None and f"rank {r}" in refused and "capturing a CUDA graph" in refused, refused
+        else:
+            assert refused is None and replayed, (r, res[r])
+
+
 def _backend_halves(rank, world):
     """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM), reduce_scatter (list),
     all_gather_into_tensor, all_gather (list; also async on a side stream) and broadcast on
