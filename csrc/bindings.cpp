@@ -264,7 +264,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         .def_readwrite("oneshot_bytes", &Options::oneshot_bytes)
         .def_readwrite("arena_bytes", &Options::arena_bytes)
         .def_readwrite("registered", &Options::registered)
-        .def_readwrite("nccl_library", &Options::nccl_library);
+        .def_readwrite("nccl_library", &Options::nccl_library)
+        .def_readwrite("rank_names", &Options::rank_names);
 
     py::class_<Comm, Endpoint, std::shared_ptr<Comm>>(m, "CudaComm")
         // raw form (tests, benchmarks): pointer, count, dtype code, op code, cudaStream_t

@@ -69,9 +69,10 @@ class CudaEndpoint:
         return ep
 
     @classmethod
-    def _connect(cls, comm, kind: str, rank: int, world: int, rendezvous, device) -> "CudaEndpoint":
+    def _connect(cls, comm, kind: str, rank: int, world: int, rendezvous, device, names=None) -> "CudaEndpoint":
         """One native endpoint of `kind` for rank `rank` of `world`, connected through
-        `rendezvous` (collective among those ranks)."""
+        `rendezvous` (collective among those ranks). `names`: the group's ranks of its ranks,
+        as its messages name them (across hosts; None: the group's own)."""
         cfg = comm.config
         o = _C.CudaOptions()
         o.kind, o.rank, o.world = kind, rank, world
@@ -80,6 +81,8 @@ class CudaEndpoint:
         o.slot_bytes, o.slots, o.channels = cfg.cuda_slot_bytes, cfg.cuda_slots, cfg.cuda_channels
         o.oneshot_bytes = cfg.cuda_oneshot_bytes
         o.registered = cfg.cuda_registered
+        if names is not None:
+            o.rank_names = list(names)
         if kind == "ipc":
             o.arena_bytes = int(cfg.cuda_arena_mb * (1 << 20))
         else:
@@ -106,12 +109,13 @@ class CudaEndpoint:
         if comm.local_size > 1:
             host = Rendezvous(f"{prefix}cuda-host{across.host_index}/", comm.local_rank, comm.local_size,
                               comm.timeout, store=comm._store)
-            inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device)
+            inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device,
+                                   [r for r, h in enumerate(comm.hosts) if h == comm.host_key])
             self._parts.append((inhost, host))
         if across.cross_ranks:
             me, name = across.cross_ranks.index(comm.rank), f"local{comm.local_rank}" if across.path == policy.TWO_LEVEL else "leaders"
             net = Rendezvous(f"{prefix}cuda-{name}/", me, len(across.cross_ranks), comm.timeout, store=comm._store)
-            between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device)
+            between = self._connect(comm, "nccl", me, len(across.cross_ranks), net, self.device, across.cross_ranks)
             self._parts.append((between, net))
         if inhost is not None and between is not None:
             # The in-host steps after the cross-host one read its result: an abort of the NCCL

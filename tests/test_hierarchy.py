@@ -949,9 +949,10 @@ def test_cuda_leaders_mismatch_faked():
 
 def case_cuda_endpoints_follow(rank, world, hosts):
     """CudaEndpoint._hierarchy (ringdp/cuda_comm.py) with its transports faked: which native
-    endpoints it makes ((kind, rank among its peers, their number)) and which of them it
-    chains (cuda_api.h follow: the IPC endpoint follows the NCCL one on a rank that has
-    both, so that an aborted cross-host step halts the in-host steps behind it)."""
+    endpoints it makes ((kind, rank among its peers, their number, the group's ranks its
+    messages name them by)) and which of them it chains (cuda_api.h follow: the IPC endpoint
+    follows the NCCL one on a rank that has both, so that an aborted cross-host step halts
+    the in-host steps behind it)."""
     c = _as_host(rank, hosts)
     from _fake_cuda import install
 
@@ -966,10 +967,10 @@ def case_cuda_endpoints_follow(rank, world, hosts):
         def follow(self, leader):
             self.followed.append(leader.kind)
 
-    def connect(cls, comm, kind, r, w, rendezvous, device):
+    def connect(cls, comm, kind, r, w, rendezvous, device, names=None):
         ep = cuda_comm.CudaEndpoint.__new__(cuda_comm.CudaEndpoint)
         ep.kind, ep.native, ep.device, ep.hier, ep._parts = kind, Native(kind), device, None, []
-        ep.made = (kind, r, w)
+        ep.made = (kind, r, w, names)
         return ep
 
     cuda_comm.CudaEndpoint._connect = classmethod(connect)
@@ -981,16 +982,19 @@ def case_cuda_endpoints_follow(rank, world, hosts):
 @pytest.mark.parametrize("hosts", ["aabb", "aaab"])
 def test_cuda_hierarchy_ipc_follows_nccl(hosts):
     """A rank with both an in-host IPC endpoint and a cross-host NCCL one chains them (IPC
-    follows NCCL); a rank with one of them chains nothing. The halt itself is the GPU's to
-    show: tests/test_cuda.py::test_cuda_two_hosts_aborted_cross_step_fails_host_peers."""
+    follows NCCL); a rank with one of them chains nothing. Each endpoint's messages name
+    ranks as the group does (Options::rank_names: the host's ranks, the cross-host group's).
+    The halt itself is the GPU's to show:
+    tests/test_cuda.py::test_cuda_two_hosts_aborted_cross_step_fails_host_peers."""
     res = values(run_ranks(case_cuda_endpoints_follow, 4, list(hosts), timeout=120))
-    ipc = lambda r, n, f: (("ipc", r, n), f)  # noqa: E731
-    nccl = lambda r, n: (("nccl", r, n), [])  # noqa: E731
+    ipc = lambda r, n, names, f: (("ipc", r, n, names), f)  # noqa: E731
+    nccl = lambda r, n, names: (("nccl", r, n, names), [])  # noqa: E731
     if hosts == "aabb":  # two-level: every rank has both; NCCL among the ranks of one local rank
-        want = [[ipc(0, 2, ["nccl"]), nccl(0, 2)], [ipc(1, 2, ["nccl"]), nccl(0, 2)],
-                [ipc(0, 2, ["nccl"]), nccl(1, 2)], [ipc(1, 2, ["nccl"]), nccl(1, 2)]]
+        want = [[ipc(0, 2, [0, 1], ["nccl"]), nccl(0, 2, [0, 2])], [ipc(1, 2, [0, 1], ["nccl"]), nccl(0, 2, [1, 3])],
+                [ipc(0, 2, [2, 3], ["nccl"]), nccl(1, 2, [0, 2])], [ipc(1, 2, [2, 3], ["nccl"]), nccl(1, 2, [1, 3])]]
     else:  # leaders: rank 0 (host a's leader) both; ranks 1, 2 IPC only; rank 3 (alone on b) NCCL only
-        want = [[ipc(0, 3, ["nccl"]), nccl(0, 2)], [ipc(1, 3, [])], [ipc(2, 3, [])], [nccl(1, 2)]]
+        want = [[ipc(0, 3, [0, 1, 2], ["nccl"]), nccl(0, 2, [0, 3])], [ipc(1, 3, [0, 1, 2], [])],
+                [ipc(2, 3, [0, 1, 2], [])], [nccl(1, 2, [0, 3])]]
     assert res == want, res
 
 

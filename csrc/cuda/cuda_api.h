@@ -56,6 +56,8 @@ struct Options {
                               // (0: 256 KiB; must agree)
   size_t arena_bytes = 0;     // IPC: registered memory (tensors from alloc()) for this rank
   bool registered = true;     // IPC: peers read registered tensors in place (no staging copy)
+  std::vector<int> rank_names;  // how messages name ranks 0..world-1 of this endpoint (across
+                                 // hosts: the group's ranks of a host or cross-host group); empty: as they are
   std::string nccl_library;   // NCCL: path of libnccl.so.2 (Python: $RINGDP_NCCL_LIBRARY, else
                               // the nvidia-nccl wheel's); empty: already loaded, then search
 };

@@ -91,12 +91,12 @@ class StreamPool {
 }  // namespace cuda
 }  // namespace ringdp
 
-// Inside a transport class with members `rank_` and a static `kName`.
+// Inside a transport class with a member `me_` (this rank as messages name it) and a static `kName`.
 #define RINGDP_CUDA_CHECK(expr, what)                                \
   do {                                                               \
     cudaError_t ringdp_err_ = (expr);                                \
     if (ringdp_err_ != cudaSuccess) {                                \
       (void)cudaGetLastError(); /* clear a sticky launch error */     \
-      ::ringdp::cuda::throw_cuda(kName, rank_, (what), ringdp_err_); \
+      ::ringdp::cuda::throw_cuda(kName, me_, (what), ringdp_err_);   \
     }                                                                \
   } while (0)

@@ -84,6 +84,10 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   explicit IpcComm(const Options& o) : opt_(o), rank_(o.rank), world_(o.world), ring_(this) {
     if (world_ < 1 || rank_ < 0 || rank_ >= world_)
       throw RingError(cat("ringdp cuda-ipc: invalid rank ", rank_, " for world size ", world_));
+    if (!o.rank_names.empty() && static_cast<int>(o.rank_names.size()) != world_)
+      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank_names has ", o.rank_names.size(),
+                          " entries for world size ", world_));
+    me_ = name_of(rank_);
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
     } else {
@@ -91,7 +95,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     }
     lay_.slots = o.slots > 0 ? static_cast<size_t>(o.slots) : kDefaultSlots;
     if (lay_.slots < 2)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": at least 2 slots per connection are needed, got ",
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": at least 2 slots per connection are needed, got ",
                           lay_.slots));
     lay_.slot_bytes = round_up(std::max<size_t>(o.slot_bytes ? o.slot_bytes : kDefaultSlotBytes, 4096), 4096);
     lay_.oneshot_bytes = round_up(o.oneshot_bytes ? o.oneshot_bytes : kDefaultOneShotBytes, 4096);
@@ -132,31 +136,31 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   }
 
   void connect(const std::vector<std::string>& blobs) override {
-    if (connected_) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": connect() called twice"));
+    if (connected_) throw RingError(cat("ringdp cuda-ipc rank ", me_, ": connect() called twice"));
     if (static_cast<int>(blobs.size()) != world_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": connect() got ", blobs.size(), " peer records for world size ",
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": connect() got ", blobs.size(), " peer records for world size ",
                           world_));
     std::vector<Blob> bs(world_);
     for (int p = 0; p < world_; ++p) {
       if (blobs[p].size() != sizeof(Blob))
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, "'s record has ", blobs[p].size(),
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, ": rank ", name_of(p), "'s record has ", blobs[p].size(),
                             " bytes, expected ", sizeof(Blob), " (a different ringdp version, or a rank that chose "
                             "another transport; set RINGDP_TRANSPORT the same on every rank)"));
       std::memcpy(&bs[p], blobs[p].data(), sizeof(Blob));
       const Blob& b = bs[p];
       if (b.magic != kMagic || b.version != kVersion)
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " runs an incompatible ringdp (record magic/version)"));
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, ": rank ", name_of(p), " runs an incompatible ringdp (record magic/version)"));
       if (b.rank != p || b.world != world_)
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " says it is rank ", b.rank, " of ", b.world,
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, ": rank ", name_of(p), " says it is rank ", b.rank, " of ", b.world,
                             ", expected rank ", p, " of ", world_));
       if (b.slots != lay_.slots || b.slot_bytes != lay_.slot_bytes || b.oneshot_bytes != lay_.oneshot_bytes ||
           b.channels_req != opt_.channels)
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, "'s configuration differs (slots ", b.slots,
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, ": rank ", name_of(p), "'s configuration differs (slots ", b.slots,
                             " vs ", lay_.slots, ", slot bytes ", b.slot_bytes, " vs ", lay_.slot_bytes,
                             ", one-shot bytes ", b.oneshot_bytes, " vs ", lay_.oneshot_bytes, ", channels ",
                             b.channels_req, " vs ", opt_.channels, "); set the RINGDP_CUDA_* variables alike on every rank"));
       if (p != rank_ && b.pid == static_cast<int32_t>(getpid()))
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank ", p, " lives in the same process; the IPC transport "
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, ": rank ", name_of(p), " lives in the same process; the IPC transport "
                             "needs one process per rank"));
     }
     // Channels: explicit or automatic, never more than the smallest share of SMs any rank
@@ -184,7 +188,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
       cudaError_t e = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
       if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        throw RingError(cat("ringdp cuda-ipc rank ", rank_, " (device ", device_, "): cannot open rank ", p,
+        throw RingError(cat("ringdp cuda-ipc rank ", me_, " (device ", device_, "): cannot open rank ", p,
                             "'s memory (device ", bs[p].device, "): cudaIpcOpenMemHandle: ", cudaGetErrorName(e), " (",
                             cudaGetErrorString(e), "). Ranks on GPUs without peer access cannot use the IPC "
                             "transport; use RINGDP_TRANSPORT=nccl"));
@@ -200,9 +204,9 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
                   double timeout_s) override {
     usable("all_reduce");
     if (algo != kAlgoRing && algo != kAlgoOneShot)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (count == 0 || world_ == 1) return;  // nothing moves; AVG over one rank is the identity
-    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_reduce of a null pointer"));
+    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", me_, ": all_reduce of a null pointer"));
     const size_t esize = dtype_size(dtype);
     const size_t bytes = count * esize;
     const bool oneshot = is_oneshot(algo, "all_reduce", bytes, count, dtype);
@@ -231,7 +235,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     usable("reduce_scatter");
     if (count == 0) return;
     if (input == 0 || output == 0)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": reduce_scatter of a null pointer"));
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": reduce_scatter of a null pointer"));
     const size_t bytes = count * dtype_size(dtype);
     // one-shot stages the whole input (world blocks)
     const bool oneshot = is_oneshot(algo, "reduce_scatter", bytes * static_cast<size_t>(world_),
@@ -266,7 +270,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
                   double timeout_s) override {
     usable("all_gather");
     if (count == 0) return;
-    if (input == 0 || output == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": all_gather of a null pointer"));
+    if (input == 0 || output == 0) throw RingError(cat("ringdp cuda-ipc rank ", me_, ": all_gather of a null pointer"));
     const size_t bytes = count * dtype_size(dtype);
     const bool oneshot = is_oneshot(algo, "all_gather", bytes, count, dtype);  // stages this rank's input
     DeviceGuard g(device_);
@@ -298,9 +302,9 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   void broadcast(uintptr_t data, size_t count, DType dtype, int root, uintptr_t stream, int algo,
                  double timeout_s) override {
     usable("broadcast");
-    check_broadcast_root(cat("ringdp cuda-ipc rank ", rank_), root, world_);
+    check_broadcast_root(cat("ringdp cuda-ipc rank ", me_), root, world_);
     if (count == 0 || world_ == 1) return;
-    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": broadcast of a null pointer"));
+    if (data == 0) throw RingError(cat("ringdp cuda-ipc rank ", me_, ": broadcast of a null pointer"));
     const bool oneshot = is_oneshot(algo, "broadcast", count * dtype_size(dtype), count, dtype);
     DeviceGuard g(device_);
     cudaStream_t caller = enter(stream, timeout_s);
@@ -326,7 +330,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     {
       std::lock_guard<std::mutex> lk(rec_mu_);
       if (const ErrorRecord* r = record_locked()) throw RingError(failure_message(*r));
-      if (halted_ && fatal_.empty()) halted = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
+      if (halted_ && fatal_.empty()) halted = cat("ringdp cuda-ipc rank ", me_, ": aborted: ", abort_reason_);
     }
     if (!halted.empty()) {
       // Halted with no kernel of this rank left to meet it (nothing was queued behind the
@@ -365,7 +369,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
 
   void reject(const std::string& why) override {
     if (!fatal_.empty()) return;  // already unusable (aborted, failed, destroyed)
-    fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this rank rejected its input (", why,
+    fatal_ = cat("ringdp cuda-ipc rank ", me_, ": this rank rejected its input (", why,
                  "); a rejection poisons the CUDA communicator: call ringdp.destroy() and initialise again");
     announce(cat("rejected its input: ", why));
   }
@@ -402,7 +406,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   void abort(const std::string& reason) override {
     halt(reason.empty() ? std::string("abort requested") : reason);
     std::lock_guard<std::mutex> lk(rec_mu_);
-    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": aborted: ", abort_reason_);
+    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", me_, ": aborted: ", abort_reason_);
   }
 
   // (cuda_api.h) From any thread: only the host-mapped flag, its reason and halted_ change
@@ -421,16 +425,16 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
 
   void follow(const std::shared_ptr<Comm>& leader) override {
     if (!leader || leader.get() == this)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": follow() needs another endpoint to follow"));
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": follow() needs another endpoint to follow"));
     if (call_ != 0)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": follow() after ", call_,
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": follow() after ", call_,
                           " collectives; kernels already queued would not check for a halt"));
     leader->lead(std::weak_ptr<Comm>(shared_from_this()));
     gated_ = true;
   }
 
   void lead(std::weak_ptr<Comm>) override {
-    throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": a CUDA IPC endpoint leads no other (Comm::lead is NCCL's)"));
+    throw RingError(cat("ringdp cuda-ipc rank ", me_, ": a CUDA IPC endpoint leads no other (Comm::lead is NCCL's)"));
   }
 
   void quiesce() override {
@@ -451,7 +455,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   uintptr_t alloc(size_t bytes) override {
     std::lock_guard<std::mutex> lk(mu_);
     if (!base_ || destroyed_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": alloc on a destroyed communicator"));
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": alloc on a destroyed communicator"));
     const size_t want = round_up(std::max<size_t>(bytes, 1), kArenaAlign);
     for (int pass = 0; pass < 2; ++pass) {
       reclaim_locked(/*wait=*/pass == 1);  // blocks freed while ringdp's stream still used them
@@ -467,7 +471,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     }
     size_t avail = 0;
     for (auto& f : free_) avail = std::max(avail, f.second);
-    throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": registered CUDA memory exhausted: asked for ", bytes,
+    throw RingError(cat("ringdp cuda-ipc rank ", me_, ": registered CUDA memory exhausted: asked for ", bytes,
                         " bytes, the largest free block is ", avail, " of an arena of ", lay_.arena_bytes,
                         " bytes (raise RINGDP_CUDA_ARENA_MB)"));
   }
@@ -579,7 +583,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   void usable(const char* what) {
     check();
     if (!connected_ || quiesced_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": ", what, " on a communicator that is ",
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": ", what, " on a communicator that is ",
                           connected_ ? "shut down" : "not connected"));
   }
 
@@ -588,9 +592,9 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   // silent fallback to the ring.
   bool is_oneshot(int algo, const char* what, size_t bytes, size_t elems, DType dtype) const {
     if (algo != kAlgoRing && algo != kAlgoOneShot)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (algo == kAlgoOneShot && bytes > oneshot_bytes())
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": one-shot ", what, " of ", bytes, " bytes (", elems, " x ",
+      throw RingError(cat("ringdp cuda-ipc rank ", me_, ": one-shot ", what, " of ", bytes, " bytes (", elems, " x ",
                           dtype_name(dtype), ") requested, but this transport runs one-shot only up to ",
                           oneshot_bytes(), " bytes",
                           world_ > kMaxOneShotWorld ? cat(" (none above ", kMaxOneShotWorld, " ranks)")
@@ -697,7 +701,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
       host_dev_ = nullptr;
     }
     if (gone) (void)cudaFreeHost(gone);  // (not under rec_mu_: a halt from another thread never waits on it)
-    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": this communicator was destroyed");
+    if (fatal_.empty()) fatal_ = cat("ringdp cuda-ipc rank ", me_, ": this communicator was destroyed");
     {
       std::lock_guard<std::mutex> lk(mu_);
       if (used_.empty() || from_dtor) {
@@ -724,7 +728,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   void poison(const std::string& why) {
     if (host_) host_->host_abort = 1;
     if (fatal_.empty())
-      fatal_ = cat("ringdp cuda-ipc rank ", rank_, ": ", why, "; this communicator is unusable now");
+      fatal_ = cat("ringdp cuda-ipc rank ", me_, ": ", why, "; this communicator is unusable now");
   }
 
   // Whether the successor may read this tensor in place: registered memory (our arena),
@@ -808,29 +812,36 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
   }
 
+  // Rank r of this endpoint as messages name it (Options::rank_names); out of range (a
+  // garbled record) as it is.
+  int name_of(int r) const {
+    return r >= 0 && r < static_cast<int>(opt_.rank_names.size()) ? opt_.rank_names[static_cast<size_t>(r)] : r;
+  }
+
   std::string failure_message(const ErrorRecord& r) const {
-    const std::string me = cat("ringdp cuda-ipc rank ", rank_, ": ");
+    const std::string me = cat("ringdp cuda-ipc rank ", me_, ": ");
     switch (r.code) {
       case kErrTimeout:
-        return cat(me, "timed out after ", static_cast<double>(r.waited_ns) / 1e9, " s waiting for rank ", r.peer,
+        return cat(me, "timed out after ", static_cast<double>(r.waited_ns) / 1e9, " s waiting for rank ", name_of(r.peer),
                    " (channel ", r.channel, ": its counter ", what_name(r.what), " is ", r.seen, ", needed >= ",
-                   r.target, "). Rank ", r.peer, " is stuck, dead, or did not make the same collective calls (every "
+                   r.target, "). Rank ", name_of(r.peer), " is stuck, dead, or did not make the same collective calls (every "
                    "rank must make the same collectives in the same order with the same size, dtype, op and root)");
       case kErrPeerAborted:
         if (r.reason[0] != 0)
-          return cat(me, "rank ", r.peer, " ", std::string(r.reason, strnlen(r.reason, kReasonBytes)),
+          return cat(me, "rank ", name_of(r.peer), " ", std::string(r.reason, strnlen(r.reason, kReasonBytes)),
                      "; it gave up (raised its abort flag), so this rank stopped too");
-        return cat(me, "rank ", r.peer, " gave up (it raised its abort flag), so this rank stopped too; rank ", r.peer,
+        return cat(me, "rank ", name_of(r.peer), " gave up (it raised its abort flag), so this rank stopped too; rank ",
+                   name_of(r.peer),
                    "'s own error says why");
       case kErrHostAbort:
         return cat(me, "aborted: ", abort_reason_.empty() ? std::string("abort requested") : abort_reason_);
       case kErrMismatch:
-        return cat(me, "collective mismatch with rank ", r.peer, ": this rank is at ", meta_str(r.mine), ", rank ",
-                   r.peer, " is at ", meta_str(r.theirs),
+        return cat(me, "collective mismatch with rank ", name_of(r.peer), ": this rank is at ", meta_str(r.mine),
+                   ", rank ", name_of(r.peer), " is at ", meta_str(r.theirs),
                    ". Every rank must make the same collectives in the same order with the same size, dtype, op "
                    "and root");
       case kErrBadDescriptor:
-        return cat(me, "rank ", r.peer, " published a slice outside its buffer (offset ", r.theirs.src_off, ", ",
+        return cat(me, "rank ", name_of(r.peer), " published a slice outside its buffer (offset ", r.theirs.src_off, ", ",
                    r.theirs.bytes, " bytes): memory corruption or mixed ringdp versions");
     }
     return cat(me, "device reported failure code ", r.code);
@@ -839,6 +850,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   Options opt_;
   int rank_;
   int world_;
+  int me_ = 0;  // rank_ as messages name it (Options::rank_names)
   int device_ = 0;
   int sm_count_ = 0;
   unsigned char uuid_[16] = {};

@@ -154,6 +154,10 @@ class NcclComm final : public Comm {
       : opt_(o), rank_(o.rank), world_(o.world), api_(load(o.nccl_library)), ring_(this) {
     if (world_ < 1 || rank_ < 0 || rank_ >= world_)
       throw RingError(cat("ringdp nccl: invalid rank ", rank_, " for world size ", world_));
+    if (!o.rank_names.empty() && static_cast<int>(o.rank_names.size()) != world_)
+      throw RingError(cat("ringdp nccl rank ", rank_, ": rank_names has ", o.rank_names.size(),
+                          " entries for world size ", world_));
+    me_ = o.rank_names.empty() ? rank_ : o.rank_names[static_cast<size_t>(rank_)];
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
     } else {
@@ -196,24 +200,24 @@ class NcclComm final : public Comm {
   }
 
   void connect(const std::vector<std::string>& blobs) override {
-    if (connected_) throw RingError(cat("ringdp nccl rank ", rank_, ": connect() called twice"));
+    if (connected_) throw RingError(cat("ringdp nccl rank ", me_, ": connect() called twice"));
     if (static_cast<int>(blobs.size()) != world_)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": connect() got ", blobs.size(), " records for world size ", world_));
+      throw RingError(cat("ringdp nccl rank ", me_, ": connect() got ", blobs.size(), " records for world size ", world_));
     for (int p = 0; p < world_; ++p) {
       Blob b;
       if (blobs[p].size() != sizeof(Blob))
-        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, "'s record has ", blobs[p].size(),
+        throw RingError(cat("ringdp nccl rank ", me_, ": rank ", name_of(p), "'s record has ", blobs[p].size(),
                             " bytes, expected ", sizeof(Blob), " (another ringdp version, or another transport: set "
                             "RINGDP_TRANSPORT alike on every rank)"));
       std::memcpy(&b, blobs[p].data(), sizeof(b));
       if (b.magic != kMagic || b.version != kVersion || b.rank != p || b.world != world_)
-        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, "'s record does not match (rank ", b.rank, " of ",
+        throw RingError(cat("ringdp nccl rank ", me_, ": rank ", name_of(p), "'s record does not match (rank ", b.rank, " of ",
                             b.world, ", expected ", p, " of ", world_, ")"));
       if (b.slot_bytes != slot_bytes_)
-        throw RingError(cat("ringdp nccl rank ", rank_, ": rank ", p, " uses slot bytes ", b.slot_bytes, ", this rank ",
+        throw RingError(cat("ringdp nccl rank ", me_, ": rank ", name_of(p), " uses slot bytes ", b.slot_bytes, ", this rank ",
                             slot_bytes_, "; set RINGDP_CUDA_SLOT_BYTES alike on every rank"));
       if (p == 0) {
-        if (!b.has_id) throw RingError(cat("ringdp nccl rank ", rank_, ": rank 0 published no NCCL unique id"));
+        if (!b.has_id) throw RingError(cat("ringdp nccl rank ", me_, ": rank 0 published no NCCL unique id"));
         id_ = b.id;
       }
     }
@@ -222,15 +226,15 @@ class NcclComm final : public Comm {
       // the exchange above would hold this one there forever. Bounded by the timeout (on a
       // thread of its own; abandoned there if it never returns, aborted if it does later).
       const Api* api = &api_;  // (the loaded library's table lives as long as the process)
-      const int device = device_, world = world_, rank = rank_;
+      const int device = device_, world = world_, rank = rank_, me = me_;
       const ncclUniqueId id = id_;
       ncclComm_t c = call_bounded<ncclComm_t>(
-          [api, device, world, rank, id]() -> ncclComm_t {
+          [api, device, world, rank, me, id]() -> ncclComm_t {
             DeviceGuard g(device);
             ncclComm_t made = nullptr;
             const ncclResult_t r = api->CommInitRank(&made, world, id, rank);
             if (r != ncclSuccess)
-              throw RingError(cat("ringdp nccl rank ", rank, ": ncclCommInitRank failed: ", api->GetErrorString(r)));
+              throw RingError(cat("ringdp nccl rank ", me, ": ncclCommInitRank failed: ", api->GetErrorString(r)));
             return made;
           },
           [api, device](ncclComm_t& late) {
@@ -238,7 +242,7 @@ class NcclComm final : public Comm {
             DeviceGuard g(device);
             (void)api->CommAbort(late);
           },
-          timeout_s_, cat("ringdp nccl rank ", rank_, ": ncclCommInitRank"),
+          timeout_s_, cat("ringdp nccl rank ", me_, ": ncclCommInitRank"),
           "a peer died or stopped after the ranks exchanged their records (the communicator is not usable: "
           "ringdp.destroy() and initialise again)");
       std::lock_guard<std::timed_mutex> lk(nccl_mu_);
@@ -252,7 +256,7 @@ class NcclComm final : public Comm {
     usable("all_reduce");
     ring_only(algo, "all_reduce", count, dtype);
     if (count == 0 || world_ == 1) return;
-    if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_reduce of a null pointer"));
+    if (data == 0) throw RingError(cat("ringdp nccl rank ", me_, ": all_reduce of a null pointer"));
     DeviceGuard g(device_);
     enter("all_reduce", count, stream, timeout_s, reinterpret_cast<char*>(data), dtype, op);
     run_ring(ringdp::Kind::kAllReduce, count, 0);
@@ -263,7 +267,7 @@ class NcclComm final : public Comm {
     usable("reduce_scatter");
     ring_only(algo, "reduce_scatter", count * static_cast<size_t>(world_), dtype);
     if (count == 0) return;
-    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": reduce_scatter of a null pointer"));
+    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", me_, ": reduce_scatter of a null pointer"));
     DeviceGuard g(device_);
     enter("reduce_scatter", count, stream, timeout_s, reinterpret_cast<char*>(input), dtype, op);
     call_.result = reinterpret_cast<char*>(output);
@@ -281,7 +285,7 @@ class NcclComm final : public Comm {
     usable("all_gather");
     ring_only(algo, "all_gather", count, dtype);
     if (count == 0) return;
-    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": all_gather of a null pointer"));
+    if (input == 0 || output == 0) throw RingError(cat("ringdp nccl rank ", me_, ": all_gather of a null pointer"));
     DeviceGuard g(device_);
     enter("all_gather", count, stream, timeout_s, reinterpret_cast<char*>(output), dtype, RedOp::kSum);
     // My block of the output first (unless the input is that block): the all-gather starts from it.
@@ -298,9 +302,9 @@ class NcclComm final : public Comm {
                  double timeout_s) override {
     usable("broadcast");
     ring_only(algo, "broadcast", count, dtype);
-    check_broadcast_root(cat("ringdp nccl rank ", rank_), root, world_);
+    check_broadcast_root(cat("ringdp nccl rank ", me_), root, world_);
     if (count == 0 || world_ == 1) return;
-    if (data == 0) throw RingError(cat("ringdp nccl rank ", rank_, ": broadcast of a null pointer"));
+    if (data == 0) throw RingError(cat("ringdp nccl rank ", me_, ": broadcast of a null pointer"));
     DeviceGuard g(device_);
     enter("broadcast", count, stream, timeout_s, reinterpret_cast<char*>(data), dtype, RedOp::kSum);
     run_ring(ringdp::Kind::kBroadcast, count, root);
@@ -340,14 +344,14 @@ class NcclComm final : public Comm {
   }
 
   void abort(const std::string& reason) override {
-    failure_.fail(cat("ringdp nccl rank ", rank_, ": aborted: ", reason.empty() ? "abort requested" : reason));
+    failure_.fail(cat("ringdp nccl rank ", me_, ": aborted: ", reason.empty() ? "abort requested" : reason));
     abort_comm();
   }
 
   void halt(const std::string& reason) override { abort(reason); }  // (an NCCL step cannot stop half-way)
 
   void follow(const std::shared_ptr<Comm>&) override {
-    throw RingError(cat("ringdp nccl rank ", rank_, ": an NCCL endpoint follows no other (Comm::follow is IPC's)"));
+    throw RingError(cat("ringdp nccl rank ", me_, ": an NCCL endpoint follows no other (Comm::follow is IPC's)"));
   }
 
   void lead(std::weak_ptr<Comm> follower) override {
@@ -366,7 +370,7 @@ class NcclComm final : public Comm {
     }
     if (!drained || !fatal().empty()) {  // work may still wait on a peer: ncclCommDestroy would wait with it
       if (!drained)  // (a timeout already said why: abort(); a CUDA error did not)
-        failure_.fail(cat("ringdp nccl rank ", rank_, ": the shutdown could not drain ringdp's stream; the "
+        failure_.fail(cat("ringdp nccl rank ", me_, ": the shutdown could not drain ringdp's stream; the "
                           "collectives in flight were aborted"));
       abort_comm();
       return;
@@ -423,9 +427,9 @@ class NcclComm final : public Comm {
   // anything is enqueued (oneshot_bytes() is 0, so ringdp's policy never asks for it).
   void ring_only(int algo, const char* what, size_t elems, DType dtype) const {
     if (algo != kAlgoRing && algo != kAlgoOneShot)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
+      throw RingError(cat("ringdp nccl rank ", me_, ": unknown algorithm code ", algo, " (0: ring, 1: one-shot)"));
     if (algo == kAlgoOneShot && elems > 0 && world_ > 1)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": one-shot ", what, " of ", elems * dtype_size(dtype),
+      throw RingError(cat("ringdp nccl rank ", me_, ": one-shot ", what, " of ", elems * dtype_size(dtype),
                           " bytes (", elems, " x ", dtype_name(dtype),
                           ") requested, but the NCCL transport has no one-shot path (oneshot_bytes 0); "
                           "nothing was run"));
@@ -433,7 +437,7 @@ class NcclComm final : public Comm {
 
   void nccl_check(ncclResult_t r, const char* what) {
     if (r == ncclSuccess) return;
-    throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));
+    throw RingError(cat("ringdp nccl rank ", me_, ": ", what, " failed: ", api_.GetErrorString(r), last_error()));
   }
   std::string last_error() const {  // (nccl_mu_ held)
     if (!api_.GetLastError || !comm_ || comm_ended_) return "";
@@ -453,11 +457,11 @@ class NcclComm final : public Comm {
         failure_.finished(upto);
         return;
       }
-      if (e != cudaErrorNotReady) throw_cuda(kName, rank_, cat("cudaStreamQuery (", what, ")"), e);
+      if (e != cudaErrorNotReady) throw_cuda(kName, me_, cat("cudaStreamQuery (", what, ")"), e);
       check();
       const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (waited > timeout_s_) {
-        const std::string msg = cat("ringdp nccl rank ", rank_, ": ", what, " timed out after ", waited,
+        const std::string msg = cat("ringdp nccl rank ", me_, ": ", what, " timed out after ", waited,
                                     " s: a peer is stuck or dead, or the ranks made different collective calls");
         abort(msg);
         throw RingError(msg);
@@ -472,7 +476,7 @@ class NcclComm final : public Comm {
     std::lock_guard<std::timed_mutex> lk(nccl_mu_);
     if (!comm_ || comm_ended_) {  // aborted under this collective (the watchdog, on an earlier call's timeout)
       const std::string why = fatal();
-      throw RingError(why.empty() ? cat("ringdp nccl rank ", rank_, ": the NCCL communicator is gone") : why);
+      throw RingError(why.empty() ? cat("ringdp nccl rank ", me_, ": the NCCL communicator is gone") : why);
     }
     nccl_check(api_.GroupStart(), "ncclGroupStart");
     ncclResult_t r1 = ncclSuccess, r2 = ncclSuccess;
@@ -487,7 +491,7 @@ class NcclComm final : public Comm {
   void usable(const char* what) {
     check();
     if (!connected_ || quiesced_)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": ", what, " on a communicator that is ",
+      throw RingError(cat("ringdp nccl rank ", me_, ": ", what, " on a communicator that is ",
                           connected_ ? "shut down" : "not connected"));
   }
 
@@ -518,7 +522,7 @@ class NcclComm final : public Comm {
     try {
       ring_run(ring_, kind, step_plan(kind, count, world_, rank_, slot_bytes_, call_.esize, call_.acc), root);
     } catch (...) {
-      failure_.fail(cat("ringdp nccl rank ", rank_, ": a collective failed half-way; this communicator is unusable now"));
+      failure_.fail(cat("ringdp nccl rank ", me_, ": a collective failed half-way; this communicator is unusable now"));
       abort_comm();  // the steps already queued (and the peers' matching ones) return instead of waiting
       throw;
     }
@@ -558,7 +562,7 @@ class NcclComm final : public Comm {
     const std::string why = fatal();
     for (auto& w : fs)
       if (auto f = w.lock())
-        f->halt(cat("its NCCL endpoint was aborted: ", why.empty() ? cat("ringdp nccl rank ", rank_, ": aborted") : why));
+        f->halt(cat("its NCCL endpoint was aborted: ", why.empty() ? cat("ringdp nccl rank ", me_, ": aborted") : why));
   }
 
   // What NCCL reported asynchronously on the communicator, or "" (nccl_mu_ held).
@@ -566,7 +570,12 @@ class NcclComm final : public Comm {
     if (!comm_ || comm_ended_) return "";
     ncclResult_t r = ncclSuccess;
     if (api_.CommGetAsyncError(comm_, &r) != ncclSuccess || r == ncclSuccess || r == ncclInProgress) return "";
-    return cat("ringdp nccl rank ", rank_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
+    return cat("ringdp nccl rank ", me_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
+  }
+
+  // Rank r of this communicator as messages name it (Options::rank_names).
+  int name_of(int r) const {
+    return r >= 0 && r < static_cast<int>(opt_.rank_names.size()) ? opt_.rank_names[static_cast<size_t>(r)] : r;
   }
 
   // Why this communicator is unusable ("" while it is usable); the first reason stays.
@@ -601,7 +610,7 @@ class NcclComm final : public Comm {
       // the device's own error (the next CUDA call on this rank meets it too): this
       // collective's result is not valid; nothing left to watch
       const uint64_t call = call_of(static_cast<cudaEvent_t>(ev));
-      failure_.fail_from(cat("ringdp nccl rank ", rank_, ": CUDA reported ", cudaGetErrorName(e), " (",
+      failure_.fail_from(cat("ringdp nccl rank ", me_, ": CUDA reported ", cudaGetErrorName(e), " (",
                              cudaGetErrorString(e), ") for collective ", call, " on this communicator"),
                          call);
       return true;
@@ -612,7 +621,7 @@ class NcclComm final : public Comm {
     };
     h.expire = [this](const std::string& reason) {
       const std::string why =
-          reason.rfind("ringdp nccl rank ", 0) == 0 ? reason : cat("ringdp nccl rank ", rank_, ": ", reason);
+          reason.rfind("ringdp nccl rank ", 0) == 0 ? reason : cat("ringdp nccl rank ", me_, ": ", reason);
       failure_.fail(cat(why, "; the watchdog aborted the NCCL communicator (results of this call and any after it are "
                          "not valid): call ringdp.destroy() and initialise again"));
       std::fprintf(stderr, "%s\n", fatal().c_str());
@@ -686,13 +695,14 @@ class NcclComm final : public Comm {
     stream_ = nullptr;
     if (sbuf_) (void)cudaFree(sbuf_);
     sbuf_ = rbuf_ = nullptr;
-    failure_.fail(cat("ringdp nccl rank ", rank_, ": this communicator was destroyed"), /*strikes=*/false);
+    failure_.fail(cat("ringdp nccl rank ", me_, ": this communicator was destroyed"), /*strikes=*/false);
     (void)cudaGetLastError();
   }
 
   Options opt_;
   int rank_;
   int world_;
+  int me_ = 0;  // rank_ as messages name it (Options::rank_names)
   const Api& api_;
   StepRing<NcclComm> ring_;
   int device_ = 0;
@@ -741,7 +751,7 @@ void NcclComm::finish_ring() {
   if (e == cudaSuccess) e = cudaStreamWaitEvent(caller_, end, 0);
   if (e != cudaSuccess) {
     give_back(end);
-    throw_cuda(kName, rank_, "cudaEventRecord / cudaStreamWaitEvent at the end of a collective", e);
+    throw_cuda(kName, me_, "cudaEventRecord / cudaStreamWaitEvent at the end of a collective", e);
   }
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(caller_, &capturing) != cudaSuccess) (void)cudaGetLastError();
