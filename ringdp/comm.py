@@ -1013,14 +1013,16 @@ class Communicator:
         ep = self._cuda_endpoint(device)
         if self._take_inline(async_op):
             caller = torch.cuda.current_stream(device)
-            self._call(lambda: enqueue(ep, caller.cuda_stream))
             if not async_op:
+                self._call(lambda: enqueue(ep, caller.cuda_stream))
                 return None
+            cuda = cuda_comm.Enqueued(ep, torch.cuda.Event())
+            cuda.begin()
+            self._call(lambda: enqueue(ep, caller.cuda_stream))
             # async inline (made on the worker, by a callback): the caller may free the
             # tensors before waiting; the allocator keeps them until the ring is done
             for x in tensors:
                 x.record_stream(caller)
-            cuda = cuda_comm.Enqueued(ep, torch.cuda.Event())
             cuda.enqueued()
             cuda.done.record(caller)
             fut = Future()
@@ -1039,6 +1041,7 @@ class Communicator:
 
         def run():
             ep.stream.wait_event(ready)
+            cuda.begin()
             enqueue(ep, ep.stream.cuda_stream)
             cuda.enqueued()
             cuda.done.record(ep.stream)

@@ -204,15 +204,24 @@ class Enqueued:
     recorded after the collective (`done`), and, once enqueued, where the endpoint's
     transports stood (`marks`, set by `enqueued()` on the thread that enqueued it). Its end
     event completes even when a failure struck it (an aborted NCCL kernel returns, an IPC
-    kernel gives up), so failure() asks the transports whether its result is valid."""
+    kernel gives up), so failure() asks the transports whether its result is valid. With
+    `begin()` called on that thread just before the enqueue, only the transports whose
+    count it advanced are marked: one it ran nothing on (0 elements, one rank) does not
+    answer for it, so a no-op never takes the previous collective's verdict."""
 
-    __slots__ = ("endpoint", "done", "marks")
+    __slots__ = ("endpoint", "done", "marks", "_before")
 
     def __init__(self, endpoint: CudaEndpoint, done):
-        self.endpoint, self.done, self.marks = endpoint, done, None
+        self.endpoint, self.done, self.marks, self._before = endpoint, done, None, None
+
+    def begin(self) -> None:
+        self._before = self.endpoint.marks()
 
     def enqueued(self) -> None:
-        self.marks = self.endpoint.marks()
+        marks = self.endpoint.marks()
+        if self._before is not None:  # (the same transports in the same order: CudaEndpoint.marks)
+            marks = tuple(m for m, (_, was) in zip(marks, self._before) if m[1] != was)
+        self.marks = marks
 
     def failure(self) -> RingError | None:
         """The RingError of a failure that struck this collective on any of the transports it

@@ -1944,7 +1944,7 @@ def _cuda_call_paths(rank, world):
     async one records `ready` on the current stream and every tensor on ringdp's stream (on
     the calling thread), then on the worker ringdp's stream waits on `ready`, the collective
     is enqueued on ringdp's stream, the transports' call numbers are read (on the thread that
-    enqueued it, right after: the Work's marks) and `done` recorded there; Work.wait() makes
+    enqueued it, right before and right after: the Work's marks) and `done` recorded there; Work.wait() makes
     the waiter's stream wait on `done`."""
     import threading
 
@@ -1999,11 +1999,12 @@ def test_cuda_call_paths_inline_and_queued():
         worker = next(e[-1] for e in queued if e[0] == "enqueue")
         assert worker != main
         assert queued == [("record", "event1", "current", main), ("record_stream", "ringdp"),
-                          ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker),
+                          ("record_stream", "ringdp"), ("wait", "ringdp", "event1", worker), ("marks", worker),
                           ("enqueue", "ringdp-handle", worker), ("marks", worker), ("record", "event2", "ringdp", worker),
                           ("wait", "current", "event2", main)], queued
-        assert on_worker == [("enqueue", "current-handle", worker), ("record_stream", "current"), ("marks", worker),
-                             ("record", "event3", "current", worker), ("wait", "current", "event3", main)], on_worker
+        assert on_worker == [("marks", worker), ("enqueue", "current-handle", worker), ("record_stream", "current"),
+                             ("marks", worker), ("record", "event3", "current", worker),
+                             ("wait", "current", "event3", main)], on_worker
 
 
 def _cuda_setup_fails_once(rank, world):
@@ -2263,6 +2264,30 @@ def test_cuda_call_refused_while_capturing_a_graph():
         msg = out["check_capturing"]
         assert msg is not None and f"ringdp.broadcast on rank {r}" in msg and "capturing a CUDA graph" in msg, msg
         assert out["native_capturing"] is False and out["announced"] == 0, out
+
+
+def test_cuda_noop_work_does_not_take_the_previous_verdict():
+    """A CUDA collective that enqueued nothing (0 elements, one rank: the transport's count
+    does not move) has no marks, so its Work succeeds even when the collective before it
+    was struck; one that ran is marked and struck. Endpoint faked (tests/_fake_cuda.py)."""
+    from ringdp import cuda_comm
+
+    ep = _fake_cuda.Endpoint(None)
+    before = _fake_cuda.enqueued(ep, None)  # collective 1
+    ep.strike("struck from 1", 1)
+    noop = cuda_comm.Enqueued(ep, None)
+    noop.begin()
+    noop.enqueued()  # (nothing counted in between)
+    ran = cuda_comm.Enqueued(ep, None)
+    ran.begin()
+    ep.call()  # collective 2
+    ran.enqueued()
+    assert str(before.failure()) == "struck from 1"
+    assert noop.marks == () and noop.failure() is None
+    assert ran.marks == ((ep, 2),) and str(ran.failure()) == "struck from 1"
+    old = cuda_comm.Enqueued(ep, None)  # without begin(): every transport answers (its last collective's verdict)
+    old.enqueued()
+    assert old.marks == ((ep, 2),)
 
 
 def test_cuda_endpoint_failure_survives_close():

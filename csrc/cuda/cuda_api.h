@@ -114,8 +114,8 @@ class Comm : public Endpoint {
   //         by the watchdog's polls (10 ms) or a bounded stream wait; collectives it does not
   //         watch (captured into a CUDA graph) only by the latter, so an abort may strike
   //         them late.
-  // A call that enqueues nothing (0 elements, world 1) takes no number: its Work shares
-  // the previous collective's verdict. Cheap; never throws.
+  // A call that enqueues nothing (0 elements, world 1) takes no number: its Work does not
+  // ask (ringdp/cuda_comm.py Enqueued reads calls() before and after). Cheap; never throws.
   virtual std::string failure_of(uint64_t call) const = 0;
   // Wait for all work queued so far on ringdp's stream, then check().
   virtual void synchronize() = 0;
