@@ -110,7 +110,7 @@ class CudaEndpoint:
             host = Rendezvous(f"{prefix}cuda-host{across.host_index}/", comm.local_rank, comm.local_size,
                               comm.timeout, store=comm._store)
             inhost = self._connect(comm, "ipc", comm.local_rank, comm.local_size, host, self.device,
-                                   [r for r, h in enumerate(comm.hosts) if h == comm.host_key])
+                                   across.by_host[across.host_index])
             self._parts.append((inhost, host))
         if across.cross_ranks:
             me, name = across.cross_ranks.index(comm.rank), f"local{comm.local_rank}" if across.path == policy.TWO_LEVEL else "leaders"

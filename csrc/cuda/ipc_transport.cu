@@ -84,9 +84,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   explicit IpcComm(const Options& o) : opt_(o), rank_(o.rank), world_(o.world), ring_(this) {
     if (world_ < 1 || rank_ < 0 || rank_ >= world_)
       throw RingError(cat("ringdp cuda-ipc: invalid rank ", rank_, " for world size ", world_));
-    if (!o.rank_names.empty() && static_cast<int>(o.rank_names.size()) != world_)
-      throw RingError(cat("ringdp cuda-ipc rank ", rank_, ": rank_names has ", o.rank_names.size(),
-                          " entries for world size ", world_));
+    check_rank_names(kName, rank_, world_, o.rank_names);
     me_ = name_of(rank_);
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
@@ -812,11 +810,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
     RINGDP_CUDA_CHECK(cudaStreamWaitEvent(caller, ev_out_, 0), "cudaStreamWaitEvent (caller's stream)");
   }
 
-  // Rank r of this endpoint as messages name it (Options::rank_names); out of range (a
-  // garbled record) as it is.
-  int name_of(int r) const {
-    return r >= 0 && r < static_cast<int>(opt_.rank_names.size()) ? opt_.rank_names[static_cast<size_t>(r)] : r;
-  }
+  int name_of(int r) const { return rank_name(opt_.rank_names, r); }  // (as messages name rank r)
 
   std::string failure_message(const ErrorRecord& r) const {
     const std::string me = cat("ringdp cuda-ipc rank ", me_, ": ");

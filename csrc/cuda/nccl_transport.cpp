@@ -154,10 +154,8 @@ class NcclComm final : public Comm {
       : opt_(o), rank_(o.rank), world_(o.world), api_(load(o.nccl_library)), ring_(this) {
     if (world_ < 1 || rank_ < 0 || rank_ >= world_)
       throw RingError(cat("ringdp nccl: invalid rank ", rank_, " for world size ", world_));
-    if (!o.rank_names.empty() && static_cast<int>(o.rank_names.size()) != world_)
-      throw RingError(cat("ringdp nccl rank ", rank_, ": rank_names has ", o.rank_names.size(),
-                          " entries for world size ", world_));
-    me_ = o.rank_names.empty() ? rank_ : o.rank_names[static_cast<size_t>(rank_)];
+    check_rank_names(kName, rank_, world_, o.rank_names);
+    me_ = name_of(rank_);
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");
     } else {
@@ -573,10 +571,7 @@ class NcclComm final : public Comm {
     return cat("ringdp nccl rank ", me_, ": NCCL reported an error: ", api_.GetErrorString(r), last_error());
   }
 
-  // Rank r of this communicator as messages name it (Options::rank_names).
-  int name_of(int r) const {
-    return r >= 0 && r < static_cast<int>(opt_.rank_names.size()) ? opt_.rank_names[static_cast<size_t>(r)] : r;
-  }
+  int name_of(int r) const { return rank_name(opt_.rank_names, r); }  // (as messages name rank r)
 
   // Why this communicator is unusable ("" while it is usable); the first reason stays.
   std::string fatal() const { return failure_.reason(); }
