@@ -864,6 +864,34 @@ def test_shm_geometry_overflow_is_a_ring_error():
     assert not (_shm_names() - before)
 
 
+def _shm_config_names(rank, world):
+    """ShmConfig.rank_names (an in-host endpoint of a hierarchy names its group's ranks): a
+    list that does not cover the world is refused, and a refusal names the rank by its name."""
+    import uuid
+
+    from ringdp import _C
+
+    errs = []
+    for names, slot_bytes in [([3, 7], 1 << 16), ([7], 100)]:
+        c = _C.ShmConfig()
+        c.rank, c.world, c.name, c.host = 0, 1, _C.shm_segment_name(uuid.uuid4().hex[:12], 0), "h"
+        c.rank_names, c.slot_bytes = names, slot_bytes
+        try:
+            _C.ShmComm(c)
+            errs.append(None)
+        except _C.RingError as e:
+            errs.append(str(e))
+    return errs
+
+
+def test_shm_config_names_ranks():
+    before = _shm_names()
+    errs = values(run_ranks(_shm_config_names, 1, timeout=120))[0]
+    assert errs[0] == "ringdp shm rank 0: rank_names has 2 entries for world size 1", errs
+    assert errs[1] is not None and errs[1].startswith("rank 7: slot_bytes 100"), errs
+    assert not (_shm_names() - before)
+
+
 def _empty_too_large(rank, world):
     """ringdp.empty of a size whose byte count does not fit: a ValueError naming the shape and
     the dtype (before: 2^62 float32 elements wrapped to 0 bytes, a tensor claiming 2^62

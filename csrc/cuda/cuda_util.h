@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "../common/error.h"
+#include "../common/rank_names.h"
 
 namespace ringdp {
 namespace cuda {
@@ -87,18 +88,6 @@ class StreamPool {
     return *v;
   }
 };
-
-// Rank r of an endpoint as its messages name it: names[r] (cuda::Options::rank_names, checked
-// against the world size by check_rank_names), or r itself (no names, or a value out of range:
-// a garbled record).
-inline int rank_name(const std::vector<int>& names, int r) {
-  return r >= 0 && r < static_cast<int>(names.size()) ? names[static_cast<size_t>(r)] : r;
-}
-inline void check_rank_names(const char* transport, int rank, int world, const std::vector<int>& names) {
-  if (!names.empty() && static_cast<int>(names.size()) != world)
-    throw RingError(cat("ringdp ", transport, " rank ", rank, ": rank_names has ", names.size(),
-                        " entries for world size ", world));
-}
 
 }  // namespace cuda
 }  // namespace ringdp

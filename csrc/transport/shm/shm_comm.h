@@ -15,6 +15,7 @@
 
 #include "../../common/endpoint.h"
 #include "../../common/flight.h"
+#include "../../common/rank_names.h"
 #include "../../common/types.h"
 #include "layout.h"
 #include "link.h"
@@ -197,9 +198,7 @@ class ShmComm final : public Endpoint {
   std::string describe_header(int r, int parity) const;
   // Endpoint rank r as messages name it (ShmConfig::rank_names); a value out of range (a
   // peer's garbled header) as it is.
-  int name_of(int r) const {
-    return r >= 0 && r < static_cast<int>(cfg_.rank_names.size()) ? cfg_.rank_names[static_cast<size_t>(r)] : r;
-  }
+  int name_of(int r) const { return rank_name(cfg_.rank_names, r); }
 
   ShmConfig cfg_;
   shm::Geometry geo_;
