@@ -834,26 +834,33 @@ def test_huge_timeouts_work_and_destroy_cleanly(how, env):
         assert had_shm and released, rank
 
 
-def _shm_geometry_overflow(rank, world):
-    """The shared-memory layout checks its own arithmetic (behind the parser's limits): a
-    configuration whose segment size wraps in 64 bits is a RingError, not a small segment
-    that the ring then writes past (SIGSEGV)."""
+def _shm_comm_errors(settings):
+    """What constructing a one-rank ShmComm says for each dict of ShmConfig fields in
+    `settings`: the RingError's text, or None when it was made."""
     import uuid
 
     from ringdp import _C
 
     errs = []
-    for field, value in [("slot_bytes", 1 << 61), ("fifo_slots", 1 << 62), ("oneshot_bytes", 1 << 63),
-                         ("oneshot_bytes", (1 << 64) - 1), ("arena_bytes", (1 << 64) - 1)]:
+    for fields in settings:
         c = _C.ShmConfig()
         c.rank, c.world, c.name, c.host = 0, 1, _C.shm_segment_name(uuid.uuid4().hex[:12], 0), "h"
-        setattr(c, field, value)
+        for field, value in fields.items():
+            setattr(c, field, value)
         try:
             _C.ShmComm(c)
             errs.append(None)
         except _C.RingError as e:
             errs.append(str(e))
     return errs
+
+
+def _shm_geometry_overflow(rank, world):
+    """The shared-memory layout checks its own arithmetic (behind the parser's limits): a
+    configuration whose segment size wraps in 64 bits is a RingError, not a small segment
+    that the ring then writes past (SIGSEGV)."""
+    return _shm_comm_errors([{"slot_bytes": 1 << 61}, {"fifo_slots": 1 << 62}, {"oneshot_bytes": 1 << 63},
+                             {"oneshot_bytes": (1 << 64) - 1}, {"arena_bytes": (1 << 64) - 1}])
 
 
 def test_shm_geometry_overflow_is_a_ring_error():
@@ -867,21 +874,7 @@ def test_shm_geometry_overflow_is_a_ring_error():
 def _shm_config_names(rank, world):
     """ShmConfig.rank_names (an in-host endpoint of a hierarchy names its group's ranks): a
     list that does not cover the world is refused, and a refusal names the rank by its name."""
-    import uuid
-
-    from ringdp import _C
-
-    errs = []
-    for names, slot_bytes in [([3, 7], 1 << 16), ([7], 100)]:
-        c = _C.ShmConfig()
-        c.rank, c.world, c.name, c.host = 0, 1, _C.shm_segment_name(uuid.uuid4().hex[:12], 0), "h"
-        c.rank_names, c.slot_bytes = names, slot_bytes
-        try:
-            _C.ShmComm(c)
-            errs.append(None)
-        except _C.RingError as e:
-            errs.append(str(e))
-    return errs
+    return _shm_comm_errors([{"rank_names": [3, 7]}, {"rank_names": [7], "slot_bytes": 100}])
 
 
 def test_shm_config_names_ranks():
