@@ -873,8 +873,9 @@ def test_shm_geometry_overflow_is_a_ring_error():
 
 def _shm_config_names(rank, world):
     """ShmConfig.rank_names (an in-host endpoint of a hierarchy names its group's ranks): a
-    list that does not cover the world is refused, and a refusal names the rank by its name."""
-    return _shm_comm_errors([{"rank_names": [3, 7]}, {"rank_names": [7], "slot_bytes": 100}])
+    list that does not cover the world is refused, and a refusal names the rank by its name;
+    a rank outside the world is refused as the CUDA transports refuse it."""
+    return _shm_comm_errors([{"rank_names": [3, 7]}, {"rank_names": [7], "slot_bytes": 100}, {"rank": 1}])
 
 
 def test_shm_config_names_ranks():
@@ -882,6 +883,7 @@ def test_shm_config_names_ranks():
     errs = values(run_ranks(_shm_config_names, 1, timeout=120))[0]
     assert errs[0] == "ringdp shm rank 0: rank_names has 2 entries for world size 1", errs
     assert errs[1] is not None and errs[1].startswith("rank 7: slot_bytes 100"), errs
+    assert errs[2] == "ringdp shm: invalid rank 1 for world size 1", errs
     assert not (_shm_names() - before)
 
 

@@ -82,9 +82,7 @@ class IpcComm final : public Comm, public std::enable_shared_from_this<IpcComm> 
   static constexpr bool kClosesChain = true;
 
   explicit IpcComm(const Options& o) : opt_(o), rank_(o.rank), world_(o.world), ring_(this) {
-    if (world_ < 1 || rank_ < 0 || rank_ >= world_)
-      throw RingError(cat("ringdp cuda-ipc: invalid rank ", rank_, " for world size ", world_));
-    check_rank_names(kName, rank_, world_, o.rank_names);
+    check_ranks(kName, rank_, world_, o.rank_names);
     me_ = name_of(rank_);
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");

@@ -152,9 +152,7 @@ class NcclComm final : public Comm {
 
   explicit NcclComm(const Options& o)
       : opt_(o), rank_(o.rank), world_(o.world), api_(load(o.nccl_library)), ring_(this) {
-    if (world_ < 1 || rank_ < 0 || rank_ >= world_)
-      throw RingError(cat("ringdp nccl: invalid rank ", rank_, " for world size ", world_));
-    check_rank_names(kName, rank_, world_, o.rank_names);
+    check_ranks(kName, rank_, world_, o.rank_names);
     me_ = name_of(rank_);
     if (o.device < 0) {
       RINGDP_CUDA_CHECK(cudaGetDevice(&device_), "cudaGetDevice");

@@ -108,9 +108,7 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 }  // namespace
 
 ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
-  if (cfg_.world < 1 || cfg_.rank < 0 || cfg_.rank >= cfg_.world)
-    throw RingError(cat("invalid rank ", cfg_.rank, " for world size ", cfg_.world));
-  check_rank_names("shm", cfg_.rank, cfg_.world, cfg_.rank_names);
+  check_ranks("shm", cfg_.rank, cfg_.world, cfg_.rank_names);
   // A power of two: a link picks its slot as a 32-bit slice counter modulo the slots, which
   // stays in order across the counter's wrap only when the count divides 2^32.
   if (cfg_.fifo_slots < 2 || (cfg_.fifo_slots & (cfg_.fifo_slots - 1)) != 0)
