@@ -96,6 +96,7 @@ from . import _types, policy
 from ._eager import eager, eager_methods
 from ._native import _C
 from .comm import Communicator, HelpingFuture, RingError, _completed, fail_future
+from .rendezvous import Rendezvous
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -373,8 +374,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         self._named = False  # set once torch named (registered) the group
         self._shut = False
         self._cuda_ringdp = cuda_ringdp  # None: decided from the group's backend string on first use
+        # This group's incarnation (Rendezvous.incarnation): every key ringdp and its inner
+        # groups write goes under it, so that a group of a job torchrun restarted never reads
+        # the dead attempt's keys (gloo's addresses, NCCL's unique id, ringdp's segments),
+        # which torchrun's agent store keeps.
+        self._incarnation = Rendezvous("ringdp/backend/", rank, size, timeout.total_seconds(),
+                                       store=store).incarnation()
         # the inner groups: gloo now (every rank creates the backend together), nccl on demand
-        self._gloo = ProcessGroupGloo(dist.PrefixStore("ringdp-inner-gloo/", store), rank, size, timeout=timeout)
+        self._gloo = ProcessGroupGloo(self._inner_store("gloo"), rank, size, timeout=timeout)
         self._nccl = None
         self._nccl_lock = threading.Lock()
         self._comm = Communicator(timeout=timeout.total_seconds(), backend=self)
@@ -384,6 +391,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     # -- what the communicator asks of its backend (ringdp/comm.py) ----------------------
     def _ringdp_store(self):
         return self._store_obj
+
+    def _ringdp_incarnation(self) -> int:
+        return self._incarnation
+
+    def _inner_store(self, name: str):
+        """The store of the inner group `name` (gloo, nccl): this incarnation's."""
+        return dist.PrefixStore(f"ringdp-inner-{name}/{self._incarnation}/", self._store_obj)
 
     def _ringdp_alive(self) -> bool:
         if self._shut:
@@ -498,7 +512,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 if self._nccl is None:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = self._timeout
-                    self._nccl = dist.ProcessGroupNCCL(dist.PrefixStore("ringdp-inner-nccl/", self._store_obj),
+                    self._nccl = dist.ProcessGroupNCCL(self._inner_store("nccl"),
                                                        self._rank_, self._size_, opts)
             return self._nccl
         return self._gloo

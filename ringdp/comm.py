@@ -2,9 +2,11 @@
 
 Set-up (collective, ringdp.init or the first collective of the group):
   1. Config.from_env(): every RINGDP_* setting, read once (ringdp/config.py);
-  2. Rendezvous (ringdp/rendezvous.py) under a prefix unique to the group and generation:
-     rank 0's job id, every rank's host key (RINGDP_HOST_ID, else hostname + boot id: the
-     topology; local rank and local size by host, in rank order);
+  2. Rendezvous (ringdp/rendezvous.py) under a prefix unique to the group and its
+     incarnation (Rendezvous.incarnation: never one of an earlier set-up, even of a
+     torchrun attempt that died; the store keeps its keys): rank 0's job id, every rank's
+     host key (RINGDP_HOST_ID, else hostname + boot id: the topology; local rank and local
+     size by host, in rank order);
   3. ranks of one host: the shared-memory endpoint (csrc/transport/shm): create this rank's
      segment, exchange local_blob()s, connect(), barrier, unlink the name. The CUDA
      endpoint (ringdp/cuda_comm.py) follows the same lifecycle on the first CUDA call.
@@ -300,12 +302,6 @@ def _group_key(group) -> str:
     return "g" + dist.distributed_c10d._get_process_group_name(group)
 
 
-# Communicators created per group key, so that a re-created one (after the group was
-# destroyed and made again) rendezvous under a prefix of its own: the store may be the same
-# (torchrun's agent store outlives process groups) and hold the old keys.
-_generation: dict[str, int] = {}
-
-
 def _is_world(group) -> bool:
     return group is None or group is dist.group.WORLD
 
@@ -353,14 +349,16 @@ class Communicator:
         self.rank = dist.get_rank(group) if backend is None else backend.rank()
         self.world = dist.get_world_size(group) if backend is None else backend.size()
         self.timeout = self.config.timeout_s
-        if backend is None:  # the default store: a prefix per group and generation, counted per process
+        # A prefix per group and incarnation (Rendezvous.incarnation): a re-created group's
+        # communicator, or one of a job torchrun restarted, never reads the keys of an earlier
+        # one, which the store may still hold (torchrun's agent store outlives process groups
+        # and worker processes).
+        if backend is None:  # the default store: a prefix per group
             key = _group_key(group)
-            gen = _generation.get(key, 0)
-            _generation[key] = gen + 1
-        else:  # the group's own store (torch prefixes it per group): its ranks count there, so that
-            # ranks outside another ringdp group made before (new_group of some ranks) agree
+            gen = Rendezvous(f"ringdp/{key}/", self.rank, self.world, self.timeout, store=self._store).incarnation()
+        else:  # the group's own store (torch prefixes it per group), drawn by the backend
             key = "backend"
-            gen = (backend._ringdp_store().add("ringdp/backend/generation", 1) - 1) // self.world
+            gen = backend._ringdp_incarnation()
         self.rendezvous = Rendezvous(f"ringdp/{key}/{gen}/", self.rank, self.world, self.timeout, store=self._store)
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None

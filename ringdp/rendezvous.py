@@ -10,6 +10,7 @@ communicator's timeout.
 from __future__ import annotations
 
 import time
+import uuid
 import weakref
 
 import torch.distributed as dist
@@ -103,25 +104,75 @@ class Rendezvous:
         set up at once on two threads (in different orders on different ranks) would each
         wait for the other's timeout. (What a signal handler raises while this sleeps, e.g.
         on a SIGTERM during set-up, propagates as it is.)"""
+        def missing(store):
+            return ", ".join(k for k in keys if not store.check([k])) or "peers"
+
+        self._poll(what, lambda store: self._check(store, keys, what), missing)
+
+    def _poll(self, what: str, ready, missing) -> None:
+        """Poll `ready(store)` until it is true, with growing pauses; after the timeout a
+        RingError naming `missing(store)` (what is still not there)."""
         store = self.store
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0002
-        while not self._check(store, keys, what):
+        while not ready(store):
             left = deadline - time.monotonic()
             if left <= 0:
-                missing = [k for k in keys if not store.check([k])]
                 raise RingError(
                     f"rank {self.rank}: timed out after {self.timeout_s:g} s waiting for {what} of "
-                    f"{', '.join(missing) or 'peers'}; did every rank of the group call ringdp with the same group?")
+                    f"{missing(store)}; did every rank of the group call ringdp with the same group?")
             time.sleep(min(pause, left))
             pause = min(2 * pause, self._POLL_MAX_S)
 
     def _check(self, store, keys: list[str], what: str) -> bool:
         try:
             return store.check(keys)
-        except dist.DistError as e:  # the store is gone: its host (rank 0 under torchrun) died
-            raise RingError(f"rank {self.rank}: lost the store while waiting for {what} ({type(e).__name__}: "
-                            f"{str(e).splitlines()[0] if str(e) else ''}); the rank that hosts it may have died") from None
+        except dist.DistError as e:
+            self._lost_store(what, e)
+
+    def _lost_store(self, what: str, e: Exception):
+        """The store is gone while waiting for `what`: its host (rank 0 under torchrun) died."""
+        raise RingError(f"rank {self.rank}: lost the store while waiting for {what} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else ''}); the rank that hosts it may have died") from None
+
+    def incarnation(self, key: str = "incarnation") -> int:
+        """A number (1, 2, ...) that every rank of this set-up agrees on and that no earlier
+        set-up under this prefix drew, even one whose processes died half-way: the store may
+        outlive them with every key they wrote (torchrun's agent store keeps its keys across
+        --max-restarts attempts), so neither a count per process nor a count of arrivals
+        (which a rank that died before arriving skews) names a fresh set of keys.
+
+        Rank 0 draws the number from a counter (store.add: never drawn before). Every other
+        rank joins the counter's latest value with a nonce of its own, and joins again when
+        the counter moves on (it read the value before rank 0 drew), until rank 0's member
+        list for its number holds its nonce: an old attempt's list never does. Rank 0 lists
+        the members once every rank joined its number."""
+        store = self.store
+        counter = f"{key}/drawn"
+        if self.rank == 0:
+            n = store.add(counter, 1)
+            joins = [f"{key}/{n}/join/{r}" for r in range(1, self.world)]
+            self._wait(f"set-up {n}'s ranks", joins)
+            store.set(f"{key}/{n}/members", ",".join(store.get(k).decode() for k in joins))
+            return n
+        nonce, joined = uuid.uuid4().hex, 0
+
+        def listed(store) -> bool:
+            nonlocal joined
+            try:
+                n = store.add(counter, 0)
+                if n > joined:
+                    store.set(f"{key}/{n}/join/{self.rank}", nonce)
+                    joined = n
+                members = f"{key}/{joined}/members"
+                return joined > 0 and store.check([members]) and \
+                    store.get(members).decode().split(",")[self.rank - 1] == nonce
+            except dist.DistError as e:
+                self._lost_store("rank 0's set-up number", e)
+
+        self._poll("rank 0's set-up number", listed,
+                   lambda store: f"rank 0 (this rank joined set-up {joined or 'none yet'}, not yet listed)")
+        return joined
 
     def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
         """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""

@@ -8,7 +8,10 @@ point 4), under torchrun: torchrun SIGTERMs the other ranks as soon as one fails
   SIGTERM handler installed, the guard unlinks, then that handler still runs;
 - a rank SIGKILLed after creating its segment leaves its name; the next set-up on this
   machine removes it (its creator is dead), and never a name whose creator is alive, of
-  another pid namespace or of another user.
+  another pid namespace or of another user;
+- a job that torchrun restarts after a rank died (--max-restarts) sets up again on a store
+  that still holds the dead attempt's keys, runs right, and leaves no segment of either
+  attempt (test_elastic_restart; ringdp/rendezvous.py Rendezvous.incarnation).
 
 Segment names are "ringdp-<job>-r<rank>-p<pid>-n<pid namespace inode>" (names.h). The
 failing rank's failure is simulated by the test scripts (a wrapper around ringdp.comm._C),
@@ -19,6 +22,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from _dist import free_port, run_ranks, values
 
@@ -32,12 +37,12 @@ def _shm():
     return set(os.listdir("/dev/shm"))
 
 
-def _torchrun(mode, out, world=3):
+def _torchrun(mode, out, world=3, job=JOB, restarts=0, timeout=120):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(world),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--monitor-interval", "0.1",
-           JOB, mode, str(out)]
-    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=120)
+           "--max-restarts", str(restarts), job, mode, str(out)]
+    p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout)
     return p.returncode, p.stdout
 
 
@@ -236,3 +241,54 @@ def test_segment_moves_release_the_old_one(tmp_path):
     r = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"segment move checks failed:\n{r.stdout}\n{r.stderr[-4000:]}"
     assert "checks passed, 0 failed" in r.stdout, r.stdout
+
+
+RESTART_JOB = os.path.join(HERE, "_restart_job.py")
+
+
+def _restart_reference(world, steps=3):
+    """tests/_restart_job.py's model trained in one process on the full batch (DDP averages
+    the ranks' mean-loss gradients: the full batch's mean-loss gradient)."""
+    import torch
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("mode", ["raise", "sigkill"])
+def test_elastic_restart(tmp_path, mode):
+    """torchrun --max-restarts 1: the last rank dies in the first attempt (an exception
+    between two collectives, or SIGKILL inside a 32 MiB all-reduce); torchrun SIGTERMs the
+    others and starts the job again. The second attempt's collectives and stock DDP on
+    cpu:ringdp are right (closed forms; parameters equal to one process on the full batch,
+    identical on every rank), and no segment of either attempt is left."""
+    import json
+
+    import torch
+
+    world = 3
+    rc, log = _torchrun(mode, tmp_path, world=world, job=RESTART_JOB, restarts=1, timeout=240)
+    assert rc == 0, log
+    for r in range(world):  # the first attempt wrote nothing: it never got that far
+        assert _read(tmp_path, f"attempt0-{r}.json") is None, log
+        seen = json.loads(_read(tmp_path, f"attempt1-{r}.json") or "{}")
+        assert seen and all(seen.values()), (r, seen, log)
+    jobs = [_read(tmp_path, f"job{k}") for k in (0, 1)]
+    assert all(jobs) and jobs[0] != jobs[1], jobs  # each attempt its own segments
+    torch.testing.assert_close(torch.load(tmp_path / "params.pt"), _restart_reference(world), rtol=1e-6, atol=1e-7)
+    # the SIGTERMed ranks took their names with them; a SIGKILLed rank's was removed by the
+    # second attempt's set-up (its creator was dead); the second attempt's at its end
+    left = sorted(n for n in _shm() if any(n == j or n.startswith(j + "-") for j in jobs))
+    assert left == [], (left, log)
+    # the first attempt: the survivors named the dead rank, and torchrun saw how it died
+    assert re.search(rf"rank {world - 1} \(pid \d+\) died", log), log
+    assert f"exitcode: {-9 if mode == 'sigkill' else 1}) local_rank: {world - 1}" in log, log

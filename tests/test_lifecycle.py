@@ -484,3 +484,61 @@ def test_model_mismatch_same_error_everywhere_and_clean_exit():
         assert len(set(errors)) == 1, errors
         assert "rank 1 differs from rank 0's at entry #0" in errors[0]
         assert "(16, 8)" in errors[0] and "(12, 8)" in errors[0]
+
+
+def _incarnations(store, world, delays, timeout=20.0):
+    """Rendezvous.incarnation on `world` threads sharing `store`, rank r starting after
+    delays[r] seconds (None: never): each rank's number (or the exception it raised)."""
+    import threading
+
+    from ringdp.rendezvous import Rendezvous
+
+    out = [None] * world
+
+    def one(r):
+        if delays[r] is None:  # this rank never comes
+            return
+        time.sleep(delays[r])
+        try:
+            out[r] = Rendezvous("ringdp/g/", r, world, timeout, store=store).incarnation()
+        except Exception as e:  # noqa: BLE001 -- reported to the test
+            out[r] = e
+
+    threads = [threading.Thread(target=one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_incarnation_is_fresh_over_a_dead_attempts_keys():
+    """The keys of earlier set-ups stay in the store (torchrun's agent store across
+    --max-restarts attempts): a complete one (its member list), and one whose rank 0 drew a
+    number that no other rank ever joined (it died half-way), and a rank that joined a number
+    and died. The next set-up's ranks, whichever comes first, agree on a number that no
+    earlier set-up drew; a set-up after that draws another. (The end to end case, under
+    torchrun: tests/test_leftovers.py::test_elastic_restart.)"""
+    import torch.distributed as dist
+
+    from ringdp import RingError
+
+    store = dist.HashStore()
+    world = 3
+    first = _incarnations(store, world, [0.0, 0.0, 0.0])
+    assert first == [1, 1, 1], first
+    # a half-way attempt: rank 0 drew 2 and died; rank 2 joined it and died
+    old = dist.PrefixStore("ringdp/g/", store)
+    assert old.add("incarnation/drawn", 1) == 2
+    old.set("incarnation/2/join/2", "dead")
+    for delays in ([0.3, 0.0, 0.0], [0.0, 0.3, 0.0], [0.0, 0.0, 0.0], [0.2, 0.1, 0.0]):
+        drawn = int(old.add("incarnation/drawn", 0))
+        got = _incarnations(store, world, delays)
+        assert got == [drawn + 1] * world, (delays, drawn, got)  # rank 0's fresh draw, on every rank
+    assert _incarnations(dist.HashStore(), 1, [0.0]) == [1]  # world 1
+    # a rank 0 that never comes: the other gives up within its timeout, naming it
+    t0 = time.monotonic()
+    (err,) = _incarnations(store, 2, [None, 0.0], timeout=0.5)[1:]
+    assert isinstance(err, RingError), err
+    assert "rank 1: timed out after 0.5 s waiting for rank 0's set-up number of rank 0" in str(err), err
+    assert time.monotonic() - t0 < 5

@@ -1,0 +1,122 @@
+"""A torchrun job for tests/test_leftovers.py::test_elastic_restart: a job that torchrun
+restarts after a rank dies (--max-restarts 1) runs again on ringdp, right, and leaves no
+shared memory behind.
+
+    python -m torch.distributed.run --nproc-per-node 3 --max-restarts 1 tests/_restart_job.py MODE OUTDIR
+
+Attempt 0 (TORCHELASTIC_RESTART_COUNT=0): every rank joins a cpu:ringdp group and runs a
+first all-reduce; then the last rank dies (MODE):
+  raise        raises between two collectives (the others wait in the second);
+  sigkill      SIGKILLs itself inside one of the 32 MiB all-reduces that follow (the others
+               are in it), leaving its segment behind it (its creator is dead: the next
+               set-up removes it).
+torchrun SIGTERMs the others and starts every rank again.
+
+Attempt 1: the same group, then stock DDP on cpu:ringdp for a few steps and the
+collectives twice each, against closed forms. Each rank writes OUTDIR/attempt<k>-<rank>.json
+(what it saw) and OUTDIR/job<k> (its segment-name prefix); rank 0 of attempt 1 also
+writes the parameters it ends with (OUTDIR/params.pt).
+"""
+import json
+import os
+import signal
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def _write(path, text):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _segment_prefix(out, attempt):
+    """The job's segment-name prefix ("ringdp-<uid>") from rank 0's communicator."""
+    import ringdp
+
+    if dist.get_rank() != 0:
+        return
+    name = ringdp.get_communicator(dist.group.WORLD).shm.name
+    _write(os.path.join(out, f"job{attempt}"), name.lstrip("/").split("-r")[0])
+
+
+def _die_inside_the_next_collective(delay_s=0.3):
+    """SIGKILL this process `delay_s` from now: inside the all-reduce the caller starts."""
+    threading.Timer(delay_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+
+
+def attempt0(rank, world, mode, out):
+    import ringdp
+
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), world * (world + 1) / 2)), t[:4]
+    _segment_prefix(out, 0)
+    big = torch.ones(8 << 20)  # 32 MiB
+    if rank == world - 1:
+        if mode == "raise":
+            raise RuntimeError("simulated failure between two collectives")
+        _die_inside_the_next_collective()
+    for _ in range(200):  # seconds of all-reduces: the last rank dies inside one of them
+        dist.all_reduce(big)
+        ringdp.all_reduce(big)
+    raise SystemExit(f"rank {rank}: the collectives returned although the last rank died")
+
+
+def attempt1(rank, world, out):
+    s = world * (world + 1) / 2
+    seen = {}
+    for k in range(2):  # each collective twice, closed forms of rank and index
+        x = torch.arange(1001, dtype=torch.float32) * (rank + 1)
+        dist.all_reduce(x)
+        seen[f"all_reduce{k}"] = torch.equal(x, torch.arange(1001, dtype=torch.float32) * s)
+        g = torch.empty(world * 7)
+        dist.all_gather_into_tensor(g, torch.arange(7, dtype=torch.float32) + 100 * rank)
+        seen[f"all_gather{k}"] = torch.equal(
+            g, torch.cat([torch.arange(7, dtype=torch.float32) + 100 * r for r in range(world)]))
+        b = torch.full((13,), float(rank))
+        dist.broadcast(b, src=world - 1)
+        seen[f"broadcast{k}"] = torch.equal(b, torch.full((13,), float(world - 1)))
+    _segment_prefix(out, 1)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(ddp(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]).backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    seen["ddp_identical"] = all(torch.equal(e, flat) for e in everyone)
+    if rank == 0:
+        torch.save(flat, os.path.join(out, "params.pt"))
+    return seen
+
+
+def main():
+    mode, out = sys.argv[1], sys.argv[2]
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    torch.set_num_threads(1)
+    import ringdp  # noqa: F401 -- registers the backend
+
+    dist.init_process_group(os.environ.get("RESTART_JOB_BACKEND", "cpu:ringdp"))
+    if attempt == 0:
+        attempt0(rank, world, mode, out)
+    seen = attempt1(rank, world, out)
+    _write(os.path.join(out, f"attempt{attempt}-{rank}.json"), json.dumps(seen))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
