@@ -378,8 +378,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         # groups write goes under it, so that a group of a job torchrun restarted never reads
         # the dead attempt's keys (gloo's addresses, NCCL's unique id, ringdp's segments),
         # which torchrun's agent store keeps.
-        self._incarnation = Rendezvous("ringdp/backend/", rank, size, timeout.total_seconds(),
-                                       store=store).incarnation()
+        self._incarnation = Rendezvous("ringdp/backend/", rank, size, policy.timeout_s(timeout, policy.MAX_TIMEOUT_S),
+                                       store=store).incarnation()  # (the communicator's timeout: comm.py)
         # the inner groups: gloo now (every rank creates the backend together), nccl on demand
         self._gloo = ProcessGroupGloo(self._inner_store("gloo"), rank, size, timeout=timeout)
         self._nccl = None

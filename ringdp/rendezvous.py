@@ -149,30 +149,37 @@ class Rendezvous:
         the members once every rank joined its number."""
         store = self.store
         counter = f"{key}/drawn"
-        if self.rank == 0:
-            n = store.add(counter, 1)
-            joins = [f"{key}/{n}/join/{r}" for r in range(1, self.world)]
-            self._wait(f"set-up {n}'s ranks", joins)
-            store.set(f"{key}/{n}/members", ",".join(store.get(k).decode() for k in joins))
-            return n
-        nonce, joined = uuid.uuid4().hex, 0
+        what = "the set-up number"
+        try:
+            if self.rank == 0:
+                n = store.add(counter, 1)
+                joins = [f"{key}/{n}/join/{r}" for r in range(1, self.world)]
+                self._poll(f"set-up {n}'s joins", lambda store: self._check(store, joins, what), lambda store: ", ".join(
+                    f"rank {r}" for r, k in enumerate(joins, 1) if not store.check([k])))
+                nonces = store.multi_get(joins) if joins else []
+                store.set(f"{key}/{n}/members", ",".join(v.decode() for v in nonces))
+                return n
+            nonce, joined, not_mine = uuid.uuid4().hex, 0, 0
 
-        def listed(store) -> bool:
-            nonlocal joined
-            try:
+            def listed(store) -> bool:
+                nonlocal joined, not_mine
+                if joined > not_mine and store.check([f"{key}/{joined}/members"]):
+                    members = store.get(f"{key}/{joined}/members").decode().split(",")
+                    if len(members) == self.world - 1 and members[self.rank - 1] == nonce:
+                        return True
+                    not_mine = joined  # an earlier set-up's list (it never changes): not read again
                 n = store.add(counter, 0)
-                if n > joined:
+                if n > joined:  # (rank 0 drew after this rank read the counter: join its number)
                     store.set(f"{key}/{n}/join/{self.rank}", nonce)
                     joined = n
-                members = f"{key}/{joined}/members"
-                return joined > 0 and store.check([members]) and \
-                    store.get(members).decode().split(",")[self.rank - 1] == nonce
-            except dist.DistError as e:
-                self._lost_store("rank 0's set-up number", e)
+                return False
 
-        self._poll("rank 0's set-up number", listed,
-                   lambda store: f"rank 0 (this rank joined set-up {joined or 'none yet'}, not yet listed)")
-        return joined
+            self._poll(what, listed, lambda store: (
+                f"rank 0 (this rank joined set-up {joined}; rank 0 has not listed it)" if joined else
+                "rank 0 (no set-up drawn yet)"))
+            return joined
+        except dist.DistError as e:
+            self._lost_store(what, e)
 
     def exchange(self, key: str, value: bytes | str, what: str | None = None) -> list[bytes]:
         """Publish this rank's `value` under `key`; return every rank's, indexed by rank."""

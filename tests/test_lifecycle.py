@@ -536,9 +536,21 @@ def test_incarnation_is_fresh_over_a_dead_attempts_keys():
         got = _incarnations(store, world, delays)
         assert got == [drawn + 1] * world, (delays, drawn, got)  # rank 0's fresh draw, on every rank
     assert _incarnations(dist.HashStore(), 1, [0.0]) == [1]  # world 1
+    # the same prefix again with more ranks (torchrun's --nnodes a:b grows the world; a group
+    # name reused after destroy_process_group): the earlier, shorter member lists are not
+    # theirs, the high ranks included, whether rank 0 comes first or last
+    for before, delays in ((1, [0.3, 0.0, 0.0, 0.0]), (2, [0.3, 0.0, 0.0, 0.0]), (2, [0.0, 0.1, 0.1, 0.1])):
+        grown = dist.HashStore()
+        assert _incarnations(grown, before, [0.0] * before) == [1] * before
+        got = _incarnations(grown, 4, delays)
+        assert got == [2] * 4, (before, delays, got)
     # a rank 0 that never comes: the other gives up within its timeout, naming it
     t0 = time.monotonic()
     (err,) = _incarnations(store, 2, [None, 0.0], timeout=0.5)[1:]
     assert isinstance(err, RingError), err
-    assert "rank 1: timed out after 0.5 s waiting for rank 0's set-up number of rank 0" in str(err), err
+    assert "rank 1: timed out after 0.5 s waiting for the set-up number of rank 0 (this rank joined set-up" in str(err), err
+    # and a rank 0 whose peers never come names them
+    (err,) = _incarnations(store, 3, [0.0, None, None], timeout=0.5)[:1]
+    assert isinstance(err, RingError), err
+    assert "rank 0: timed out after 0.5 s waiting for set-up" in str(err) and "joins of rank 1, rank 2;" in str(err), err
     assert time.monotonic() - t0 < 5
