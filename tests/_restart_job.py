@@ -50,6 +50,24 @@ def _die_inside_the_next_collective(delay_s=0.3):
     threading.Timer(delay_s, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
 
 
+def train(world, rank=None, steps=3):
+    """The job's model after `steps` SGD steps, flattened: stock DDP on this rank's quarter of
+    each batch, or (rank None) one process on the full batches, which it must equal (DDP
+    averages the ranks' mean-loss gradients: the full batch's mean-loss gradient)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+    run = model if rank is None else nn.parallel.DistributedDataParallel(model)
+    mine = slice(None) if rank is None else slice(4 * rank, 4 * rank + 4)
+    opt = torch.optim.SGD(run.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
+        opt.zero_grad()
+        nn.functional.mse_loss(run(x[mine]), y[mine]).backward()
+        opt.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def attempt0(rank, world, mode, out):
     import ringdp
 
@@ -84,17 +102,7 @@ def attempt1(rank, world, out):
         seen[f"broadcast{k}"] = torch.equal(b, torch.full((13,), float(world - 1)))
     _segment_prefix(out, 1)
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    ddp = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(3):
-        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(ddp(x[4 * rank:4 * rank + 4]), y[4 * rank:4 * rank + 4]).backward()
-        opt.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    flat = train(world, rank)
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
     seen["ddp_identical"] = all(torch.equal(e, flat) for e in everyone)

@@ -246,24 +246,6 @@ def test_segment_moves_release_the_old_one(tmp_path):
 RESTART_JOB = os.path.join(HERE, "_restart_job.py")
 
 
-def _restart_reference(world, steps=3):
-    """tests/_restart_job.py's model trained in one process on the full batch (DDP averages
-    the ranks' mean-loss gradients: the full batch's mean-loss gradient)."""
-    import torch
-    import torch.nn as nn
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        x, y = torch.randn(4 * world, 16, generator=gen), torch.randn(4 * world, 4, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-
-
 @pytest.mark.parametrize("mode", ["raise", "sigkill"])
 def test_elastic_restart(tmp_path, mode):
     """torchrun --max-restarts 1: the last rank dies in the first attempt (an exception
@@ -274,6 +256,7 @@ def test_elastic_restart(tmp_path, mode):
     import json
 
     import torch
+    from _restart_job import train
 
     world = 3
     rc, log = _torchrun(mode, tmp_path, world=world, job=RESTART_JOB, restarts=1, timeout=240)
@@ -284,7 +267,7 @@ def test_elastic_restart(tmp_path, mode):
         assert seen and all(seen.values()), (r, seen, log)
     jobs = [_read(tmp_path, f"job{k}") for k in (0, 1)]
     assert all(jobs), jobs
-    torch.testing.assert_close(torch.load(tmp_path / "params.pt"), _restart_reference(world), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(torch.load(tmp_path / "params.pt"), train(world), rtol=1e-6, atol=1e-7)
     # the SIGTERMed ranks took their names with them; a SIGKILLed rank's was removed by the
     # second attempt's set-up (its creator was dead); the second attempt's at its end
     left = sorted(n for n in _shm() if any(n == j or n.startswith(j + "-") for j in jobs))
