@@ -736,6 +736,128 @@ def test_native_collectives_three_ranks():
     _check_native_collectives(values(run_ranks(case_collectives, 3, timeout=180)))
 
 
+# every dtype torch.distributed accepts, ringdp's six and the rest
+EVERY_DTYPE = (torch.complex64, torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
+               torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
+EVERY_OP = ("SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR")
+
+
+def dtype_input(rank, shape, dtype):
+    """Rank `rank`'s tensor of `shape` ((): a 0-dim one) in `dtype`: depends on rank and index,
+    small enough that PRODUCT of two ranks, twice, fits int8 with no overflow."""
+    i = torch.arange(max(1, int(torch.tensor(shape).prod()))).reshape(shape)
+    if dtype == torch.bool:
+        return (i + rank) % 3 != 0
+    if dtype.is_complex:
+        return torch.complex(i + rank + 1.0, -(rank + 1.0) * i).to(dtype)
+    return ((i + 2 * rank) % 3 + 1).to(dtype)
+
+
+def case_every_dtype(rank, world):
+    """Each collective of every dtype (complex, bool and the 8/16-bit integers included) with
+    every ReduceOp, on a 0-dim and a 5-element tensor, twice (the second asynchronous), on the
+    ringdp group and on the pool's gloo default group: {("ringdp"|"gloo", case): the result,
+    or the error's type and first line}, and the cases that reached ringdp's inner gloo."""
+    g = ringdp_group()
+    inner, g._gloo = g._gloo, _CountingGroup(g._gloo)
+    out, delegated = {}, set()
+
+    def outcome(fn):
+        try:
+            return fn()
+        except Exception as e:  # (a refusal is a result: it must be gloo's refusal)
+            return f"{type(e).__name__}: {str(e).splitlines()[0]}"
+
+    def twice(call, t, **kw):
+        call(t, **kw)
+        call(t, async_op=True, **kw).wait()
+        return t
+
+    try:
+        for name, grp in (("gloo", dist.group.WORLD), ("ringdp", g)):
+            for dtype in EVERY_DTYPE:
+                for shape in ((), (5,)):
+                    cases = {f"all_reduce {op}": lambda op=op: twice(
+                        dist.all_reduce, dtype_input(rank, shape, dtype), op=getattr(dist.ReduceOp, op), group=grp)
+                        for op in EVERY_OP}
+                    cases["broadcast"] = lambda: twice(dist.broadcast, dtype_input(rank, shape, dtype),
+                                                       src=world - 1, group=grp)
+
+                    def gather_list():
+                        lst = [torch.zeros(shape, dtype=dtype) for _ in range(world)]
+                        dist.all_gather(lst, dtype_input(rank, shape, dtype), group=grp)
+                        return torch.stack(lst)
+                    cases["all_gather"] = gather_list
+                    if shape:
+                        def gather():  # (the concatenated form: gloo refuses the stacked one, below)
+                            o = torch.zeros(world * shape[0], dtype=dtype)
+                            dist.all_gather_into_tensor(o, dtype_input(rank, shape, dtype), group=grp)
+                            return o
+
+                        def scatter():
+                            o = torch.zeros(shape, dtype=dtype)
+                            dist.reduce_scatter_tensor(o, torch.cat([dtype_input(rank + q, shape, dtype)
+                                                                     for q in range(world)]), group=grp)
+                            return o
+                        cases["all_gather_into_tensor"], cases["reduce_scatter_tensor"] = gather, scatter
+                    for what, fn in cases.items():
+                        key = f"{what} {dtype} {tuple(shape)}"
+                        asked = len(g._gloo.asked)
+                        out[(name, key)] = outcome(fn)
+                        if name == "ringdp" and len(g._gloo.asked) > asked:
+                            delegated.add(key)
+        # all_gather_into_tensor's stacked output (world, *shape), which torch's documentation
+        # allows and NCCL takes: gloo (torch 2.13) refuses it, ringdp gathers into it
+        stacked = torch.zeros(world, 5)
+        dist.all_gather_into_tensor(stacked, dtype_input(rank, (5,), torch.float32), group=g)
+        out[("ringdp", "stacked")] = stacked
+    finally:
+        g._gloo = inner
+    drop(g)
+    return out, delegated
+
+
+def test_every_dtype_and_op_as_gloo(pool):
+    """Complex, bool, 8/16-bit integers and 0-dim tensors through the backend give gloo's
+    results and gloo's refusals, bitwise, identical on every rank. Native where ringdp has the
+    dtype (complex SUM/AVG arrive as their real view), gloo's elsewhere."""
+    res = pool.run(case_every_dtype)
+    world = len(res)
+    for r, (out, _) in enumerate(res):
+        assert torch.equal(out.pop(("ringdp", "stacked")),
+                           torch.stack([dtype_input(q, (5,), torch.float32) for q in range(world)]))
+        keys = sorted({k for _, k in out})
+        assert len(keys) == len(EVERY_DTYPE) * (2 * (len(EVERY_OP) + 2) + 2), len(keys)
+        for k in keys:
+            want, got = out[("gloo", k)], out[("ringdp", k)]
+            if isinstance(want, str) or isinstance(got, str):
+                assert got == want, f"rank {r} {k}: ringdp gave {got!r}, gloo {want!r}"
+            else:
+                assert got.dtype == want.dtype and torch.equal(got, want), f"rank {r} {k}: {got} vs gloo's {want}"
+                if k.startswith("all_reduce"):
+                    assert torch.equal(got, res[0][0][("ringdp", k)]), f"{k}: rank {r} differs from rank 0"
+    out, delegated = res[0]
+    # closed forms where gloo could be wrong too: bool SUM is OR, complex SUM a sum, twice
+    # (the second sums world copies of the first)
+    ins = lambda shape, dtype: [dtype_input(q, shape, dtype) for q in range(world)]  # noqa: E731
+    for shape in ((), (5,)):
+        want = torch.stack(ins(shape, torch.bool)).any(0)
+        assert torch.equal(out[("ringdp", f"all_reduce SUM {torch.bool} {shape}")], want)
+        for dtype in (torch.complex64, torch.complex128):
+            want = torch.stack(ins(shape, dtype)).sum(0) * world
+            assert torch.equal(out[("ringdp", f"all_reduce SUM {dtype} {shape}")], want)
+        want = torch.stack(ins(shape, torch.float32)).sum(0) * world
+        assert torch.equal(out[("ringdp", f"all_reduce SUM {torch.float32} {shape}")], want)
+    # which path ran: ringdp's six dtypes and complex SUM/AVG natively, 0-dim included
+    for shape in ((), (5,)):
+        for dtype in (torch.float32, torch.int64, torch.complex64, torch.complex128):
+            for op in ("SUM", "AVG") if dtype.is_complex else ("SUM", "MAX"):
+                if not (op == "AVG" and dtype == torch.int64):
+                    assert f"all_reduce {op} {dtype} {shape}" not in delegated, (op, dtype, shape)
+        for dtype in (torch.bool, torch.int8, torch.uint8, torch.int16):
+            assert f"all_reduce SUM {dtype} {shape}" in delegated, (dtype, shape)
+
+
 def case_delegated(rank, world):
     """What ringdp leaves to its inner gloo group, through torch.distributed's API."""
     g = ringdp_group()
