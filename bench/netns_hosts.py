@@ -20,7 +20,8 @@ RINGDP_SPIN_US at the oversubscribed spin (ringdp counts ranks per hostname, whi
 differs per host; policy.spin_ns) unless it is set.
 
 Needs root, iproute2 (ip, tc) and util-linux (unshare, mount); tests/test_hierarchy.py
-uses `two_hosts`, `launch` and `set_link` (it skips where the machine does not allow namespaces).
+uses `two_hosts`, `launch` and `set_link` (it skips where the machine does not allow namespaces);
+tests/test_leftovers.py uses `launch` on loopback for a world that grows or shrinks.
 """
 from __future__ import annotations
 
@@ -119,20 +120,28 @@ def _descendants(pid: int) -> list[int]:
 
 def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2, env: dict | None = None,
            timeout: float = 600, rdzv_id: str = "netns", stream: bool = False, watch=None,
-           stop_on_failure: bool = True) -> list[tuple[int, str]]:
+           stop_on_failure: bool = True, nnodes: str = "2", rdzv_conf: str = "",
+           torchrun_args: tuple[str, ...] = (), start_second=None, kill_second=None) -> list[tuple[int, str]]:
     """Run `script` (a command line after torchrun's own arguments) under a torchrun
     launcher on each host of `hosts` (two_hosts; or any dict of `prefix` and `addr` per
     host, and optionally `env` per host: tests/test_hierarchy.py runs two launchers on
     loopback with a RINGDP_HOST_ID each), the c10d store on host 0 at `port`; the ranks get
     this process's environment without RINGDP_HOST_ID, plus `env`, plus the host's own.
-    `nproc`: ranks per host (a list: per host; hosts of different sizes).
+    `nproc`: ranks per host (a list: per host; hosts of different sizes). `nnodes`:
+    torchrun's --nnodes ("1:2": an elastic job, tests/test_leftovers.py); `rdzv_conf`: more
+    of --rdzv-conf ("last_call_timeout=1,..."); `torchrun_args`: more of torchrun's
+    arguments (e.g. --max-restarts 1).
+    A world that changes: with `start_second`, host 1's launcher starts once
+    `start_second()` returns True (a node joining); once `kill_second()` returns True, host
+    1's launcher and every process below it are SIGKILLed (a whole host dying). Both are
+    called every 0.2 s, as `watch` is.
     Waits for both; ends them once `timeout` seconds have passed, one launcher failed
-    (`stop_on_failure`: the other would wait for it), `watch()` (called every 0.2 s while
-    they run) returned True, or on any exception: SIGTERM (torchrun then ends its workers),
-    then 10 s later SIGKILL to the launcher's process group and to every process below it
-    (torchrun starts each worker in a session of its own).
+    (`stop_on_failure`: the other would wait for it), `watch()` returned True, or on any
+    exception: SIGTERM (torchrun then ends its workers), then 10 s later SIGKILL to the
+    launcher's process group and to every process below it (torchrun starts each worker in
+    a session of its own).
     Returns (return code, output) per host (negative for one ended so; host 0's output ""
-    with `stream`: it went to stdout)."""
+    with `stream`: it went to stdout; (None, "") for a host 1 that never started)."""
     import time
 
     from _common import child_pythonpath  # (bench/ is this script's directory)
@@ -140,20 +149,38 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2
     base = {k: v for k, v in os.environ.items() if k != "RINGDP_HOST_ID"}
     base["PYTHONPATH"] = child_pythonpath()
     procs, logs = [], []
+
+    def start(k):
+        n = nproc[k] if isinstance(nproc, (list, tuple)) else nproc
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", nnodes, "--nproc-per-node", str(n),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts['addr'][0]}:{port}",
+               "--rdzv-id", rdzv_id, "--rdzv-conf", ",".join([f"is_host={int(k == 0)}"] + [rdzv_conf] * bool(rdzv_conf)),
+               *torchrun_args]
+        log = None if stream and k == 0 else tempfile.TemporaryFile("w+")  # (a pipe could fill and stall it)
+        logs.append(log)
+        own = hosts["env"][k] if "env" in hosts else {}
+        procs.append(subprocess.Popen(hosts["prefix"][k] + cmd + script, env={**base, **(env or {}), **own},
+                                      stdout=log, stderr=subprocess.STDOUT if log else None, text=True,
+                                      start_new_session=True))
+
+    def kill(p):
+        for q in [p.pid, *_descendants(p.pid)]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(q, signal.SIGKILL)
+        p.wait()
+
+    killed = False
     try:
-        for k in range(2):
-            n = nproc[k] if isinstance(nproc, (list, tuple)) else nproc
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(n),
-                   "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts['addr'][0]}:{port}",
-                   "--rdzv-id", rdzv_id, "--rdzv-conf", f"is_host={int(k == 0)}"]
-            log = None if stream and k == 0 else tempfile.TemporaryFile("w+")  # (a pipe could fill and stall it)
-            logs.append(log)
-            own = hosts["env"][k] if "env" in hosts else {}
-            procs.append(subprocess.Popen(hosts["prefix"][k] + cmd + script, env={**base, **(env or {}), **own},
-                                          stdout=log, stderr=subprocess.STDOUT if log else None, text=True,
-                                          start_new_session=True))
+        start(0)
+        if start_second is None:
+            start(1)
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if len(procs) == 1 and start_second():
+                start(1)
+            if len(procs) == 2 and kill_second is not None and not killed and kill_second():
+                kill(procs[1])
+                killed = True
             if stop_on_failure and any(p.poll() not in (None, 0) for p in procs):
                 break
             if watch is not None and watch():
@@ -185,7 +212,7 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2
             text = log.read()
             log.close()
         results.append((p.returncode, text))
-    return results
+    return results + [(None, "")] * (2 - len(results))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ torchrun SIGTERMs the others and starts every rank again.
 
 Attempt 1: the same group, then stock DDP on cpu:ringdp for a few steps and the
 collectives twice each, against closed forms. Each rank writes OUTDIR/attempt<k>-<rank>.json
-(what it saw) and OUTDIR/job<k> (its segment-name prefix); rank 0 of attempt 1 also
+(what it saw) and OUTDIR/job<k>-<rank> (its segment-name prefix); rank 0 of attempt 1 also
 writes the parameters it ends with (OUTDIR/params.pt).
 """
 import json
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,13 +37,16 @@ def _write(path, text):
 
 
 def _segment_prefix(out, attempt):
-    """The job's segment-name prefix ("ringdp-<uid>") from rank 0's communicator."""
+    """This rank's segment-name prefix ("ringdp-<uid>") from its communicator's in-host
+    endpoint (the group's, or on a group that spans hosts, its host's), in OUTDIR/job<k>-<rank>,
+    and its group's incarnation (ringdp/rendezvous.py) in OUTDIR/incarnation<k>-<rank>."""
     import ringdp
 
-    if dist.get_rank() != 0:
-        return
-    name = ringdp.get_communicator(dist.group.WORLD).shm.name
-    _write(os.path.join(out, f"job{attempt}"), name.lstrip("/").split("-r")[0])
+    c, rank = ringdp.get_communicator(dist.group.WORLD), dist.get_rank()
+    name = (c.shm or c.across.inhost).name
+    _write(os.path.join(out, f"job{attempt}-{rank}"), name.lstrip("/").split("-r")[0])
+    incarnation = dist.distributed_c10d._get_default_group()._ringdp_incarnation()
+    _write(os.path.join(out, f"incarnation{attempt}-{rank}"), str(incarnation))
 
 
 def _die_inside_the_next_collective(delay_s=0.3):
@@ -111,18 +115,49 @@ def attempt1(rank, world, out):
     return seen
 
 
+def hold(rank, world, out, limit_s=120):
+    """The first round of a world that changes (mode "elastic"): a right all-reduce, then
+    all-reduces until the round ends: torchrun stops it for a larger world (a node joined),
+    or a node dies and these fail (torchrun then starts a smaller one). Each rank writes its
+    pid in OUTDIR/ready-<rank> once it is in the loop, and the error that ended it, if one did, in
+    OUTDIR/error0-<rank>."""
+    import time
+
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    assert torch.equal(t, torch.full((1000,), world * (world + 1) / 2)), t[:4]
+    _segment_prefix(out, 0)
+    _write(os.path.join(out, f"ready-{rank}"), str(os.getpid()))
+    end = time.monotonic() + limit_s
+    try:
+        while time.monotonic() < end:
+            dist.all_reduce(t)
+            time.sleep(0.01)
+    except Exception as e:
+        _write(os.path.join(out, f"error0-{rank}"), f"{type(e).__name__}: {e}")
+        raise
+    raise SystemExit(f"rank {rank}: the world did not change within {limit_s} s")
+
+
 def main():
     mode, out = sys.argv[1], sys.argv[2]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # the first round: TORCHELASTIC_RESTART_COUNT 0, or in a world that changes (mode
+    # "elastic", torchrun --nnodes a:b), a world of FIRST_WORLD ranks: torchrun starts a
+    # larger world after a node joined without counting a restart (and counts per node)
+    if mode == "elastic":
+        first = world == int(os.environ["FIRST_WORLD"])
+    else:
+        first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
     torch.set_num_threads(1)
     import ringdp  # noqa: F401 -- registers the backend
 
-    dist.init_process_group(os.environ.get("RESTART_JOB_BACKEND", "cpu:ringdp"))
-    if attempt == 0:
-        attempt0(rank, world, mode, out)
+    timeout = timedelta(seconds=float(os.environ.get("RESTART_JOB_TIMEOUT_S", 600)))
+    dist.init_process_group(os.environ.get("RESTART_JOB_BACKEND", "cpu:ringdp"), timeout=timeout)
+    if first:  # (neither returns)
+        hold(rank, world, out) if mode == "elastic" else attempt0(rank, world, mode, out)
     seen = attempt1(rank, world, out)
-    _write(os.path.join(out, f"attempt{attempt}-{rank}.json"), json.dumps(seen))
+    _write(os.path.join(out, f"attempt1-{rank}.json"), json.dumps(seen))
     dist.destroy_process_group()
 
 

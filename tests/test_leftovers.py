@@ -11,7 +11,9 @@ point 4), under torchrun: torchrun SIGTERMs the other ranks as soon as one fails
   another pid namespace or of another user;
 - a job that torchrun restarts after a rank died (--max-restarts) sets up again on a store
   that still holds the dead attempt's keys, runs right, and leaves no segment of either
-  attempt (test_elastic_restart; ringdp/rendezvous.py Rendezvous.incarnation).
+  attempt (test_elastic_restart; ringdp/rendezvous.py Rendezvous.incarnation);
+- a world that changes size under torchrun --nnodes 1:2 (a host joins, or one dies whole)
+  goes on in the new world, and leaves no segment of either (test_elastic_world_change).
 
 Segment names are "ringdp-<job>-r<rank>-p<pid>-n<pid namespace inode>" (names.h). The
 failing rank's failure is simulated by the test scripts (a wrapper around ringdp.comm._C),
@@ -265,8 +267,8 @@ def test_elastic_restart(tmp_path, mode):
         assert _read(tmp_path, f"attempt0-{r}.json") is None, log
         seen = json.loads(_read(tmp_path, f"attempt1-{r}.json") or "{}")
         assert seen and all(seen.values()), (r, seen, log)
-    jobs = [_read(tmp_path, f"job{k}") for k in (0, 1)]
-    assert all(jobs), jobs
+    jobs = {_read(tmp_path, f"job{k}-{r}") for k in (0, 1) for r in range(world)}
+    assert None not in jobs and len(jobs) == 2, jobs  # (one prefix per attempt)
     torch.testing.assert_close(torch.load(tmp_path / "params.pt"), train(world), rtol=1e-6, atol=1e-7)
     # the SIGTERMed ranks took their names with them; a SIGKILLed rank's was removed by the
     # second attempt's set-up (its creator was dead); the second attempt's at its end
@@ -275,3 +277,88 @@ def test_elastic_restart(tmp_path, mode):
     # the first attempt: the survivors named the dead rank, and torchrun saw how it died
     assert re.search(rf"rank {world - 1} \(pid \d+\) died", log), log
     assert f"exitcode: {-9 if mode == 'sigkill' else 1}) local_rank: {world - 1}" in log, log
+
+
+def _elastic(tmp_path, change, timeout_s=10):
+    """RESTART_JOB in mode "elastic" under two torchrun launchers (--nnodes 1:2, c10d
+    rendezvous on 127.0.0.1), each its own simulated host (RINGDP_HOST_ID a, b), 2 ranks
+    each. grow: host b's launcher starts once host a's ranks train alone; shrink: both start,
+    and once all four train, host b dies whole (its launcher and ranks SIGKILLed). Returns
+    ((rc, log) per host, the time host b was killed or None)."""
+    if os.path.join(ROOT, "bench") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import netns_hosts
+
+    ready = lambda n: all((tmp_path / f"ready-{r}").exists() for r in range(n))  # noqa: E731
+    killed = {}
+
+    def kill_b():
+        if ready(4):
+            killed["at"] = time.time()
+            return True
+        return False
+
+    env = {"OMP_NUM_THREADS": "1", "FIRST_WORLD": str(2 if change == "grow" else 4),
+           "RESTART_JOB_TIMEOUT_S": str(timeout_s)}
+    if change == "grow":
+        # torch 2.13's launcher cannot take a node in while it shares its store with the
+        # ranks: the node that stays rank 0 does not publish the new round's store address,
+        # and the joining node waits for it (dynamic_rendezvous.py next_rendezvous): each
+        # round gets a store of its own
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    hosts = {"prefix": [[], []], "addr": ["127.0.0.1"] * 2, "env": [{"RINGDP_HOST_ID": "a"}, {"RINGDP_HOST_ID": "b"}]}
+    results = netns_hosts.launch(
+        hosts, [RESTART_JOB, "elastic", str(tmp_path)], free_port(), nproc=2, env=env, timeout=150,
+        rdzv_id=f"elastic{os.getpid()}", stop_on_failure=False, nnodes="1:2",
+        rdzv_conf="last_call_timeout=1",  # (torchrun's keep-alive: a shorter one drops live nodes on a busy machine)
+        torchrun_args=("--monitor-interval", "0.1", "--max-restarts", str(int(change == "shrink"))),
+        start_second=(lambda: ready(2)) if change == "grow" else None,
+        kill_second=kill_b if change == "shrink" else None)
+    return results, killed.get("at")
+
+
+@pytest.mark.parametrize("change", ["grow", "shrink"])
+def test_elastic_world_change(tmp_path, change):
+    """torchrun --nnodes 1:2 with two simulated hosts: the world changes and the job goes on
+    on ringdp in the new one.
+    grow: host a's 2 ranks train alone; host b joins; torchrun stops them and starts a world
+    of 4 over both hosts (ringdp's two-level path).
+    shrink: 4 ranks over both hosts; host b dies whole; host a's ranks raise a RingError
+    naming the cross-host step within their timeout; torchrun (--max-restarts 1) starts them
+    again as a world of 2 on one host, on the store that still holds the world of 4's keys
+    (a later incarnation: ringdp/rendezvous.py).
+    The new world's collectives and stock DDP are right (closed forms; one process on the
+    full batch, identical on every rank), and no segment of either world is left."""
+    import json
+
+    import torch
+    from _restart_job import train
+
+    timeout_s = 10
+    (host_a, host_b), killed_at = _elastic(tmp_path, change, timeout_s)
+    first, then = (2, 4) if change == "grow" else (4, 2)
+    log = f"host a:\n{host_a[1][-6000:]}\nhost b:\n{host_b[1][-3000:]}"
+    assert host_a[0] == 0 and host_b[0] == (0 if change == "grow" else -9), log
+    for r in range(first):
+        assert _read(tmp_path, f"ready-{r}") is not None, log
+    for r in range(then):
+        seen = json.loads(_read(tmp_path, f"attempt1-{r}.json") or "{}")
+        assert seen and all(seen.values()), (r, seen, log)
+    torch.testing.assert_close(torch.load(tmp_path / "params.pt"), train(then), rtol=1e-6, atol=1e-7)
+    errors = {r: _read(tmp_path, f"error0-{r}") for r in range(first)}
+    if change == "grow":  # torchrun stopped the first world (SIGTERM): no rank failed
+        assert not any(errors.values()), errors
+    else:
+        for r in (0, 1):  # host a's ranks: the cross-host step with host b's rank failed, in time
+            assert errors[r] and errors[r].startswith("RingError: ") and f"rank {r}:" in errors[r], (r, errors)
+            assert f"across hosts (gloo, ranks [{r}, {r + 2}] of the group)" in errors[r], errors[r]
+            assert os.path.getmtime(tmp_path / f"error0-{r}") - killed_at < timeout_s + 5, errors[r]
+        # one store for both worlds: the second drew a later incarnation over the first's keys
+        inc = [int(_read(tmp_path, f"incarnation{k}-0")) for k in (0, 1)]
+        assert inc[1] > inc[0], inc
+    jobs = {_read(tmp_path, f"job{k}-{r}") for k, n in ((0, first), (1, then)) for r in range(n)}
+    assert None not in jobs and len(jobs) == 3, jobs  # (a prefix per host per world: 1 + 2, or 2 + 1)
+    # the SIGTERMed ranks took their segments with them; host b's SIGKILLed ones were removed
+    # by the next set-up on this machine (their creators were dead); the last world's at its end
+    left = sorted(n for n in _shm() if any(n == j or n.startswith(j + "-") for j in jobs))
+    assert left == [], (left, log)
