@@ -634,6 +634,9 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         if opts is None:
             opts = ReduceScatterOptions()
+        real = _real_views([output, input], opts.reduceOp)
+        if real is not None:  # (the future holds the complex output, as gloo's does)
+            return _Chain([self._reduce_scatter_base(*real, opts)], [output])
         if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
             if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
                 input = input.clone()
@@ -657,6 +660,9 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         if opts is None:
             opts = ReduceScatterOptions()
         out, ins = output_tensors[0], input_tensor_lists[0]
+        real = _real_views([out, *ins], opts.reduceOp) if len(output_tensors) == 1 else None
+        if real is not None:
+            return _Chain([self.reduce_scatter([real[0]], [real[1:]], opts)], [out])
         if (len(output_tensors) != 1 or len(ins) != self._size_
                 or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
             if _op_of(opts.reduceOp)[1] is not None and not out.is_cuda:  # (premultiplied copies, never the inputs)
@@ -778,6 +784,21 @@ def _premultiplied(tensors, opts, options_type):
     new.reduceOp = dist.ReduceOp.SUM
     new.timeout = opts.timeout
     return new
+
+
+def _real_views(tensors, reduce_op):
+    """torch.view_as_real of each of `tensors` when all are complex and `reduce_op` sums (SUM,
+    AVG, PREMUL_SUM by a real factor): the reduction of a complex tensor is the reduction of
+    its real view, as torch's all_reduce calls it (its reduce_scatter calls pass complex
+    tensors on); else None."""
+    if not tensors or not all(t.is_complex() for t in tensors):
+        return None
+    kind, factor = _op_of(reduce_op)
+    if kind not in (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM):
+        return None
+    if isinstance(factor, complex):
+        return None
+    return [torch.view_as_real(t) for t in tensors]
 
 
 def _devices(tensors):

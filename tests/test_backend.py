@@ -740,6 +740,7 @@ def test_native_collectives_three_ranks():
 EVERY_DTYPE = (torch.complex64, torch.complex128, torch.bool, torch.int8, torch.uint8, torch.int16, torch.int32,
                torch.int64, torch.float16, torch.bfloat16, torch.float32, torch.float64)
 EVERY_OP = ("SUM", "AVG", "MIN", "MAX", "PRODUCT", "BAND", "BOR", "BXOR")
+SCATTER_OPS = ("SUM", "AVG", "MAX")  # (complex: ringdp's on the real view, gloo's refusal)
 
 
 def dtype_input(rank, shape, dtype):
@@ -794,12 +795,21 @@ def case_every_dtype(rank, world):
                             dist.all_gather_into_tensor(o, dtype_input(rank, shape, dtype), group=grp)
                             return o
 
-                        def scatter():
+                        def scatter(op):
                             o = torch.zeros(shape, dtype=dtype)
                             dist.reduce_scatter_tensor(o, torch.cat([dtype_input(rank + q, shape, dtype)
-                                                                     for q in range(world)]), group=grp)
+                                                                     for q in range(world)]),
+                                                       op=getattr(dist.ReduceOp, op), group=grp)
                             return o
-                        cases["all_gather_into_tensor"], cases["reduce_scatter_tensor"] = gather, scatter
+
+                        def scatter_list():
+                            o = torch.zeros(shape, dtype=dtype)
+                            dist.reduce_scatter(o, [dtype_input(rank + q, shape, dtype) for q in range(world)],
+                                                group=grp)
+                            return o
+                        cases["all_gather_into_tensor"], cases["reduce_scatter"] = gather, scatter_list
+                        for op in SCATTER_OPS:
+                            cases[f"reduce_scatter_tensor {op}"] = lambda op=op: scatter(op)
                     for what, fn in cases.items():
                         key = f"{what} {dtype} {tuple(shape)}"
                         asked = len(g._gloo.asked)
@@ -811,6 +821,12 @@ def case_every_dtype(rank, world):
         stacked = torch.zeros(world, 5)
         dist.all_gather_into_tensor(stacked, dtype_input(rank, (5,), torch.float32), group=g)
         out[("ringdp", "stacked")] = stacked
+        # a complex reduce-scatter by PREMUL_SUM (FSDP2's), asynchronous: its future holds the
+        # complex output (gloo has no PREMUL_SUM)
+        o = torch.zeros(5, dtype=torch.complex64)
+        w = dist.reduce_scatter_tensor(o, torch.cat([dtype_input(rank + q, (5,), torch.complex64) for q in range(world)]),
+                                       op=dist._make_nccl_premul_sum(0.5), group=g, async_op=True)
+        out[("ringdp", "premul")] = (o, w.get_future().wait()[0] is o)
     finally:
         g._gloo = inner
     drop(g)
@@ -826,8 +842,11 @@ def test_every_dtype_and_op_as_gloo(pool):
     for r, (out, _) in enumerate(res):
         assert torch.equal(out.pop(("ringdp", "stacked")),
                            torch.stack([dtype_input(q, (5,), torch.float32) for q in range(world)]))
+        o, same = out.pop(("ringdp", "premul"))
+        want = sum(dtype_input(q + r, (5,), torch.complex64) for q in range(world)) * 0.5
+        assert same and torch.equal(o, want), (r, o, want, same)
         keys = sorted({k for _, k in out})
-        assert len(keys) == len(EVERY_DTYPE) * (2 * (len(EVERY_OP) + 2) + 2), len(keys)
+        assert len(keys) == len(EVERY_DTYPE) * (2 * (len(EVERY_OP) + 2) + 2 + len(SCATTER_OPS)), len(keys)
         for k in keys:
             want, got = out[("gloo", k)], out[("ringdp", k)]
             if isinstance(want, str) or isinstance(got, str):
@@ -849,6 +868,10 @@ def test_every_dtype_and_op_as_gloo(pool):
         want = torch.stack(ins(shape, torch.float32)).sum(0) * world
         assert torch.equal(out[("ringdp", f"all_reduce SUM {torch.float32} {shape}")], want)
     # which path ran: ringdp's six dtypes and complex SUM/AVG natively, 0-dim included
+    for dtype in (torch.complex64, torch.complex128):
+        for what in ("reduce_scatter_tensor SUM", "reduce_scatter_tensor AVG", "reduce_scatter"):
+            assert f"{what} {dtype} (5,)" not in delegated, (what, dtype)
+        assert f"reduce_scatter_tensor MAX {dtype} (5,)" in delegated, dtype
     for shape in ((), (5,)):
         for dtype in (torch.float32, torch.int64, torch.complex64, torch.complex128):
             for op in ("SUM", "AVG") if dtype.is_complex else ("SUM", "MAX"):
