@@ -607,11 +607,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         return self._all_reduce_each(tensors, opts.reduceOp, opts)
 
     # -- reduce-scatter -------------------------------------------------------------------
-    def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None, async_op=True):
-        """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`."""
+    def _reduce_scatter_flat(self, output, flat, reduce_op, keep, timeout=None, async_op=True, shown=None):
+        """Reduce-scatter of the contiguous `flat` (world x output.numel()) into `output`;
+        the future holds `shown` (default [output]: a complex call's, its complex output)."""
         kind, factor = _op_of(reduce_op)
         native = getattr(self._comm, "reduce_scatter_tensor", None)
         devices = _devices([output])
+        shown = [output] if shown is None else shown
         if native is not None:
             if factor is not None:
                 if keep:
@@ -619,34 +621,32 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 flat.mul_(factor)
             op = _OP_NAMES[_types.SUM if factor is not None else _NATIVE_OPS[kind]]
             if output.is_contiguous():
-                return RingWork([native(output, flat, op=op, async_op=async_op, timeout=timeout)], [output],
+                return RingWork([native(output, flat, op=op, async_op=async_op, timeout=timeout)], shown,
                                 cuda_devices=devices)
             out = torch.empty_like(output, memory_format=torch.contiguous_format)
-            return RingWork([native(out, flat, op=op, async_op=async_op, timeout=timeout)], [output],
+            return RingWork([native(out, flat, op=op, async_op=async_op, timeout=timeout)], shown,
                             lambda: output.copy_(out), cuda_devices=devices)
         # composition: all-reduce the whole input, keep this rank's chunk
         buf = flat.clone() if keep else flat
         n = output.numel()
         r = self._rank_
-        return RingWork([self._all_reduce(buf, reduce_op, timeout, async_op)], [output],
+        return RingWork([self._all_reduce(buf, reduce_op, timeout, async_op)], shown,
                         lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)), cuda_devices=devices)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         if opts is None:
             opts = ReduceScatterOptions()
-        real = _real_views([output, input], opts.reduceOp)
-        if real is not None:  # (the future holds the complex output, as gloo's does)
-            return _Chain([self._reduce_scatter_base(*real, opts)], [output])
-        if not self._native([output, input], opts.reduceOp) or input.numel() != output.numel() * self._size_:
+        o, i = self._summed_as_real([output, input], opts.reduceOp)
+        if not self._native([o, i], opts.reduceOp) or i.numel() != o.numel() * self._size_:
             if _op_of(opts.reduceOp)[1] is not None and not input.is_cuda:
                 input = input.clone()
             return self._delegated("_reduce_scatter_base", output, input,
                                    _premultiplied([input], opts, ReduceScatterOptions))
         # a contiguous input: a view of it (kept: copied before a PREMUL_SUM's multiply); another: a copy
-        keep = input.is_contiguous()
-        flat = input.reshape(-1) if keep else input.contiguous().view(-1)
-        return self._reduce_scatter_flat(output, flat, opts.reduceOp, keep=keep, timeout=_timeout_s(opts),
-                                         async_op=_async(opts))
+        keep = i.is_contiguous()
+        flat = i.reshape(-1) if keep else i.contiguous().view(-1)
+        return self._reduce_scatter_flat(o, flat, opts.reduceOp, keep=keep, timeout=_timeout_s(opts),
+                                         async_op=_async(opts), shown=[output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
@@ -659,10 +659,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             output_tensors, input_tensor_lists = [output_tensors], [input_tensor_lists]
         if opts is None:
             opts = ReduceScatterOptions()
-        out, ins = output_tensors[0], input_tensor_lists[0]
-        real = _real_views([out, *ins], opts.reduceOp) if len(output_tensors) == 1 else None
-        if real is not None:
-            return _Chain([self.reduce_scatter([real[0]], [real[1:]], opts)], [out])
+        out, *ins = self._summed_as_real([output_tensors[0], *input_tensor_lists[0]], opts.reduceOp)
         if (len(output_tensors) != 1 or len(ins) != self._size_
                 or not self._native([out, *ins], opts.reduceOp) or any(t.shape != out.shape for t in ins)):
             if _op_of(opts.reduceOp)[1] is not None and not out.is_cuda:  # (premultiplied copies, never the inputs)
@@ -671,7 +668,21 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             return self._delegated("reduce_scatter", output_tensors, input_tensor_lists, opts)
         flat = torch.cat([t.reshape(-1) for t in ins])
         return self._reduce_scatter_flat(out, flat, opts.reduceOp, keep=False, timeout=_timeout_s(opts),
-                                         async_op=_async(opts))
+                                         async_op=_async(opts), shown=[output_tensors[0]])
+
+    def _summed_as_real(self, tensors, reduce_op):
+        """Complex tensors that ringdp sums (SUM, AVG, PREMUL_SUM by a real factor) as their
+        real views (torch.view_as_real), as torch's all_reduce passes them on (its
+        reduce-scatters pass complex tensors); `tensors` as they are otherwise: not all
+        complex, another op, a conjugate view (it has no real view), or a call that ringdp
+        would not run natively (the inner group gets what the caller gave)."""
+        if not tensors or not all(t.is_complex() and not t.is_conj() for t in tensors):
+            return tensors
+        kind, factor = _op_of(reduce_op)
+        if kind not in (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM) or isinstance(factor, complex):
+            return tensors
+        real = [torch.view_as_real(t) for t in tensors]
+        return real if self._native(real, reduce_op) else tensors
 
     # -- all-gather -----------------------------------------------------------------------
     def _allgather_base(self, output, input, opts=None):
@@ -784,21 +795,6 @@ def _premultiplied(tensors, opts, options_type):
     new.reduceOp = dist.ReduceOp.SUM
     new.timeout = opts.timeout
     return new
-
-
-def _real_views(tensors, reduce_op):
-    """torch.view_as_real of each of `tensors` when all are complex and `reduce_op` sums (SUM,
-    AVG, PREMUL_SUM by a real factor): the reduction of a complex tensor is the reduction of
-    its real view, as torch's all_reduce calls it (its reduce_scatter calls pass complex
-    tensors on); else None."""
-    if not tensors or not all(t.is_complex() for t in tensors):
-        return None
-    kind, factor = _op_of(reduce_op)
-    if kind not in (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM):
-        return None
-    if isinstance(factor, complex):
-        return None
-    return [torch.view_as_real(t) for t in tensors]
 
 
 def _devices(tensors):
