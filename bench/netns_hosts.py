@@ -133,8 +133,8 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2
     arguments (e.g. --max-restarts 1).
     A world that changes: with `start_second`, host 1's launcher starts once
     `start_second()` returns True (a node joining); once `kill_second()` returns True, host
-    1's launcher and every process below it are SIGKILLed (a whole host dying). Both are
-    called every 0.2 s, as `watch` is.
+    1's launcher and every process below it are SIGKILLed (a whole host dying; that host's
+    end is no failure for `stop_on_failure`). Both are called every 0.2 s, as `watch` is.
     Waits for both; ends them once `timeout` seconds have passed, one launcher failed
     (`stop_on_failure`: the other would wait for it), `watch()` returned True, or on any
     exception: SIGTERM (torchrun then ends its workers), then 10 s later SIGKILL to the
@@ -181,7 +181,7 @@ def launch(hosts: dict, script: list[str], port: int, nproc: int | list[int] = 2
             if len(procs) == 2 and kill_second is not None and not killed and kill_second():
                 kill(procs[1])
                 killed = True
-            if stop_on_failure and any(p.poll() not in (None, 0) for p in procs):
+            if stop_on_failure and any(p.poll() not in (None, 0) for p in procs[:1 if killed else 2]):
                 break
             if watch is not None and watch():
                 break

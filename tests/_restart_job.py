@@ -147,6 +147,8 @@ def main():
     # larger world after a node joined without counting a restart (and counts per node)
     if mode == "elastic":
         first = world == int(os.environ["FIRST_WORLD"])
+        if world < int(os.environ["FIRST_WORLD"]) and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+            raise SystemExit(f"rank {rank}: the first world formed with {world} ranks, without every node")
     else:
         first = os.environ["TORCHELASTIC_RESTART_COUNT"] == "0"
     torch.set_num_threads(1)
