@@ -277,9 +277,20 @@ def test_elastic_restart(tmp_path, mode):
     # second attempt's set-up (its creator was dead); the second attempt's at its end
     left = sorted(n for n in _shm() if any(n == j or n.startswith(j + "-") for j in jobs))
     assert left == [], (left, log)
-    # the first attempt: the survivors named the dead rank, and torchrun saw how it died
-    assert re.search(rf"rank {world - 1} \(pid \d+\) died", log), log
-    assert f"exitcode: {-9 if mode == 'sigkill' else 1}) local_rank: {world - 1}" in log, log
+    # the first attempt: a survivor that reported names the dead rank (directly, or through the
+    # rank that aborted on seeing it). None has to: torchrun (monitor 0.1 s) reaps the dead
+    # rank and SIGTERMs the others at once, at times before they see it (2 in 7 runs on 2 cores).
+    reports = dict(re.findall(r"\[rank(\d+)\]: ringdp\._C\.RingError: (.*)", log))
+    for r, msg in reports.items():
+        assert int(r) != world - 1 and re.search(rf"rank {world - 1} \(pid \d+\) died", msg), (r, msg, log)
+    # torchrun saw how it died: its first failure is the last rank's, or (reaped in the same
+    # poll, listed first) a survivor's that had reported it
+    if mode == "raise":
+        assert "RuntimeError: simulated failure between two collectives" in log, log
+    seen = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", log)
+    assert seen, log
+    code, local = int(seen[1]), seen[2]
+    assert (local, code) == (str(world - 1), -9 if mode == "sigkill" else 1) or (local in reports and code == 1), log
 
 
 def _elastic(tmp_path, change, timeout_s=10):
