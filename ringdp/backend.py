@@ -674,15 +674,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         """Complex tensors that ringdp sums (SUM, AVG, PREMUL_SUM by a real factor) as their
         real views (torch.view_as_real), as torch's all_reduce passes them on (its
         reduce-scatters pass complex tensors); `tensors` as they are otherwise: not all
-        complex, another op, a conjugate view (it has no real view), or a call that ringdp
-        would not run natively (the inner group gets what the caller gave)."""
+        complex, another op, a conjugate view (it has no real view). The callers check that
+        ringdp runs the result natively; otherwise the inner group gets what the caller gave."""
         if not tensors or not all(t.is_complex() and not t.is_conj() for t in tensors):
             return tensors
         kind, factor = _op_of(reduce_op)
         if kind not in (_RedOpType.SUM, _RedOpType.AVG, _RedOpType.PREMUL_SUM) or isinstance(factor, complex):
             return tensors
-        real = [torch.view_as_real(t) for t in tensors]
-        return real if self._native(real, reduce_op) else tensors
+        return [torch.view_as_real(t) for t in tensors]
 
     # -- all-gather -----------------------------------------------------------------------
     def _allgather_base(self, output, input, opts=None):

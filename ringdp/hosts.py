@@ -1071,7 +1071,7 @@ class CrossHost:
                        f"{why}" + ("" if isinstance(e, _Aborted) else f" ({type(e).__name__}: {first})"),
                        tell, timeout_s, tag)
         self._fail(f"rank {self.rank}: the {what} across hosts ({net}, ranks {ranks} of the group) "
-                   f"failed within {policy.cross_host_timeout(timeout_s):g} s: a rank (or a whole host) died, is stuck or cannot be reached: "
+                   f"failed (its limit {policy.cross_host_timeout(timeout_s):g} s): a rank (or a whole host) died, is stuck or cannot be reached: "
                    f"{type(e).__name__}: {first}", tell, timeout_s, tag)
 
     def _fail(self, msg: str, tell, timeout_s: float, tag: str):
