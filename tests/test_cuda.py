@@ -966,7 +966,8 @@ def test_graph_capture(via):
 
 
 def _backend_halves(rank, world):
-    """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM), reduce_scatter (list),
+    """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM; complex PREMUL_SUM
+    async), reduce_scatter (list),
     all_gather_into_tensor, all_gather (list; also async on a side stream) and broadcast on
     CUDA tensors in a default group of "cpu:ringdp,cuda:ringdp": they run on ringdp's CUDA
     transport (its endpoint exists, the inner NCCL group was never made), with closed-form
@@ -992,6 +993,14 @@ def _backend_halves(rank, world):
         bad.append("reduce_scatter_tensor PREMUL_SUM")
     if not torch.equal(inp.cpu(), value(rank, world * n, torch.float32, world=world)):
         bad.append("reduce_scatter_tensor modified its input")
+    # complex, as FSDP2 reduce-scatters a complex parameter's gradient: its real view on
+    # ringdp's path (torch passes it on complex: backend.py _summed_as_real), async, and
+    # the future's wait() orders the current stream after it (no host synchronisation)
+    z, zo = torch.complex(inp, -2 * inp), torch.empty(n, dtype=torch.complex64, device="cuda")
+    dist.reduce_scatter_tensor(zo, z, op=dist._make_nccl_premul_sum(0.5), async_op=True).get_future().wait()
+    half = (world * block(rank) + world * (world - 1)) * 0.5
+    if not torch.equal(zo.cpu(), torch.complex(half, -2 * half)):
+        bad.append("reduce_scatter_tensor complex PREMUL_SUM")
     dist.reduce_scatter(out, list(inp.chunk(world)))
     if not torch.equal(out.cpu(), world * block(rank) + world * (world - 1)):
         bad.append("reduce_scatter (list)")
