@@ -10,7 +10,8 @@ first all-reduce; then the last rank dies (MODE):
   sigkill      SIGKILLs itself inside one of the 32 MiB all-reduces that follow (the others
                are in it), leaving its segment behind it (its creator is dead: the next
                set-up removes it).
-torchrun SIGTERMs the others and starts every rank again.
+torchrun SIGTERMs the others and starts every rank again. A survivor whose collective
+failed first writes the error in OUTDIR/error0-<rank>.
 
 Attempt 1: the same group, then stock DDP on cpu:ringdp for a few steps and the
 collectives twice each, against closed forms. Each rank writes OUTDIR/attempt<k>-<rank>.json
@@ -84,9 +85,13 @@ def attempt0(rank, world, mode, out):
         if mode == "raise":
             raise RuntimeError("simulated failure between two collectives")
         _die_inside_the_next_collective()
-    for _ in range(200):  # seconds of all-reduces: the last rank dies inside one of them
-        dist.all_reduce(big)
-        ringdp.all_reduce(big)
+    try:
+        for _ in range(200):  # seconds of all-reduces: the last rank dies inside one of them
+            dist.all_reduce(big)
+            ringdp.all_reduce(big)
+    except Exception as e:  # (torchrun may SIGTERM this rank first)
+        _write(os.path.join(out, f"error0-{rank}"), f"{type(e).__name__}: {e}")
+        raise
     raise SystemExit(f"rank {rank}: the collectives returned although the last rank died")
 
 

@@ -277,12 +277,18 @@ def test_elastic_restart(tmp_path, mode):
     # second attempt's set-up (its creator was dead); the second attempt's at its end
     left = sorted(n for n in _shm() if any(n == j or n.startswith(j + "-") for j in jobs))
     assert left == [], (left, log)
-    # the first attempt: a survivor that reported names the dead rank (directly, or through the
-    # rank that aborted on seeing it). None has to: torchrun (monitor 0.1 s) reaps the dead
-    # rank and SIGTERMs the others at once, at times before they see it (2 in 7 runs on 2 cores).
-    reports = dict(re.findall(r"\[rank(\d+)\]: ringdp\._C\.RingError: (.*)", log))
+    # the first attempt: a survivor whose collective failed names a dead rank (the last one,
+    # directly or through the rank that aborted on seeing it; or, SIGTERMed by torchrun just
+    # before, its other peer). None has to: torchrun (monitor 0.1 s) reaps the dead rank and
+    # SIGTERMs the others at once, at times before they see it (2 in 7 runs on 2 cores).
+    # A survivor whose traceback is in the log wrote its error first.
+    reports = {r: _read(tmp_path, f"error0-{r}") for r in range(world - 1)}
+    reports = {r: msg for r, msg in reports.items() if msg is not None}
+    for r in set(map(int, re.findall(r"\[rank(\d+)\]: Traceback", log))) - {world - 1}:
+        assert r in reports, (r, log)
     for r, msg in reports.items():
-        assert int(r) != world - 1 and re.search(rf"rank {world - 1} \(pid \d+\) died", msg), (r, msg, log)
+        died = [int(d) for d in re.findall(r"rank (\d+) \(pid \d+\) died", msg)]
+        assert msg.startswith("RingError: ") and died and r not in died, (r, msg, log)
     # torchrun saw how it died: its first failure is the last rank's, or (reaped in the same
     # poll, listed first) a survivor's that had reported it
     if mode == "raise":
@@ -290,7 +296,7 @@ def test_elastic_restart(tmp_path, mode):
     seen = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", log)
     assert seen, log
     code, local = int(seen[1]), seen[2]
-    assert (local, code) == (str(world - 1), -9 if mode == "sigkill" else 1) or (local in reports and code == 1), log
+    assert (int(local), code) == (world - 1, -9 if mode == "sigkill" else 1) or (int(local) in reports and code == 1), log
 
 
 def _elastic(tmp_path, change, timeout_s=10):
