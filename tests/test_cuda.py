@@ -966,12 +966,11 @@ def test_graph_capture(via):
 
 
 def _backend_halves(rank, world):
-    """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM; complex PREMUL_SUM
-    async), reduce_scatter (list),
-    all_gather_into_tensor, all_gather (list; also async on a side stream) and broadcast on
-    CUDA tensors in a default group of "cpu:ringdp,cuda:ringdp": they run on ringdp's CUDA
-    transport (its endpoint exists, the inner NCCL group was never made), with closed-form
-    results."""
+    """torch.distributed's reduce_scatter_tensor (SUM, AVG, PREMUL_SUM; complex PREMUL_SUM,
+    async), reduce_scatter (list), all_gather_into_tensor, all_gather (list; also async on a
+    side stream) and broadcast on CUDA tensors in a default group of "cpu:ringdp,cuda:ringdp":
+    they run on ringdp's CUDA transport (its endpoint exists, the inner NCCL group was never
+    made), with closed-form results."""
     import torch.distributed as dist
 
     _setup(rank)
@@ -1001,6 +1000,8 @@ def _backend_halves(rank, world):
     half = (world * block(rank) + world * (world - 1)) * 0.5
     if not torch.equal(zo.cpu(), torch.complex(half, -2 * half)):
         bad.append("reduce_scatter_tensor complex PREMUL_SUM")
+    if not torch.equal(z, torch.complex(inp, -2 * inp)):
+        bad.append("reduce_scatter_tensor complex PREMUL_SUM modified its input")
     dist.reduce_scatter(out, list(inp.chunk(world)))
     if not torch.equal(out.cpu(), world * block(rank) + world * (world - 1)):
         bad.append("reduce_scatter (list)")
