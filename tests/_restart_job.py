@@ -18,6 +18,7 @@ collectives twice each, against closed forms. Each rank writes OUTDIR/attempt<k>
 (what it saw) and OUTDIR/job<k>-<rank> (its segment-name prefix); rank 0 of attempt 1 also
 writes the parameters it ends with (OUTDIR/params.pt).
 """
+import contextlib
 import json
 import os
 import signal
@@ -35,6 +36,17 @@ def _write(path, text):
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def _error_recorded(out, rank):
+    """An exception raised inside goes on, after its type and message are written to
+    OUTDIR/error0-<rank> (torchrun may SIGTERM the rank before it gets there)."""
+    try:
+        yield
+    except Exception as e:
+        _write(os.path.join(out, f"error0-{rank}"), f"{type(e).__name__}: {e}")
+        raise
 
 
 def _segment_prefix(out, attempt):
@@ -85,13 +97,10 @@ def attempt0(rank, world, mode, out):
         if mode == "raise":
             raise RuntimeError("simulated failure between two collectives")
         _die_inside_the_next_collective()
-    try:
+    with _error_recorded(out, rank):
         for _ in range(200):  # seconds of all-reduces: the last rank dies inside one of them
             dist.all_reduce(big)
             ringdp.all_reduce(big)
-    except Exception as e:  # (torchrun may SIGTERM this rank first)
-        _write(os.path.join(out, f"error0-{rank}"), f"{type(e).__name__}: {e}")
-        raise
     raise SystemExit(f"rank {rank}: the collectives returned although the last rank died")
 
 
@@ -134,13 +143,10 @@ def hold(rank, world, out, limit_s=120):
     _segment_prefix(out, 0)
     _write(os.path.join(out, f"ready-{rank}"), str(os.getpid()))
     end = time.monotonic() + limit_s
-    try:
+    with _error_recorded(out, rank):
         while time.monotonic() < end:
             dist.all_reduce(t)
             time.sleep(0.01)
-    except Exception as e:
-        _write(os.path.join(out, f"error0-{rank}"), f"{type(e).__name__}: {e}")
-        raise
     raise SystemExit(f"rank {rank}: the world did not change within {limit_s} s")
 
 

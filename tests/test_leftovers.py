@@ -282,8 +282,7 @@ def test_elastic_restart(tmp_path, mode):
     # before, its other peer). None has to: torchrun (monitor 0.1 s) reaps the dead rank and
     # SIGTERMs the others at once, at times before they see it (2 in 7 runs on 2 cores).
     # A survivor whose traceback is in the log wrote its error first.
-    reports = {r: _read(tmp_path, f"error0-{r}") for r in range(world - 1)}
-    reports = {r: msg for r, msg in reports.items() if msg is not None}
+    reports = {r: msg for r in range(world - 1) if (msg := _read(tmp_path, f"error0-{r}")) is not None}
     for r in set(map(int, re.findall(r"\[rank(\d+)\]: Traceback", log))) - {world - 1}:
         assert r in reports, (r, log)
     for r, msg in reports.items():
@@ -295,8 +294,8 @@ def test_elastic_restart(tmp_path, mode):
         assert "RuntimeError: simulated failure between two collectives" in log, log
     seen = re.search(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+)", log)
     assert seen, log
-    code, local = int(seen[1]), seen[2]
-    assert (int(local), code) == (world - 1, -9 if mode == "sigkill" else 1) or (int(local) in reports and code == 1), log
+    code, local = int(seen[1]), int(seen[2])
+    assert (local, code) == (world - 1, -9 if mode == "sigkill" else 1) or (local in reports and code == 1), log
 
 
 def _elastic(tmp_path, change, timeout_s=10):
