@@ -602,6 +602,9 @@ def test_import_leaves_dynamo_alone():
     assert out.stdout.strip() == "False", out
 
 
+# torch 2.13's names for reduce_scatter_tensor and all_gather_into_tensor (the old names now warn
+# that they are deprecated); the same backend methods, which case_collectives shows run natively
+SINGLE = hasattr(dist, "reduce_scatter_single") and hasattr(dist, "all_gather_single")
 NATIVE_SIZES = (0, 1, 4099, 1001)  # elements: none, one, a prime, neither prime nor a multiple of 2 or 3
 
 
@@ -695,6 +698,23 @@ def case_collectives(rank, world):
                     w.wait()
                 return torch.cat(lst), torch.cat([v(q, k, torch.int64) for q in range(world)])
             twice(f"all_gather {k}", ag_list)
+            if SINGLE:
+                def rs_single(async_op):
+                    o = torch.full((k,), -7.0)
+                    w = dist.reduce_scatter_single(o, v(rank, world * k), op=dist.ReduceOp.AVG, group=g,
+                                                   async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return o, expected("AVG", world, world * k, torch.float32)[mine]
+                twice(f"reduce_scatter_single AVG {k}", rs_single)
+
+                def ag_single(async_op):  # (the stacked form of the output: (world, *shape))
+                    o = torch.full((world, k), -7.0)
+                    w = dist.all_gather_single(o, v(rank, k), group=g, async_op=async_op)
+                    if async_op:
+                        w.wait()
+                    return o, torch.stack([v(q, k) for q in range(world)])
+                twice(f"all_gather_single {k}", ag_single)
             for root in (world - 1, 0):
                 def bc(async_op, root=root):
                     b = v(rank, k) + 1 if rank == root else torch.full((k,), -7.0)
@@ -722,7 +742,7 @@ def _check_native_collectives(res):
         assert res["shared"], f"rank {r}: ringdp.get_communicator(group) is not the backend's communicator"
         # (the barrier's own gloo barrier shows that the stand-in was in the path)
         assert res["gloo"] == ["barrier"], f"rank {r}: what the inner gloo group was asked for: {res['gloo']}"
-        assert len(res["results"]) == len(NATIVE_SIZES) * 2 * 16 + 1, (r, sorted(res["results"]))
+        assert len(res["results"]) == len(NATIVE_SIZES) * 2 * (16 + 2 * SINGLE) + 1, (r, sorted(res["results"]))
         for name, (got, want) in res["results"].items():
             assert got.dtype == want.dtype, (r, name, got.dtype, want.dtype)
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
