@@ -315,6 +315,12 @@ class RingDDP(nn.Module, Joinable):
         params = [p for n, p in self.module.named_parameters() if n not in self.parameters_to_ignore]
         self._broadcast_tensors(params + (self._buffers_to_sync() if buffers else []), src)
 
+    def will_sync_module_buffers(self) -> bool:
+        """As torch's: whether the next forward (or a joined rank's shadow of it) broadcasts
+        the module's buffers: broadcast_buffers is on, the previous forward's gradients were
+        synchronised, and there are buffers."""
+        return bool(self.broadcast_buffers and self.require_forward_param_sync and self._buffers_to_sync())
+
     def _sync_buffers(self, src: int) -> None:
         self._broadcast_tensors(self._buffers_to_sync(), src)
 
@@ -330,7 +336,7 @@ class RingDDP(nn.Module, Joinable):
             self._join_hook.pre_forward()
         else:
             self.reducer.set_divisor(self.world_size, 0)
-        if self.broadcast_buffers and self.require_forward_param_sync:
+        if self.will_sync_module_buffers():
             self._sync_buffers(self.reducer.auth_rank)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids:
@@ -448,7 +454,7 @@ class _RingJoinHook(JoinHook):
         """A rank without data: match one iteration of the others' collectives."""
         ddp = self.ddp
         sync = self._control_allreduce(active=False)
-        if ddp.broadcast_buffers and ddp.require_forward_param_sync:
+        if ddp.will_sync_module_buffers():
             ddp._sync_buffers(ddp.reducer.auth_rank)
         ddp.require_forward_param_sync = sync
         if sync:

@@ -724,14 +724,17 @@ def _state(m):
 
 def case_buffers_like_torch(rank, world, kwargs):
     """RingDDP's buffers and parameters at construction and after forwards, as torch DDP's
-    (broadcast_buffers / forward_sync_buffers / init_sync)."""
+    (broadcast_buffers / forward_sync_buffers / init_sync), and what will_sync_module_buffers()
+    says before each forward (the second forward runs under no_grad: the third syncs nothing)."""
     res = {}
     for tag, m in zip(("torch", "ring"), _wrap_both(rank, kwargs)):
-        states = [_state(m)]
-        for s in range(2):
-            m(torch.full((1, 2), float(rank + s)))
+        states, will = [_state(m)], []
+        for s in range(3):
+            will.append(m.will_sync_module_buffers())
+            with torch.set_grad_enabled(s != 1):
+                m(torch.full((1, 2), float(rank + s)))
             states.append(_state(m))
-        res[tag] = states
+        res[tag], res[f"{tag} will sync"] = states, will
     return res
 
 
@@ -1234,6 +1237,8 @@ def test_buffers_and_init_sync_like_torch(pool, kwargs):
             for k in t:
                 assert torch.equal(t[k], g[k]), (f"rank {r}, {kwargs}, after {i} forwards: {k} is {g[k].tolist()} "
                                                  f"in RingDDP, {t[k].tolist()} in torch DDP")
+        assert out["ring will sync"] == out["torch will sync"], (r, kwargs, out["ring will sync"], out["torch will sync"])
+        assert out["ring will sync"][2] is False  # (after the no_grad forward)
 
 
 def test_ignored_params_and_buffers_like_torch(pool):
