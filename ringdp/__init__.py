@@ -3,7 +3,8 @@
     import torch.distributed as dist, ringdp
     dist.init_process_group("gloo")          # torchrun sets rank, world size, store
     ringdp.all_reduce(t)                      # in place, like dist.all_reduce
-    ringdp.reduce_scatter_tensor(out, inp)    # also all_gather_into_tensor, broadcast (CPU, CUDA)
+    ringdp.reduce_scatter_tensor(out, inp)    # also all_gather_into_tensor, broadcast (CPU, CUDA);
+                                              # reduce_scatter_single, all_gather_single: torch 2.13's names
     buf = ringdp.empty(1 << 20)              # registered memory: no staging copy
 """
 from __future__ import annotations
@@ -75,6 +76,12 @@ def broadcast(tensor, src, group=None, async_op=False, timeout=None, algo=None, 
     return get_communicator(group).broadcast(tensor, src, async_op=async_op, tag=tag, timeout=timeout, algo=algo)
 
 
+# torch 2.13's names for the two halves (it deprecates reduce_scatter_tensor and
+# all_gather_into_tensor in their favour): the same functions
+reduce_scatter_single = reduce_scatter_tensor
+all_gather_single = all_gather_into_tensor
+
+
 def _size(size):
     if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
         return tuple(size[0])
@@ -107,7 +114,7 @@ def is_registered(tensor: torch.Tensor, group=None) -> bool:
 
 __all__ = [
     "ProcessGroupRingdp", "RingDDP", "backend", "comm_hooks",
-    "Communicator", "RingError", "Work", "all_gather_into_tensor", "all_reduce", "broadcast", "build_info",
-    "collective_tag", "destroy", "empty", "get_communicator", "init", "is_registered", "reduce_scatter_tensor",
-    "synchronize", "zeros",
+    "Communicator", "RingError", "Work", "all_gather_into_tensor", "all_gather_single", "all_reduce", "broadcast",
+    "build_info", "collective_tag", "destroy", "empty", "get_communicator", "init", "is_registered",
+    "reduce_scatter_single", "reduce_scatter_tensor", "synchronize", "zeros",
 ]

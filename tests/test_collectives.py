@@ -60,9 +60,10 @@ def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc"), registered_too
                             inp = alloc(world * k, dtype, registered)
                             inp.copy_(full)
                             # rep 1: in place, the output is the input's block `rank` (as the
-                            # two-level path across hosts calls it)
+                            # two-level path across hosts calls it), by torch 2.13's name
                             out = torch.full((k,), -7, dtype=dtype) if rep == 0 else inp[mine]
-                            ringdp.reduce_scatter_tensor(out, inp, op=getattr(dist.ReduceOp, op))
+                            call = ringdp.reduce_scatter_tensor if rep == 0 else ringdp.reduce_scatter_single
+                            call(out, inp, op=getattr(dist.ReduceOp, op))
                             checked += 1
                             # the input is not modified (in place: but for the output)
                             want_in = full.clone()
@@ -79,7 +80,7 @@ def _matrix(rank, world, sizes, dtypes, kinds=("rs", "ag", "bc"), registered_too
                         if rep == 1:  # in place: the input is the output's block `rank`
                             inp = out[rank * k:(rank + 1) * k]
                             inp.copy_(_gather_input(rank, k, dtype))
-                        ringdp.all_gather_into_tensor(out, inp)
+                        (ringdp.all_gather_into_tensor if rep == 0 else ringdp.all_gather_single)(out, inp)
                         checked += 1
                         if not torch.equal(out, exp):
                             bad.append(("ag", str(dtype), k, registered, rep))
