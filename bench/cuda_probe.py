@@ -29,8 +29,21 @@ RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SG
     none_ms               the plain module on this rank (no communication)
     ring_ms               RingDDP
     exposed_ms            ring_ms - none_ms
+    none_host_ms, ring_host_ms  the same steps' host time, the final synchronize left out:
+                          close to the step time when the host is what limits it
     last_exposed_comm_ms  RingDDP's own figure: backward's wait for reductions after autograd
+                          (on CUDA the host's wait until every reduction was enqueued; the
+                          streams' waits on the GPU are not in it)
     allreduce_alone_ms    ringdp.all_reduce of all gradients in one tensor (the same bytes)
+What the extra time of a RingDDP step is made of (docs/cuda.md, "Not yet shown", item 3):
+    ring_no_kernels_ms    RingDDP with the endpoint's all-reduce binding a no-op: its whole
+                          bucket path on the host (worker, events, futures), no GPU work, no
+                          coupling between ranks; near ring_ms: the host path is the cost
+    ring_no_overlap_ms    RingDDP(overlap=False): every reduction after the backward, so no
+                          ring block spins on an SM while backward kernels want it; below
+                          ring_ms: the spinning blocks cost more than the overlap gains
+    ring_device_allocs    cudaMallocs of the caching allocator over 13 RingDDP steps after
+                          the others (record_stream keeping gradients alive): should be 0
 Also recorded: channels_setting (RINGDP_CUDA_CHANNELS, or "auto") and endpoint (what
 ringdp's CUDA endpoint says of itself: transport, channels, slots). The IPC ring's blocks spin
 while they wait for a peer, on SMs the backward's kernels would use: the channel count is
@@ -51,6 +64,42 @@ import time
 
 def _median_block(fn, blocks=5):
     return statistics.median(fn() for _ in range(blocks))
+
+
+class _NoKernels:
+    """A CUDA endpoint's binding with a no-op all-reduce (every other attribute the real one's)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def all_reduce_tensor(self, *args):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def breakdown(res, model, opt, mlp, step_ms):
+    """ring_device_allocs, ring_no_kernels_ms, ring_no_overlap_ms (module doc)."""
+    import torch
+
+    import ringdp
+
+    allocs = torch.cuda.memory_stats().get("num_device_alloc", 0)
+    step_ms(model, opt)
+    res["ring_device_allocs"] = torch.cuda.memory_stats().get("num_device_alloc", 0) - allocs
+    ep = ringdp.get_communicator()._cuda
+    real = ep.native
+    ep.native = _NoKernels(real)
+    try:
+        res["ring_no_kernels_ms"] = statistics.median(step_ms(model, opt)[0] for _ in range(3))
+    finally:
+        ringdp.synchronize()
+        ep.native = real
+    torch.manual_seed(0)
+    late = ringdp.RingDDP(mlp(), device_ids=[0], overlap=False)
+    o3 = torch.optim.SGD(late.parameters(), lr=1e-3)
+    res["ring_no_overlap_ms"] = statistics.median(step_ms(late, o3)[0] for _ in range(3))
 
 
 def rank_main(rank, world, port, a):
@@ -195,19 +244,22 @@ def rank_main(rank, world, port, a):
             opt.zero_grad()
             nn.functional.mse_loss(m(xb), yb).backward()
             opt.step()
+        host = time.perf_counter()
         torch.cuda.synchronize()
-        return (time.perf_counter() - t0) * 1e3 / iters
+        return (time.perf_counter() - t0) * 1e3 / iters, (host - t0) * 1e3 / iters
 
     o1, o2 = torch.optim.SGD(plain.parameters(), lr=1e-3), torch.optim.SGD(model.parameters(), lr=1e-3)
-    none, ring, exposed = [], [], []
+    times = {"none": [], "ring": []}
+    exposed = []
     for _ in range(5):
-        none.append(step_ms(plain, o1))
-        ring.append(step_ms(model, o2))
+        times["none"].append(step_ms(plain, o1))
+        times["ring"].append(step_ms(model, o2))
         exposed.append(getattr(model, "last_exposed_comm_ms", float("nan")))
     res["ddp_hidden"] = H
     res["ddp_grad_MB"] = sum(p.numel() for p in net.parameters()) * 4 / 1e6
-    res["none_ms"] = statistics.median(none)
-    res["ring_ms"] = statistics.median(ring)
+    for mode, runs in times.items():
+        res[f"{mode}_ms"] = statistics.median(w for w, _ in runs)
+        res[f"{mode}_host_ms"] = statistics.median(h for _, h in runs)
     res["exposed_ms"] = res["ring_ms"] - res["none_ms"]
     res["last_exposed_comm_ms"] = statistics.median(exposed)
     res["channels_setting"] = os.environ.get("RINGDP_CUDA_CHANNELS") or "auto"
@@ -226,12 +278,25 @@ def rank_main(rank, world, port, a):
 
     alone()
     res["allreduce_alone_ms"] = _median_block(alone)
-    if rank == 0:
-        os.makedirs(a.out, exist_ok=True)
-        name = f"cuda_probe_w{world}" + (f"_{a.name}" if a.name else "")
-        with open(os.path.join(a.out, f"{name}.json"), "w") as f:
-            json.dump(res, f, indent=1)
-        print(json.dumps(res, indent=1))
+
+    def save():
+        if rank == 0:
+            os.makedirs(a.out, exist_ok=True)
+            name = f"cuda_probe_w{world}" + (f"_{a.name}" if a.name else "")
+            path = os.path.join(a.out, f"{name}.json")
+            with open(path + ".tmp", "w") as f:  # (replaced whole: a kill never leaves half a file)
+                json.dump(res, f, indent=1)
+            os.replace(path + ".tmp", path)
+            print(json.dumps(res, indent=1))
+
+    save()
+    # ---- what the extra time is made of: last, and saved again after it (never run on a
+    # GPU yet: a failure or a hang here leaves the figures above written)
+    try:
+        breakdown(res, model, o2, mlp, step_ms)
+    except Exception as e:  # noqa: BLE001 -- recorded in the file; the rest is worth more
+        res["breakdown_error"] = f"{type(e).__name__}: {e}"[:500]
+    save()
     dist.barrier()
     ringdp.destroy()
 

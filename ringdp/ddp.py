@@ -224,7 +224,9 @@ class RingDDP(nn.Module, Joinable):
 
     @property
     def last_exposed_comm_ms(self) -> float | None:
-        """Time the last synchronised backward waited for reductions after autograd ended."""
+        """Time the last synchronised backward waited for reductions after autograd ended.
+        CUDA tensors: the host's wait until every reduction was enqueued; the caller's stream
+        then waits for ringdp's on the GPU, which this figure does not see."""
         return self.reducer.last_exposed_comm_ms
 
     # ------------------------------------------------------------------ start-up

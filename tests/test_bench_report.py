@@ -277,7 +277,7 @@ def test_gpu_check_summary_probe(tmp_path):
     work = tmp_path / "work"
     (work / "probe").mkdir(parents=True)
     good = json.loads((RESULTS / "cuda_probe_w2_H100.json").read_text())
-    good.update(channels_setting="8", endpoint="cuda-ipc rank 0/2: 8 channels")
+    good.update(channels_setting="8", endpoint="cuda-ipc rank 0/2: 8 channels", ring_no_kernels_ms=4.25)
     (work / "probe" / "cuda_probe_w2_ch8.json").write_text(json.dumps(good))
     (work / "probe" / "cuda_probe_w2_chauto.json").write_text(json.dumps(good)[:40])
     (work / "steps.tsv").write_text("probe_ch8\t0\t30\tok\tpython3 bench/cuda_probe.py\n")
@@ -285,6 +285,7 @@ def test_gpu_check_summary_probe(tmp_path):
     assert s["status"] == "ok"
     p8 = s["probes"]["cuda_probe_w2_ch8"]
     assert p8["channels_setting"] == "8" and p8["ring_ms"] == good["ring_ms"] and p8["none_ms"] == good["none_ms"]
+    assert p8["ring_no_kernels_ms"] == 4.25 and p8["ring_no_overlap_ms"] is None  # (not in that older file)
     assert "unreadable" in s["probes"]["cuda_probe_w2_chauto"]
 
 
