@@ -14,6 +14,11 @@ it through its transport on its worker thread, instead of the backward copying i
 bucket and the end of backward copying it back. Such a bucket gets storage only when it
 needs it (an unused parameter, a join shadow). -1 turns it off.
 
+Complex parameters. As in torch's DDP, a complex parameter's gradient is held, reduced and
+shown to hooks as its real view (``torch.view_as_real``: the last dimension of 2 holds the
+real and imaginary parts): its bucket is of the real dtype and never shared with real
+parameters, and the parameter's ``.grad`` stays complex (``stored`` and ``as_grad_of``).
+
 Observers. An :class:`Observer` is told what happens (ready, launch, done, wait, finalize);
 it records and never changes what the Reducer does (ringdp.trace.DDPTrace writes the Chrome
 trace).
@@ -28,9 +33,25 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Bucket", "GradBucket", "Observer", "as_future", "assign_buckets", "future_tensor", "now_us"]
+__all__ = ["Bucket", "GradBucket", "Observer", "as_future", "as_grad_of", "assign_buckets", "future_tensor", "now_us",
+           "stored", "stored_shape"]
 
 ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """A gradient as its bucket holds it: a complex one as its real view (module doc)."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def stored_shape(p: torch.Tensor) -> torch.Size:
+    """The shape of parameter p's slot in its bucket (a complex one's real view)."""
+    return p.shape + (2,) if p.is_complex() else p.shape
+
+
+def as_grad_of(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """A bucket's slot (or a copy of it) as parameter p's .grad: complex again for a complex p."""
+    return torch.view_as_complex(view) if p.is_complex() else view
 
 
 def now_us() -> float:

@@ -59,7 +59,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ._outputs import output_tensors
-from .buckets import ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, assign_buckets, future_tensor, now_us
+from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
+                      now_us, stored, stored_shape)
 from .comm import collective_tag, get_communicator
 
 __all__ = ["Reducer", "SparseGrads"]
@@ -284,24 +285,25 @@ class Reducer:
             if in_grad[bi]:
                 continue
             key = self._keys[members[0]]
-            esize = self.params[members[0]].element_size()
+            esize = stored(self.params[members[0]].detach()).element_size()
             align = max(1, ALIGN_BYTES // esize)
             starts[bi] = totals.get(key, 0)
-            n = sum(self.params[i].numel() for i in members)
+            n = sum(stored_shape(self.params[i]).numel() for i in members)
             totals[key] = starts[bi] + (n + align - 1) // align * align
         # no zeroing: every slot is written (gradient or zeros) before each reduction
-        arenas = {key: self.alloc(total, key[0], key[1]) for key, total in totals.items() if total}
+        arenas = {key: self.alloc(total, _stored_dtype(key[0]), key[1]) for key, total in totals.items() if total}
         buckets = []
         me = weakref.ref(self)  # (a bucket holding the Reducer would keep it, and its arenas, until a GC pass)
         for bi, members in enumerate(assignment):
-            dtype, device = self._keys[members[0]]
-            shapes = [self.params[i].shape for i in members]
+            key = self._keys[members[0]]
+            dtype, device = _stored_dtype(key[0]), key[1]
+            shapes = [stored_shape(self.params[i]) for i in members]
             n = sum(s.numel() for s in shapes)
             if in_grad[bi]:
                 b = Bucket(bi, members, shapes, dtype, device, in_grad=True,
                            alloc=lambda n=n, dtype=dtype, device=device: me().alloc(n, dtype, device))
             else:
-                b = Bucket(bi, members, shapes, dtype, device, storage=arenas[(dtype, device)][starts[bi]:starts[bi] + n])
+                b = Bucket(bi, members, shapes, dtype, device, storage=arenas[key][starts[bi]:starts[bi] + n])
             buckets.append(b)
         loc: list = [None] * len(self.params)
         for b in buckets:
@@ -311,10 +313,10 @@ class Reducer:
             for ob in self.buckets:
                 for oslot, i in enumerate(ob.params):
                     p = self.params[i]
-                    if p.grad is not None and _same_view(p.grad, ob.views[oslot]):
+                    if p.grad is not None and _same_view(stored(p.grad), ob.views[oslot]):
                         nb, nslot = loc[i]
-                        nb.views[nslot].copy_(p.grad)
-                        p.grad = nb.views[nslot]
+                        nb.views[nslot].copy_(stored(p.grad))
+                        p.grad = as_grad_of(nb.views[nslot], p)
         self.buckets = buckets
         self._loc = loc
         self._arenas = list(arenas.values())
@@ -456,18 +458,21 @@ class Reducer:
             self.ready_order.append(i)
         b, slot = self._loc[i]
         grad = None if param is None else param.grad
+        dtype, device = self._keys[i]
         if grad is not None and grad.layout != torch.strided:
             raise RuntimeError(
                 f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of layout "
                 f"{grad.layout}, but it is reduced in a dense bucket. Only the weights of nn.Embedding / "
                 f"nn.EmbeddingBag modules built with sparse=True are expected to have sparse gradients (as in "
                 f"torch's DistributedDataParallel): do the lookup through such a module, or make it dense")
-        if grad is not None and (grad.dtype != b.dtype or grad.device != b.device):
+        if grad is not None and (grad.dtype != dtype or grad.device != device):
             raise RuntimeError(
                 f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of {grad.dtype} on "
-                f"{grad.device}, but its bucket holds {b.dtype} on {b.device}: the model's parameters changed dtype "
+                f"{grad.device}, but its bucket holds {dtype} on {device}: the model's parameters changed dtype "
                 f"or device after it was wrapped (model.double(), .half(), .to(...)). Convert the model first, "
                 f"then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
+        if grad is not None:
+            grad = stored(grad)  # (a complex gradient as its real view, the bucket's dtype)
         scale = self._scale
         # (a gradient's layout, dtype and device are the bucket's here: checked above)
         if b.in_grad and grad is not None and self._hook is None and grad.is_contiguous():
@@ -487,7 +492,7 @@ class Reducer:
                 else:
                     view.copy_(grad)
                 if self.gradient_as_bucket_view:
-                    param.grad = view
+                    param.grad = as_grad_of(view, param)
         b.pending -= 1
         if b.pending == 0:
             self.observer.on_ready(self.step, b, now_us())
@@ -611,12 +616,12 @@ class Reducer:
             p = self.params[i]
             view = b.views[slot]
             if self.gradient_as_bucket_view:
-                if p.grad is None or not _same_view(p.grad, view):
-                    p.grad = view
+                if p.grad is None or not _same_view(stored(p.grad), view):
+                    p.grad = as_grad_of(view, p)
             elif p.grad is None:
-                p.grad = view.clone()
+                p.grad = as_grad_of(view.clone(), p)
             else:
-                p.grad.copy_(view)
+                stored(p.grad).copy_(view)
 
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self.names[i] for i in missing[:20])
@@ -672,6 +677,11 @@ class Reducer:
     def __del__(self):
         with contextlib.suppress(Exception):
             self.remove_hooks()
+
+
+def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A bucket's dtype for gradients of `dtype` (complex: the real one; buckets.stored)."""
+    return dtype.to_real() if dtype.is_complex else dtype
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:

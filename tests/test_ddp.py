@@ -70,6 +70,22 @@ class ConvBN(nn.Module):
         return self.fc(x.mean(dim=(2, 3)))
 
 
+class ComplexMLP(nn.Module):
+    """Complex weights between real inputs and outputs, and a real layer after them: complex
+    and real parameters side by side (their buckets apart)."""
+
+    def __init__(self, d_in=8, d_hidden=16, d_out=4):
+        super().__init__()
+        self.c1 = nn.Linear(d_in, d_hidden, dtype=torch.complex64)
+        self.c2 = nn.Linear(d_hidden, d_out // 2, dtype=torch.complex64)
+        self.real = nn.Linear(d_out, d_out)
+
+    def forward(self, x):
+        h = self.c1(x.to(torch.complex64))
+        h = h * torch.sigmoid(h.abs())
+        return self.real(torch.view_as_real(self.c2(h)).flatten(-2))
+
+
 class Branchy(nn.Module):
     """`b` is used only when asked; `never` is never used."""
 
@@ -125,7 +141,8 @@ class Reordered(nn.Module):
 
 def build(cls, seed, dtype=torch.float32, **kw):
     torch.manual_seed(seed)
-    return cls(**kw).to(dtype)
+    m = cls(**kw)
+    return m if dtype == torch.float32 else m.to(dtype)  # (.to(float32) would make complex weights real)
 
 
 def batch(step, n, d_in=8, d_out=4, dtype=torch.float32):
@@ -143,7 +160,8 @@ def params_of(m):
 
 
 def max_diff(a, b):
-    return max((x.float() - y.float()).abs().max().item() for x, y in zip(a, b))
+    wide = lambda t: t if t.is_complex() else t.float()  # noqa: E731
+    return max((wide(x) - wide(y)).abs().max().item() for x, y in zip(a, b))
 
 
 def init_ddp(cls, rank, dtype=torch.float32, ddp_kwargs=None, **kw):
@@ -172,6 +190,8 @@ def case_train(rank, world, model="mlp", ddp_kwargs=None, dtype="float32", hook=
         ddp, ref = init_ddp(Reordered, rank, dt, ddp_kwargs)
     elif model == "tied":
         ddp, ref = init_ddp(Tied, rank, dt, ddp_kwargs)
+    elif model == "complex":
+        ddp, ref = init_ddp(ComplexMLP, rank, dt, ddp_kwargs)
     else:
         raise ValueError(model)
     initial_diff = max_diff(params_of(ddp.module), params_of(ref))
@@ -180,7 +200,7 @@ def case_train(rank, world, model="mlp", ddp_kwargs=None, dtype="float32", hook=
         h = getattr(comm_hooks, hook)
 
         def counting(state, bucket):
-            calls.append(bucket.index())
+            calls.append((bucket.index(), bucket.buffer().dtype))
             return h(state, bucket)
 
         ddp.register_comm_hook(None, counting)
@@ -953,6 +973,25 @@ def test_rank0_ready_order_adopted(pool):
         assert max(out["diffs"]) < 1e-5, out["diffs"]  # averaged gradients = full-batch gradients
     for a, b in zip(res[0]["grads"], res[1]["grads"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("variant", ["plain", "view", "tiny_in_grad", "fp16_hook"])
+def test_complex_parameters(pool, variant):
+    """Complex parameters (reduced as their real views, as torch's DDP does) beside real ones:
+    the single-process run on the full batch, bitwise identical ranks; a hook sees a real bucket."""
+    kwargs = {"view": {"gradient_as_bucket_view": True}, "tiny_in_grad": {"bucket_cap_mb": 1e-9}}.get(variant)
+    res = pool.run(case_train, model="complex", ddp_kwargs=kwargs, steps=5,
+                   env=IN_GRAD if variant == "tiny_in_grad" else None,
+                   hook="fp16_compress_hook" if variant == "fp16_hook" else None)
+    _check_train(res, 2e-3 if variant == "fp16_hook" else 1e-5)
+    layout = res[0]["layouts"][-1]
+    assert not any({"real.weight", "c1.weight"} <= set(b) for b in layout), layout  # complex and real apart
+    if variant == "view":
+        assert all(all(out["grad_is_view"]) for out in res)
+    if variant == "tiny_in_grad":
+        assert all(len(b) == 1 for b in layout) and not any(res[0]["in_grad_storage"])
+    if variant == "fp16_hook":
+        assert {dtype for _, dtype in res[0]["hook_calls"]} == {torch.float32}
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
