@@ -36,9 +36,11 @@ RingDDP step (an MLP of 4 Linear(H, H) layers, H=--hidden, batch 32 per rank, SG
                           streams' waits on the GPU are not in it)
     allreduce_alone_ms    ringdp.all_reduce of all gradients in one tensor (the same bytes)
 What the extra time of a RingDDP step is made of (docs/cuda.md, "Not yet shown", item 3):
-    ring_no_kernels_ms    RingDDP with the endpoint's all-reduce binding a no-op: its whole
-                          bucket path on the host (worker, events, futures), no GPU work, no
+    ring_no_kernels_ms    RingDDP with the endpoint's all-reduce binding a no-op: its Python
+                          bucket path on the host (worker, events, futures), without the
+                          binding's own enqueue (launches, its C++), no GPU work and no
                           coupling between ranks; near ring_ms: the host path is the cost
+    breakdown_error       what stopped these three, if anything did
     ring_no_overlap_ms    RingDDP(overlap=False): every reduction after the backward, so no
                           ring block spins on an SM while backward kernels want it; below
                           ring_ms: the spinning blocks cost more than the overlap gains

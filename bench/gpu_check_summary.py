@@ -222,7 +222,7 @@ def bench_summary(work: str, steps: list[dict]) -> dict:
 PROBE_KEYS = ("channels_setting", "endpoint", "mps", "native_host_us", "ringdp_host_us", "native_pipelined_us",
               "ringdp_pipelined_us", "ringdp_roundtrip_us", "none_ms", "ring_ms", "exposed_ms",
               "last_exposed_comm_ms", "allreduce_alone_ms", "none_host_ms", "ring_host_ms", "ring_no_kernels_ms",
-              "ring_no_overlap_ms", "ring_device_allocs")
+              "ring_no_overlap_ms", "ring_device_allocs", "breakdown_error")
 
 
 def probe_summary(work: str) -> dict:

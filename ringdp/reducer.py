@@ -313,7 +313,7 @@ class Reducer:
             for ob in self.buckets:
                 for oslot, i in enumerate(ob.params):
                     p = self.params[i]
-                    if p.grad is not None and _same_view(stored(p.grad), ob.views[oslot]):
+                    if p.grad is not None and _is_view_of(p.grad, ob.views[oslot]):
                         nb, nslot = loc[i]
                         nb.views[nslot].copy_(stored(p.grad))
                         p.grad = as_grad_of(nb.views[nslot], p)
@@ -468,9 +468,12 @@ class Reducer:
         if grad is not None and (grad.dtype != dtype or grad.device != device):
             raise RuntimeError(
                 f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of {grad.dtype} on "
-                f"{grad.device}, but its bucket holds {dtype} on {device}: the model's parameters changed dtype "
-                f"or device after it was wrapped (model.double(), .half(), .to(...)). Convert the model first, "
-                f"then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
+                f"{grad.device}, but it was {dtype} on {device} when RingDDP wrapped it (its bucket was made for "
+                f"that): the model's parameters changed dtype or device after it was wrapped (model.double(), "
+                f".half(), .to(...)). Convert the model first, then wrap it in RingDDP (as torch's "
+                f"DistributedDataParallel expects)")
+        if grad is not None and grad.is_conj():  # (autograd may keep a complex gradient as a lazy conjugate)
+            param.grad = grad = grad.resolve_conj()
         if grad is not None:
             grad = stored(grad)  # (a complex gradient as its real view, the bucket's dtype)
         scale = self._scale
@@ -616,12 +619,12 @@ class Reducer:
             p = self.params[i]
             view = b.views[slot]
             if self.gradient_as_bucket_view:
-                if p.grad is None or not _same_view(stored(p.grad), view):
+                if p.grad is None or not _is_view_of(p.grad, view):
                     p.grad = as_grad_of(view, p)
             elif p.grad is None:
                 p.grad = as_grad_of(view.clone(), p)
             else:
-                stored(p.grad).copy_(view)
+                p.grad.copy_(as_grad_of(view, p))
 
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self.names[i] for i in missing[:20])
@@ -686,6 +689,12 @@ def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether a parameter's .grad is its bucket slot `view` (as stored: a complex one through
+    its real view; a lazily conjugated one never is)."""
+    return not grad.is_conj() and _same_view(stored(grad), view)
 
 
 def _grad_hook(selfref, i: int):

@@ -72,16 +72,18 @@ class ConvBN(nn.Module):
 
 class ComplexMLP(nn.Module):
     """Complex weights between real inputs and outputs, and a real layer after them: complex
-    and real parameters side by side (their buckets apart)."""
+    and real parameters side by side (their buckets apart). `gain` is used conjugated, so
+    autograd hands its gradient over as a lazy conjugate (is_conj())."""
 
     def __init__(self, d_in=8, d_hidden=16, d_out=4):
         super().__init__()
         self.c1 = nn.Linear(d_in, d_hidden, dtype=torch.complex64)
+        self.gain = nn.Parameter(torch.randn(d_hidden, dtype=torch.complex64))
         self.c2 = nn.Linear(d_hidden, d_out // 2, dtype=torch.complex64)
         self.real = nn.Linear(d_out, d_out)
 
     def forward(self, x):
-        h = self.c1(x.to(torch.complex64))
+        h = self.c1(x.to(torch.complex64)) * self.gain.conj()
         h = h * torch.sigmoid(h.abs())
         return self.real(torch.view_as_real(self.c2(h)).flatten(-2))
 
@@ -975,17 +977,20 @@ def test_rank0_ready_order_adopted(pool):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("variant", ["plain", "view", "tiny_in_grad", "fp16_hook"])
+@pytest.mark.parametrize("variant", ["plain", "keep_grad", "view", "tiny_in_grad", "fp16_hook"])
 def test_complex_parameters(pool, variant):
     """Complex parameters (reduced as their real views, as torch's DDP does) beside real ones:
-    the single-process run on the full batch, bitwise identical ranks; a hook sees a real bucket."""
+    the single-process run on the full batch, bitwise identical ranks; a hook sees a real bucket.
+    keep_grad: zero_grad(set_to_none=False), so the write-back copies into the complex .grad."""
     kwargs = {"view": {"gradient_as_bucket_view": True}, "tiny_in_grad": {"bucket_cap_mb": 1e-9}}.get(variant)
-    res = pool.run(case_train, model="complex", ddp_kwargs=kwargs, steps=5,
+    res = pool.run(case_train, model="complex", ddp_kwargs=kwargs, steps=5, set_to_none=variant != "keep_grad",
                    env=IN_GRAD if variant == "tiny_in_grad" else None,
                    hook="fp16_compress_hook" if variant == "fp16_hook" else None)
     _check_train(res, 2e-3 if variant == "fp16_hook" else 1e-5)
     layout = res[0]["layouts"][-1]
-    assert not any({"real.weight", "c1.weight"} <= set(b) for b in layout), layout  # complex and real apart
+    complex_names = {"c1.weight", "c1.bias", "gain", "c2.weight", "c2.bias"}
+    for b in layout:  # complex and real apart
+        assert set(b) <= complex_names or not set(b) & complex_names, layout
     if variant == "view":
         assert all(all(out["grad_is_view"]) for out in res)
     if variant == "tiny_in_grad":
