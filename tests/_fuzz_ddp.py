@@ -4,7 +4,8 @@ torch's DDP (FSDP2) on gloo: a differential fuzzer of the training path.
 A run is drawn from a seed, the same on every rank: a model (a stack of Linear layers of
 random widths; some of: a tied weight used twice, a frozen layer, a branch used only on some
 steps, a branch used on some ranks only, a BatchNorm1d whose buffers DDP broadcasts, an
-nn.Embedding with sparse gradients looked up by rows the input picks), DDP's
+nn.Embedding with sparse gradients looked up by rows the input picks, a complex parameter
+used conjugated), DDP's
 options (bucket_cap_mb from one parameter per bucket to one bucket, find_unused_parameters,
 gradient_as_bucket_view, static_graph where the graph allows it, broadcast_buffers), an
 optimizer (SGD with momentum or Adam), a compression comm hook (fp16, bf16) or none, and a
@@ -100,6 +101,9 @@ def make_run(seed: int, world: int) -> dict:
         # an nn.Embedding(sparse=True) looked up by indices made from the input: sparse gradients
         "sparse": rng.random() < 0.25,
     }
+    # a complex parameter used conjugated (torch's DDP and RingDDP reduce it as its real view);
+    # drawn last, so that the runs of earlier seeds are otherwise what they were
+    run["complex"] = rng.random() < 0.3
     if run["sparse"]:
         # (torch's DDP gives a hook each sparse gradient as a bucket, which the compression
         # hooks cannot cast; Adam takes no sparse gradient)
@@ -146,6 +150,8 @@ class Net(nn.Module):
         self.rank_branch = nn.Linear(D_IN, D_OUT) if "rank_branch" in extras else None
         self.bn = nn.BatchNorm1d(D_IN) if "batchnorm" in extras else None
         self.emb = nn.Embedding(EMB_ROWS, D_IN, sparse=True) if run.get("sparse") else None
+        # (complex128: .double() leaves it as it is)
+        self.cgain = nn.Parameter(torch.randn(D_OUT, dtype=torch.complex128)) if run.get("complex") else None
 
     def forward(self, x, step: int, rank: int):
         if self.emb is not None:  # (rows picked by the input: some rows on some ranks only)
@@ -161,6 +167,8 @@ class Net(nn.Module):
                 h = torch.tanh(h)
         if self.tied is not None:
             h = self.tied(torch.tanh(self.tied(h)))
+        if self.cgain is not None:  # (used conjugated: autograd may hand its gradient over as a lazy conjugate)
+            h = h + (h * self.cgain.conj()).real
         if self.step_branch is not None and step % 2 == 0:  # every rank alike
             h = h + self.step_branch(x)
         if self.rank_branch is not None and rank % 2 == 1:  # some ranks only
