@@ -40,12 +40,12 @@ What the extra time of a RingDDP step is made of (docs/cuda.md, "Not yet shown",
                           bucket path on the host (worker, events, futures), without the
                           binding's own enqueue (launches, its C++), no GPU work and no
                           coupling between ranks; near ring_ms: the host path is the cost
-    breakdown_error       what stopped these three, if anything did
     ring_no_overlap_ms    RingDDP(overlap=False): every reduction after the backward, so no
                           ring block spins on an SM while backward kernels want it; below
                           ring_ms: the spinning blocks cost more than the overlap gains
     ring_device_allocs    cudaMallocs of the caching allocator over 13 RingDDP steps after
                           the others (record_stream keeping gradients alive): should be 0
+    breakdown_error       what stopped these three, if anything did
 Also recorded: channels_setting (RINGDP_CUDA_CHANNELS, or "auto") and endpoint (what
 ringdp's CUDA endpoint says of itself: transport, channels, slots). The IPC ring's blocks spin
 while they wait for a peer, on SMs the backward's kernels would use: the channel count is

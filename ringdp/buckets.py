@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["Bucket", "GradBucket", "Observer", "as_future", "as_grad_of", "assign_buckets", "future_tensor", "now_us",
-           "stored", "stored_shape"]
+           "stored", "stored_dtype", "stored_shape"]
 
 ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
 
@@ -42,6 +42,11 @@ ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
 def stored(t: torch.Tensor) -> torch.Tensor:
     """A gradient as its bucket holds it: a complex one as its real view (module doc)."""
     return torch.view_as_real(t) if t.is_complex() else t
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A bucket's dtype for gradients of `dtype` (complex: the real one)."""
+    return dtype.to_real() if dtype.is_complex else dtype
 
 
 def stored_shape(p: torch.Tensor) -> torch.Size:

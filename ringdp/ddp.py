@@ -319,9 +319,13 @@ class RingDDP(nn.Module, Joinable):
 
     def will_sync_module_buffers(self) -> bool:
         """As torch's: whether the next forward (or a joined rank's shadow of it) broadcasts
-        the module's buffers: broadcast_buffers is on, the previous forward's gradients were
-        synchronised, and there are buffers."""
-        return bool(self.broadcast_buffers and self.require_forward_param_sync and self._buffers_to_sync())
+        the module's buffers: a sync is due (_buffer_sync_due) and there are buffers."""
+        return self._buffer_sync_due() and bool(self._buffers_to_sync())
+
+    def _buffer_sync_due(self) -> bool:
+        """broadcast_buffers is on and the previous forward's gradients were synchronised (what
+        a forward checks: without buffers its sync does nothing, so it need not look them up)."""
+        return bool(self.broadcast_buffers and self.require_forward_param_sync)
 
     def _sync_buffers(self, src: int) -> None:
         self._broadcast_tensors(self._buffers_to_sync(), src)
@@ -338,7 +342,7 @@ class RingDDP(nn.Module, Joinable):
             self._join_hook.pre_forward()
         else:
             self.reducer.set_divisor(self.world_size, 0)
-        if self.will_sync_module_buffers():
+        if self._buffer_sync_due():
             self._sync_buffers(self.reducer.auth_rank)
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         if self.device_ids:
@@ -456,7 +460,7 @@ class _RingJoinHook(JoinHook):
         """A rank without data: match one iteration of the others' collectives."""
         ddp = self.ddp
         sync = self._control_allreduce(active=False)
-        if ddp.will_sync_module_buffers():
+        if ddp._buffer_sync_due():
             ddp._sync_buffers(ddp.reducer.auth_rank)
         ddp.require_forward_param_sync = sync
         if sync:

@@ -60,7 +60,7 @@ from torch import nn
 
 from ._outputs import output_tensors
 from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
-                      now_us, stored, stored_shape)
+                      now_us, stored, stored_dtype, stored_shape)
 from .comm import collective_tag, get_communicator
 
 __all__ = ["Reducer", "SparseGrads"]
@@ -285,18 +285,18 @@ class Reducer:
             if in_grad[bi]:
                 continue
             key = self._keys[members[0]]
-            esize = stored(self.params[members[0]].detach()).element_size()
+            esize = stored_dtype(key[0]).itemsize
             align = max(1, ALIGN_BYTES // esize)
             starts[bi] = totals.get(key, 0)
             n = sum(stored_shape(self.params[i]).numel() for i in members)
             totals[key] = starts[bi] + (n + align - 1) // align * align
         # no zeroing: every slot is written (gradient or zeros) before each reduction
-        arenas = {key: self.alloc(total, _stored_dtype(key[0]), key[1]) for key, total in totals.items() if total}
+        arenas = {key: self.alloc(total, stored_dtype(key[0]), key[1]) for key, total in totals.items() if total}
         buckets = []
         me = weakref.ref(self)  # (a bucket holding the Reducer would keep it, and its arenas, until a GC pass)
         for bi, members in enumerate(assignment):
             key = self._keys[members[0]]
-            dtype, device = _stored_dtype(key[0]), key[1]
+            dtype, device = stored_dtype(key[0]), key[1]
             shapes = [stored_shape(self.params[i]) for i in members]
             n = sum(s.numel() for s in shapes)
             if in_grad[bi]:
@@ -680,11 +680,6 @@ class Reducer:
     def __del__(self):
         with contextlib.suppress(Exception):
             self.remove_hooks()
-
-
-def _stored_dtype(dtype: torch.dtype) -> torch.dtype:
-    """A bucket's dtype for gradients of `dtype` (complex: the real one; buckets.stored)."""
-    return dtype.to_real() if dtype.is_complex else dtype
 
 
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
