@@ -95,8 +95,9 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types, policy
 from ._eager import eager, eager_methods
 from ._native import _C
-from .comm import Communicator, HelpingFuture, RingError, _completed, fail_future
+from .comm import Communicator, RingError
 from .rendezvous import Rendezvous
+from .work import HelpingFuture, _completed, fail_future
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -222,7 +223,7 @@ class RingWork(dist.Work):
         return torch.cuda.stream(self._stream) if self._stream is not None else contextlib.nullcontext()
 
     def _waiting(self, timeout: float | None = None):
-        """A context that returns once the last part ended (comm.Work.waiting)."""
+        """A context that returns once the last part ended (work.Work.waiting)."""
         return self._parts[-1].waiting(timeout) if self._parts else contextlib.nullcontext()
 
     def wait(self, timeout=timedelta(0)):
@@ -250,7 +251,7 @@ class RingWork(dist.Work):
         return True
 
     def is_completed(self):
-        """Done, and on CUDA finished on the GPU too (as torch's NCCL Work and comm.Work
+        """Done, and on CUDA finished on the GPU too (as torch's NCCL Work and work.Work
         answer: the end event queried), not just enqueued; or failed."""
         if not self._done.is_set():
             return False
@@ -267,7 +268,7 @@ class RingWork(dist.Work):
 
     def exception(self):
         """The failure of a part, or one that struck a CUDA part on the device after it was
-        enqueued (comm.Work.exception); None while none failed."""
+        enqueued (work.Work.exception); None while none failed."""
         return self._exc if self._exc is not None else self._struck()
 
     def _struck(self):

@@ -200,7 +200,7 @@ class CudaEndpoint:
 
 
 class Enqueued:
-    """A CUDA collective's record for its Work (ringdp/comm.py): the endpoint, the event
+    """A CUDA collective's record for its Work (ringdp/work.py): the endpoint, the event
     recorded after the collective (`done`), and, once enqueued, where the endpoint's
     transports stood (`marks`, set by `enqueued()` on the thread that enqueued it). Its end
     event completes even when a failure struck it (an aborted NCCL kernel returns, an IPC

@@ -2062,7 +2062,7 @@ def test_ringwork_wait_timeout_bounds_the_collective_not_its_copy_out():
     from concurrent.futures import Future
 
     from ringdp import backend
-    from ringdp.comm import Work
+    from ringdp.work import Work
 
     fut = Future()
     work = backend.RingWork([Work(fut, ["out"])], ["out"], finalize=lambda: time.sleep(0.6))
@@ -2268,7 +2268,7 @@ def test_cuda_endpoint_drains_nccl_first():
 def _cuda_fakes(monkeypatch, log, current, finished=True):
     """The fakes of test_ringwork_copy_out_on_the_calls_stream, installed: (Stream, Event,
     the events' GPU state: gpu[0], what query() answers)."""
-    from ringdp import backend, comm
+    from ringdp import backend, work
 
     Stream, Event = fake_cuda(log, current)
     gpu = [finished]
@@ -2280,12 +2280,12 @@ def _cuda_fakes(monkeypatch, log, current, finished=True):
     monkeypatch.setattr(torch.cuda, "stream", on_stream(current))
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(backend, "HelpingFuture", TorchFuture)
-    monkeypatch.setattr(comm, "HelpingFuture", TorchFuture)
+    monkeypatch.setattr(work, "HelpingFuture", TorchFuture)
     return Stream, Event, gpu
 
 
 def test_cuda_future_is_set_after_the_collective(monkeypatch):
-    """A CUDA Work's future (comm.Work's and the backend's RingWork's) completes on ringdp's
+    """A CUDA Work's future (work.Work's and the backend's RingWork's) completes on ringdp's
     stream after that stream waited on each collective's `done` event: a call made on
     ringdp's worker (a callback) recorded it on the stream current there, and a hierarchical
     one ran on the hierarchy's stream, neither of which ringdp's stream had waited for, so
@@ -2293,7 +2293,7 @@ def test_cuda_future_is_set_after_the_collective(monkeypatch):
     from concurrent.futures import Future
 
     from ringdp import backend
-    from ringdp.comm import Work
+    from ringdp.work import Work
 
     log, current = [], ["pool"]
     Stream, Event, _gpu = _cuda_fakes(monkeypatch, log, current)
@@ -2317,11 +2317,11 @@ def test_cuda_future_is_set_after_the_collective(monkeypatch):
 
 def test_ringwork_cuda_completed_once_the_gpu_ran_it(monkeypatch):
     """RingWork.is_completed() of a CUDA call asks the GPU (its parts' `done` events, or the
-    event after its copy-out), as comm.Work and torch's NCCL Work do: enqueued is not done."""
+    event after its copy-out), as work.Work and torch's NCCL Work do: enqueued is not done."""
     from concurrent.futures import Future
 
     from ringdp import backend
-    from ringdp.comm import Work
+    from ringdp.work import Work
 
     log, current = [], ["caller"]
     Stream, Event, gpu = _cuda_fakes(monkeypatch, log, current, finished=False)
@@ -2339,14 +2339,14 @@ def test_ringwork_cuda_completed_once_the_gpu_ran_it(monkeypatch):
 def test_cuda_work_reports_the_failure_that_struck_it(monkeypatch):
     """A CUDA collective's end event completes even when a failure struck it (the NCCL
     watchdog aborted the communicator and the kernel returned; an IPC kernel gave up on a
-    dead peer): comm.Work's and RingWork's is_success() and exception() ask the transport
+    dead peer): work.Work's and RingWork's is_success() and exception() ask the transport
     (cuda_api.h failure_of, by the collective's number) and report the failure; a
     collective that finished before it stays a success; the failure completes a Work whose
     event has not (yet) completed."""
     from concurrent.futures import Future
 
     from ringdp import RingError, backend
-    from ringdp.comm import Work
+    from ringdp.work import Work
 
     log, current = [], ["caller"]
     Stream, Event, gpu = _cuda_fakes(monkeypatch, log, current, finished=True)

@@ -106,7 +106,7 @@ class Comm : public Endpoint {
   // Why collective number `call` failed, or "" when no failure struck it as far as this
   // rank knows now. A failure strikes the collective it happened in and every later one;
   // a struck collective's end event may complete all the same (an aborted NCCL kernel
-  // returns), so its Work asks here before it reports success (ringdp/comm.py).
+  // returns), so its Work asks here before it reports success (ringdp/work.py).
   //   IPC:  the device's failure record names the collective (a timeout, a peer that gave
   //         up, a mismatch, an abort met by a kernel in flight).
   //   NCCL: every collective not seen finished when the watchdog, an NCCL error, a failed
