@@ -305,6 +305,7 @@ priority)
   cuda_test 45 test_registered_tensor_freed_in_flight
   cuda_test 45 "test_cuda_min_max_ignore_nan[ipc]"
   cuda_test 45 "test_graph_capture[ringdp]"
+  cuda_test 45 test_ringddp_cuda_complex_parameters
   ;;
 # ------------------------------------------------------------------ smoke
 smoke)

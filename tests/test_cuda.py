@@ -616,7 +616,36 @@ def test_ipc_broadcast_roots_disagree_raises(numel, algo):
 
 
 # ============================================================== RingDDP on CUDA
-def _ddp_case(rank, world, steps):
+class _ComplexNet(torch.nn.Module):
+    """Complex layers between real ones, `gain` used conjugated (autograd hands its gradient
+    over as a lazy conjugate): RingDDP reduces complex gradients as their real views, in
+    buckets apart from the real ones, as torch's DDP does (tests/test_ddp.py ComplexMLP on
+    the CPU)."""
+
+    def __init__(self):
+        super().__init__()
+        nn = torch.nn
+        self.inp = nn.Linear(32, 64)
+        self.c1 = nn.Linear(64, 32, dtype=torch.complex64)
+        self.gain = nn.Parameter(torch.randn(32, dtype=torch.complex64))
+        self.c2 = nn.Linear(32, 16, dtype=torch.complex64)
+        self.out = nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.c1(torch.relu(self.inp(x)).to(torch.complex64)) * self.gain.conj()
+        h = self.c2(h * torch.sigmoid(h.abs()))
+        return self.out(torch.view_as_real(h).flatten(-2))
+
+
+def _ddp_net(complex_params: bool):
+    from torch import nn
+
+    if complex_params:
+        return _ComplexNet()
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+
+
+def _ddp_case(rank, world, steps, complex_params=False):
     import torch.distributed as dist
     from torch import nn
 
@@ -624,8 +653,8 @@ def _ddp_case(rank, world, steps):
 
     _setup(rank)
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
-    ref = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8)).cuda()
+    net = _ddp_net(complex_params).cuda()
+    ref = _ddp_net(complex_params).cuda()
     ref.load_state_dict(net.state_dict())
     model = ringdp.RingDDP(net, device_ids=[0], bucket_cap_mb=0.01)  # several buckets
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -663,9 +692,20 @@ def test_ringddp_cuda_matches_single_process(transport):
     assert res[0][1] == res[1][1], "ranks ended with different parameters"
 
 
-def _ddp_entry(rank, world, steps):
+def _ddp_entry(rank, world, steps, complex_params=False):
     _nccl_env(rank)
-    return _ddp_case(rank, world, steps)
+    return _ddp_case(rank, world, steps, complex_params)
+
+
+@needs_cuda
+def test_ringddp_cuda_complex_parameters():
+    """RingDDP on CUDA (IPC) with complex parameters beside real ones, one used conjugated:
+    the single-process run on the full batch, ranks bitwise identical."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "120", "RINGDP_CUDA_ARENA_MB": "16"}
+    res = values(run_ranks(_ddp_entry, 2, 5, True, env=env, timeout=600))
+    for r, (worst, _) in enumerate(res):
+        assert worst < 1e-5, f"rank {r}: parameters differ from single-process training by {worst}"
+    assert res[0][1] == res[1][1], "ranks ended with different parameters"
 
 
 # ============================================================== two simulated hosts (issue 12)
