@@ -188,3 +188,34 @@ def launch(main_rank, args, world: int, env: dict | None = None):
     import torch.multiprocessing as mp
 
     mp.spawn(_spawned, args=(world, free_port(), main_rank, args, dict(env or {})), nprocs=world)
+
+
+class Console:
+    """Rank 0's output: lines on stdout, a live [done/total] counter on stderr."""
+
+    def __init__(self, rank: int):
+        self.on, self.t0, self.live = rank == 0, time.perf_counter(), False
+
+    def line(self, text: str = ""):
+        if not self.on:
+            return
+        self.clear()  # (the counter wiped before the line lands)
+        print(text, flush=True)
+
+    def clear(self):
+        """Wipe the live counter (before others print)."""
+        if self.live:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+            self.live = False
+
+    def progress(self, done: int, total: int, what: str):
+        if not self.on:
+            return
+        el = time.perf_counter() - self.t0
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\r\033[K[{done}/{total}] {el:.1f}s {what}")
+            self.live = True
+        elif what.startswith("done"):
+            sys.stderr.write(f"[{done}/{total}] {el:.1f}s {what}\n")
+        sys.stderr.flush()

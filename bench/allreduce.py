@@ -168,7 +168,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import ringdp  # noqa: E402
-from _common import OUT_DIR, launch, machine_info, save_json  # noqa: E402
+from _common import OUT_DIR, Console, launch, machine_info, save_json  # noqa: E402
 
 DTYPE_NAMES = {  # CLI name -> nccl-tests style type name
     "float32": "float", "float64": "double", "float16": "half", "bfloat16": "bfloat16",
@@ -761,33 +761,6 @@ def format_row(r: dict) -> str:
     return (f"{r['size']:>12} {r['count']:>11} {r['type']:>8} {r['redop']:>5} {r['series']:>18} "
             f"{r['algo']:>7} {r['iters']:>6} {r['time_us']:11.2f} {r['min_us']:10.2f} "
             f"{r['algbw_GBps']:7.3f} {r['busbw_GBps']:7.3f} {r['wrong']:>6} {roof} {pct} {sp}")
-
-
-class Console:
-    """Rank 0's output: lines on stdout, a live [done/total] counter on stderr."""
-
-    def __init__(self, rank: int):
-        self.on, self.t0, self.live = rank == 0, time.perf_counter(), False
-
-    def line(self, text: str = ""):
-        if not self.on:
-            return
-        if self.live:  # wipe the counter before the line lands
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
-            self.live = False
-        print(text, flush=True)
-
-    def progress(self, done: int, total: int, what: str):
-        if not self.on:
-            return
-        el = time.perf_counter() - self.t0
-        if sys.stderr.isatty():
-            sys.stderr.write(f"\r\033[K[{done}/{total}] {el:.1f}s {what}")
-            self.live = True
-        elif what.startswith("done"):
-            sys.stderr.write(f"[{done}/{total}] {el:.1f}s {what}\n")
-        sys.stderr.flush()
 
 
 def run_rank(rank: int, world: int, args):

@@ -59,7 +59,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import checkout_fallback, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, Console, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -168,6 +168,9 @@ def run(rank: int, world: int, args) -> dict | None:
 
     torch.set_num_threads(args.threads)
     rows = []
+    out = Console(rank)  # (rank 0: a live [block/blocks] counter on stderr)
+    n_rounds = args.warmup_rounds + args.rounds
+    total, done = len(args.hidden) * n_rounds * len(args.modes), 0
     for hidden in args.hidden:
         models = {m: wrap(m, build_model(hidden, args.layers, args.batchnorm), args) for m in args.modes}
         opts = {m: torch.optim.SGD(models[m].parameters(), lr=1e-3) for m in args.modes}
@@ -203,6 +206,9 @@ def run(rank: int, world: int, args) -> dict | None:
                 if rnd >= args.warmup_rounds:
                     blocks[mode].append(t[0].item())
                     internal[mode].append(t[1].item())
+                done += 1
+                warm = " (warm-up)" if rnd < args.warmup_rounds else ""
+                out.progress(done, total, f"H={hidden} round {rnd + 1}/{n_rounds}{warm}: {mode} {t[0].item():.1f} ms/step")
         base = statistics.median(blocks["none"])
         for mode in args.modes:
             med = statistics.median(blocks[mode])
@@ -214,21 +220,20 @@ def run(rank: int, world: int, args) -> dict | None:
                 row["ring_internal_exposed_ms"] = statistics.median(internal[mode])
             rows.append(row)
         if rank == 0:
-            print_table([r for r in rows if r["hidden"] == hidden])
+            print_table([r for r in rows if r["hidden"] == hidden], out.line)
         del models, opts
     return rows if rank == 0 else None
 
 
-def print_table(rows):
+def print_table(rows, say=print):
     tref = {r["hidden"]: r["step_ms"] for r in rows if r["mode"] == "torch"}
-    print(f"{'H':>6} {'params':>10} {'mode':>10} {'step(ms)':>9} {'best(ms)':>9} {'exposed(ms)':>11} "
+    say(f"{'H':>6} {'params':>10} {'mode':>10} {'step(ms)':>9} {'best(ms)':>9} {'exposed(ms)':>11} "
           f"{'internal(ms)':>12} {'vs torch':>8}")
     for r in rows:
         vs = r["step_ms"] / tref[r["hidden"]] if r["hidden"] in tref else float("nan")
         internal = r.get("ring_internal_exposed_ms")
-        print(f"{r['hidden']:>6} {r['params']:>10} {r['mode']:>10} {r['step_ms']:>9.1f} {r['best_ms']:>9.1f} "
-              f"{r['exposed_comm_ms']:>11.1f} {'' if internal is None else f'{internal:.1f}':>12} {vs:>8.2f}",
-              flush=True)
+        say(f"{r['hidden']:>6} {r['params']:>10} {r['mode']:>10} {r['step_ms']:>9.1f} {r['best_ms']:>9.1f} "
+            f"{r['exposed_comm_ms']:>11.1f} {'' if internal is None else f'{internal:.1f}':>12} {vs:>8.2f}")
 
 
 def plot(rows, path: Path, title: str):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import checkout_fallback, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, Console, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -103,7 +103,9 @@ def run(rank, world, args):
         return loss.detach()
 
     blocks = {m: [] for m in MODES}
-    for rnd in range(args.warmup_rounds + args.rounds):
+    out = Console(rank)  # (rank 0: a live [block/blocks] counter on stderr)
+    n_rounds = args.warmup_rounds + args.rounds
+    for rnd in range(n_rounds):
         for mode in MODES:
             for i in range(args.warmup):
                 losses[mode].append(step(mode, i).item())
@@ -115,6 +117,10 @@ def run(rank, world, args):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             if rnd >= args.warmup_rounds:
                 blocks[mode].append(t.item())
+            warm = " (warm-up)" if rnd < args.warmup_rounds else ""
+            out.progress(rnd * len(MODES) + MODES.index(mode) + 1, n_rounds * len(MODES),
+                         f"round {rnd + 1}/{n_rounds}{warm}: {mode} {t.item():.1f} ms/step")
+    out.clear()
     # FSDP2's parameters are DTensors: numel() is the whole (unsharded) parameter's already
     n_params = sum(p.numel() for p in models["gloo"][0].parameters())
     rows = [{"mode": m, "step_ms": statistics.median(blocks[m]), "best_ms": min(blocks[m]),
