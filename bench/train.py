@@ -29,6 +29,11 @@ The recipe's switches:
                 cosine runs over the remaining steps; every warmup step is logged.
 --amp bf16|fp16 torch.autocast on the model's device (CPU here); fp16 adds a
                 torch.amp.GradScaler, whose state is checkpointed.
+--workers N     N DataLoader worker processes per loader and rank (persistent), started as
+                --loader-start says (default: the rank's own start method: fork on Linux under
+                torchrun, spawn for the ranks this script starts itself); forked, they are
+                copies of a rank whose ringdp communicator and worker thread are running. The
+                same batches, the same training as without them.
 --dropout p     randomness in the loop: each rank draws from its own stream (seeded with
                 --seed and its rank after the model is built), checkpointed per rank.
 
@@ -95,6 +100,9 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="model init and sampler seed")
     p.add_argument("--data-seed", type=int, default=1234)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per loader and rank")
+    p.add_argument("--loader-start", default=None, choices=["fork", "spawn", "forkserver"],
+                   help="how the DataLoader starts its workers (default: this process's start method)")
     p.add_argument("--log-every", type=int, default=4)
     p.add_argument("--ckpt-every", type=int, default=16)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
@@ -324,10 +332,12 @@ def train(kind: str, args, rank: int, world: int) -> list[dict]:
     val_sampler = DistributedSampler(val_ds, num_replicas=world, rank=rank, shuffle=False, drop_last=False)
     # the loaders get their own generators: iter(loader) draws a base seed from its generator,
     # and drawing it from the global one would shift the dropout masks of a resumed run
+    workers = {"num_workers": args.workers, "persistent_workers": args.workers > 0,
+               "multiprocessing_context": args.loader_start if args.workers > 0 else None}
     loader = DataLoader(train_ds, batch_size=args.batch, sampler=sampler, drop_last=True,
-                        generator=torch.Generator().manual_seed(args.seed))
+                        generator=torch.Generator().manual_seed(args.seed), **workers)
     val_loader = DataLoader(val_ds, batch_size=256, sampler=val_sampler,
-                            generator=torch.Generator().manual_seed(args.seed))
+                            generator=torch.Generator().manual_seed(args.seed), **workers)
 
     device_type = "cpu"
     torch.manual_seed(args.seed)  # the same initial model on every rank
@@ -375,6 +385,9 @@ def train(kind: str, args, rank: int, world: int) -> list[dict]:
             print(f"[{kind}] no checkpoint at {path}; starting fresh", flush=True)
     if rank == 0 and resume is None and log_path.exists():
         log_path.unlink()  # a fresh run starts a fresh log
+    if rank == 0 and args.workers > 0:
+        print(f"[{kind}] data: {args.workers} DataLoader worker processes per loader and rank, started by "
+              f"{args.loader_start or torch.multiprocessing.get_start_method()}", flush=True)
 
     def save_checkpoint():
         per_rank = [None] * world  # every rank's random state and running loss, gathered to rank 0

@@ -281,3 +281,24 @@ def test_scaling_command_reports_consistent_efficiency(tmp_path):
     assert (tmp_path / "train_scaling_cpu.png").stat().st_size > 10_000
     assert "| RingDDP | 2 |" in r.stdout
     assert not list(tmp_path.glob(".*tmp*"))  # the per-run hand-over files are gone
+
+
+# ------------------------------------------------------------------ DataLoader worker processes
+def test_loader_workers_change_nothing(tmp_path):
+    """--workers 2 --loader-start fork (persistent DataLoader workers forked from ranks whose
+    ringdp communicator, shared memory and worker thread are live; SyncBatchNorm adds collectives to
+    every forward): the same logged losses and the same final model, bitwise, as the run
+    without workers."""
+    plain, forked = tmp_path / "plain", tmp_path / "forked"
+    run_train("--ddp", "ring", "--out-dir", str(plain), "--max-steps", "12", "--sync-bn")
+    out = run_train("--ddp", "ring", "--out-dir", str(forked), "--max-steps", "12", "--sync-bn", "--workers", "2",
+                    "--loader-start", "fork")
+    assert "2 DataLoader worker processes per loader and rank, started by fork" in out, out
+    la = [(r["step"], r["loss"]) for r in read_log(plain / "train_log_ring_cpu_w2.jsonl") if "loss" in r]
+    lb = [(r["step"], r["loss"]) for r in read_log(forked / "train_log_ring_cpu_w2.jsonl") if "loss" in r]
+    assert la == lb and la[-1][0] == 12, (la, lb)
+    a = torch.load(plain / "train_ckpt_ring_cpu_w2.pt", weights_only=False)
+    b = torch.load(forked / "train_ckpt_ring_cpu_w2.pt", weights_only=False)
+    assert a["step"] == b["step"] == 12
+    for k, v in a["model"].items():
+        assert torch.equal(v, b["model"][k]), k
