@@ -57,23 +57,40 @@ def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async
 
 
 @eager
-def all_gather_into_tensor(output, input, group=None, async_op=False, timeout=None, algo=None, tag=None):
-    """torch.distributed.all_gather_into_tensor on ringdp (CPU or CUDA tensors): block q of `output`
-    (world x input.numel() elements) becomes rank q's `input`. Returns None or a Work
-    (async_op=True); errors, `timeout`, `algo` and `tag` as all_reduce."""
-    return get_communicator(group).all_gather_into_tensor(output, input, async_op=async_op, tag=tag,
+def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, timeout=None, algo=None,
+                           tag=None):
+    """torch.distributed.all_gather_into_tensor on ringdp (CPU or CUDA tensors), with its
+    arguments: block q of `output_tensor` (world x input_tensor.numel() elements) becomes
+    rank q's `input_tensor`. Returns None or a Work (async_op=True); errors, `timeout`,
+    `algo` and `tag` as all_reduce."""
+    return get_communicator(group).all_gather_into_tensor(output_tensor, input_tensor, async_op=async_op, tag=tag,
                                                           timeout=timeout, algo=algo)
 
 
 @eager
-def broadcast(tensor, src, group=None, async_op=False, timeout=None, algo=None, tag=None):
-    """torch.distributed.broadcast on ringdp (CPU or CUDA tensors): every rank's `tensor` becomes
-    rank `src`'s. As in torch, `src` is a global rank (the same as the group rank for the
-    default group). Returns None or a Work (async_op=True); errors, `timeout`, `algo` and
+def broadcast(tensor, src=None, group=None, async_op=False, group_src=None, timeout=None, algo=None, tag=None):
+    """torch.distributed.broadcast on ringdp (CPU or CUDA tensors), with its arguments: every
+    rank's `tensor` becomes the root's. As in torch, the root is `src`, a global rank (the
+    same as the group rank for the default group), or `group_src`, a rank of `group`: one of
+    the two, not both. Returns None or a Work (async_op=True); errors, `timeout`, `algo` and
     `tag` as all_reduce."""
-    if group is not None and group is not dist.group.WORLD and isinstance(src, int) and not isinstance(src, bool):
-        src = dist.get_group_rank(group, src)
-    return get_communicator(group).broadcast(tensor, src, async_op=async_op, tag=tag, timeout=timeout, algo=algo)
+    comm = get_communicator(group)
+    root, error = src, None  # (a bad root is bad input: the communicator announces it to the peers)
+    if group_src is not None:
+        root = group_src
+        if src is not None:
+            error = (f"ringdp.broadcast on rank {comm.rank}: give the root as src (a global rank) or as group_src "
+                     f"(a rank of the group), not both: src={src!r}, group_src={group_src!r}")
+    elif src is None:
+        error = (f"ringdp.broadcast on rank {comm.rank}: the root is missing: give src (a global rank) or "
+                 f"group_src (a rank of the group)")
+    elif group is not None and group is not dist.group.WORLD and isinstance(src, int) and not isinstance(src, bool):
+        try:
+            root = dist.get_group_rank(group, src)
+        except ValueError:
+            error = (f"ringdp.broadcast on rank {comm.rank}: src={src} is a global rank outside the group (its "
+                     f"global ranks: {dist.get_process_group_ranks(group)}); group_src= takes a rank of the group")
+    return comm.broadcast(tensor, root, async_op=async_op, tag=tag, timeout=timeout, algo=algo, root_error=error)
 
 
 # torch 2.13's names for the two halves (it deprecates reduce_scatter_tensor and

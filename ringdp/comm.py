@@ -765,15 +765,19 @@ class Communicator:
         return self._submit(lambda: self._shm.all_gather(output, input, a, t, tag), async_op, outputs=[output],
                             nbytes=output.numel() * output.element_size(), refuse=refuse)
 
-    def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None):
+    def broadcast(self, tensor, src, async_op=False, tag=None, timeout=None, algo=None, root_error=None):
         """Copy `tensor` of rank `src` (a rank of this communicator's group) into `tensor` on
         every rank: a pipelined chain src -> src+1 -> ... along the ring (direct when every
         rank's tensor is registered: each copies src's where it lies, shm_comm.cpp
         run_direct), or one-shot for small tensors (policy.py). CUDA tensors:
         the chain on ringdp's stream (IPC: registered tensors read in place), or one-shot
-        (IPC)."""
+        (IPC). `root_error`: what the caller found wrong with the root it was given
+        (ringdp.broadcast: src and group_src both or neither, a src outside the group),
+        a ValueError announced to the peers as any bad input is."""
         def check():
             self._check(tensor, None, "broadcast")
+            if root_error is not None:
+                raise ValueError(root_error)
             if isinstance(src, bool) or not isinstance(src, int):
                 raise TypeError(f"ringdp.broadcast: src must be an int rank, got {type(src).__name__}")
             if not 0 <= src < self.world:

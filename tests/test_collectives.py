@@ -518,6 +518,67 @@ def test_sigkilled_peer(kind):
         assert took < 30
 
 
+def _torch_arguments(rank, world):
+    """ringdp's collectives called with torch.distributed's argument names (world 3; a group
+    of ranks 1 and 2, whose group ranks are 0 and 1)."""
+    import torch.distributed as dist
+
+    import ringdp
+
+    out = {}
+    o = torch.empty(3 * world)
+    ringdp.all_gather_into_tensor(output_tensor=o, input_tensor=torch.full((3,), rank + 0.5))
+    o2 = torch.empty(2 * world)
+    ringdp.all_gather_single(output_tensor=o2, input_tensor=torch.full((2,), rank + 0.25), async_op=True).wait()
+    out["gathered"] = (o.tolist(), o2.tolist())
+    t = torch.full((4,), float(rank))
+    ringdp.broadcast(t, group_src=world - 1)  # the default group: group rank = global rank
+    out["default group_src"] = t.tolist()
+    sub = dist.new_group([1, 2])  # (every rank makes it)
+    if rank in (1, 2):
+        results = []
+        for kwargs in ({"src": 2}, {"group_src": 0}, {"group_src": 1}, {"src": 1}):
+            t = torch.full((5,), rank * 10.0)
+            ringdp.broadcast(t, group=sub, async_op=True, **kwargs).wait()
+            results.append(t.tolist())
+        errors = []
+        for kwargs in ({"src": 2, "group_src": 1}, {}, {"src": 0}):  # both, neither, a global rank not in it
+            try:
+                ringdp.broadcast(torch.ones(3), group=sub, **kwargs)
+                errors.append(None)
+            except ValueError as e:
+                errors.append(str(e))
+        t = torch.full((2,), rank * 1.0)
+        ringdp.broadcast(t, 2, sub)  # still usable; positional as torch's
+        out["group"] = (results, errors, t.tolist())
+    return out
+
+
+def test_torch_argument_names():
+    """all_gather_into_tensor/all_gather_single(output_tensor=, input_tensor=) and
+    broadcast(src= a global rank | group_src= a rank of the group), as torch.distributed
+    takes them: results against closed forms; both roots, none, or a src outside the group
+    are ValueErrors naming the rank (the group's), and the group stays usable."""
+    world = 3
+    res = values(run_ranks(_torch_arguments, world, timeout=120))
+    for rank, out in enumerate(res):
+        gathered, gathered2 = out["gathered"]
+        assert gathered == [q + 0.5 for q in range(world) for _ in range(3)], gathered
+        assert gathered2 == [q + 0.25 for q in range(world) for _ in range(2)], gathered2
+        assert out["default group_src"] == [world - 1.0] * 4
+        if rank == 0:
+            assert "group" not in out
+            continue
+        results, errors, last = out["group"]
+        assert results == [[20.0] * 5, [10.0] * 5, [20.0] * 5, [10.0] * 5], results
+        me = f"on rank {rank - 1}:"  # (the group's rank, as ringdp's messages about a group name them)
+        assert errors[0] is not None and me in errors[0] and "not both" in errors[0], errors
+        assert errors[1] is not None and me in errors[1] and "root is missing" in errors[1], errors
+        assert errors[2] is not None and "src=0 is a global rank outside the group (its global ranks: [1, 2])" \
+            in errors[2], errors
+        assert last == [2.0, 2.0]
+
+
 def _flight(rank, world):
     import ringdp
 
