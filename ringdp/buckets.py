@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 __all__ = ["Bucket", "GradBucket", "Observer", "as_future", "as_grad_of", "assign_buckets", "future_tensor", "now_us",
-           "stored", "stored_dtype", "stored_shape"]
+           "stored", "stored_dtype", "stored_shape", "stored_strides"]
 
 ALIGN_BYTES = 256  # bucket starts inside an arena are aligned to this
 
@@ -52,6 +52,21 @@ def stored_dtype(dtype: torch.dtype) -> torch.dtype:
 def stored_shape(p: torch.Tensor) -> torch.Size:
     """The shape of parameter p's slot in its bucket (a complex one's real view)."""
     return p.shape + (2,) if p.is_complex() else p.shape
+
+
+def stored_strides(p: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides of parameter p's slot in its bucket: p's own (as stored) when its elements
+    lie dense in memory in some order of its dimensions (contiguous, channels_last, a
+    transposed weight), as torch's reducer lays its bucket views out, since autograd's
+    gradients follow the parameter's layout: they copy in as one run, and a bucket-view
+    .grad keeps it. None (row-major) for a parameter with gaps or overlaps."""
+    st = stored(p.detach())
+    expect = 1
+    for stride, size in sorted((st_, sz) for st_, sz in zip(st.stride(), st.shape) if sz != 1):
+        if stride != expect:
+            return None
+        expect *= size
+    return tuple(st.stride())
 
 
 def as_grad_of(view: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -111,10 +126,12 @@ class Bucket:
 
     def __init__(self, index: int, params: list[int], shapes: list[torch.Size], dtype: torch.dtype,
                  device: torch.device, storage: torch.Tensor | None = None,
-                 alloc: Callable[[], torch.Tensor] | None = None, in_grad: bool = False):
+                 alloc: Callable[[], torch.Tensor] | None = None, in_grad: bool = False,
+                 strides: list[tuple[int, ...] | None] | None = None):
         self.index = index
         self.params = params  # parameter indices, in bucket order
         self.shapes = shapes
+        self.strides = strides or [None] * len(shapes)  # each slot's (stored_strides; None: row-major)
         self.numels = [s.numel() for s in shapes]
         self.offsets = [sum(self.numels[:k]) for k in range(len(shapes))]
         self.dtype = dtype
@@ -142,7 +159,8 @@ class Bucket:
     def views(self) -> list[torch.Tensor]:
         if self._views is None:
             buf = self.buffer
-            self._views = [buf[o:o + n].view(s) for o, n, s in zip(self.offsets, self.numels, self.shapes)]
+            self._views = [buf[o:o + n].view(s) if st is None else buf.as_strided(s, st, buf.storage_offset() + o)
+                           for o, n, s, st in zip(self.offsets, self.numels, self.shapes, self.strides)]
         return self._views
 
     def reset(self) -> None:
@@ -177,7 +195,11 @@ class GradBucket:
         self._b.buffer.copy_(tensor)
 
     def gradients(self) -> list[torch.Tensor]:
-        return list(self._b.views)
+        """Each parameter's part of the buffer, row-major in its shape whatever its slot's
+        layout, as torch's GradBucket gives them (hooks such as PowerSGD .view() them)."""
+        b = self._b
+        buf = b.buffer
+        return [buf[o:o + n].view(s) for o, n, s in zip(b.offsets, b.numels, b.shapes)]
 
     def parameters(self) -> list[nn.Parameter]:
         return [self._params[i] for i in self._b.params]

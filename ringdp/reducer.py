@@ -60,7 +60,7 @@ from torch import nn
 
 from ._outputs import output_tensors
 from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
-                      now_us, stored, stored_dtype, stored_shape)
+                      now_us, stored, stored_dtype, stored_shape, stored_strides)
 from .comm import collective_tag, get_communicator
 
 __all__ = ["Reducer", "SparseGrads"]
@@ -298,12 +298,14 @@ class Reducer:
             key = self._keys[members[0]]
             dtype, device = stored_dtype(key[0]), key[1]
             shapes = [stored_shape(self.params[i]) for i in members]
+            strides = [stored_strides(self.params[i]) for i in members]  # (the parameters' layouts)
             n = sum(s.numel() for s in shapes)
             if in_grad[bi]:
-                b = Bucket(bi, members, shapes, dtype, device, in_grad=True,
+                b = Bucket(bi, members, shapes, dtype, device, in_grad=True, strides=strides,
                            alloc=lambda n=n, dtype=dtype, device=device: me().alloc(n, dtype, device))
             else:
-                b = Bucket(bi, members, shapes, dtype, device, storage=arenas[key][starts[bi]:starts[bi] + n])
+                b = Bucket(bi, members, shapes, dtype, device, storage=arenas[key][starts[bi]:starts[bi] + n],
+                           strides=strides)
             buckets.append(b)
         loc: list = [None] * len(self.params)
         for b in buckets:

@@ -269,6 +269,53 @@ def case_convbn_vs_torch(rank, world, steps=5, join_counts=None):
     return out
 
 
+def case_layouts_like_torch(rank, world, view, power_sgd=False, steps=4):
+    """RingDDP and torch DDP(gloo) side by side on ConvBN in channels_last plus a parameter
+    created transposed (dense, not row-major) and one with a gap (not dense): after each step
+    the parameters (rtol) and every .grad's strides; with bucket views, whether each .grad is
+    its bucket slot (RingDDP) and torch's bucket views' strides."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp.ddp import RingDDP
+
+    def make():
+        m = build(ConvBN, 11).to(memory_format=torch.channels_last)
+        m.tw = nn.Parameter(torch.randn(5, 8).t())  # (8, 5), strides (1, 8)
+        m.gap = nn.Parameter(torch.randn(4, 10)[:, ::2])  # (4, 5), strides (10, 2): has gaps
+        return m
+
+    ring, tddp = RingDDP(make(), gradient_as_bucket_view=view), DDP(make(), gradient_as_bucket_view=view)
+    if power_sgd:  # its hook .view()s bucket.gradients(): row-major in both, whatever the slots' layout
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        for m in (ring, tddp):
+            m.register_comm_hook(psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                                    min_compression_rate=0.5), psgd.powerSGD_hook)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (ring, tddp)]
+    out = {"param_strides": {n: tuple(p.stride()) for n, p in ring.module.named_parameters()},
+           "names": [n for n, _ in ring.module.named_parameters()], "steps": []}
+    for s in range(steps):
+        g = torch.Generator().manual_seed(500 + 10 * s + rank)
+        x = torch.randn(4, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+        y = torch.randn(4, 5, generator=g)
+        row = {}
+        for tag, m, opt in (("ring", ring, opts[0]), ("torch", tddp, opts[1])):
+            opt.zero_grad()
+            inner = m.module
+            pred = (m(x) @ inner.tw.t() @ inner.tw) * 0.1 + inner.gap.sum() * 0.01
+            ((pred - y) ** 2).mean().backward()
+            row[tag] = [tuple(p.grad.stride()) for p in m.parameters()]
+            opt.step()
+        row["diff"] = max((a - b).abs().max().item() for a, b in zip(ring.parameters(), tddp.parameters()))
+        row["params"] = [p.detach().clone() for p in ring.parameters()]
+        out["steps"].append(row)
+    if view:
+        r = ring.reducer
+        out["is_slot"] = [p.grad.data_ptr() == r.bucket_of(i)[0].views[r.bucket_of(i)[1]].data_ptr()
+                          for i, p in enumerate(r.params)]
+    return out
+
+
 class _null:
     def __enter__(self):
         return self
@@ -952,6 +999,32 @@ def test_one_huge_bucket(pool):
     res = pool.run(case_train, model="bigmlp", ddp_kwargs={"bucket_cap_mb": 1024}, steps=5)
     _check_train(res, 1e-5)
     assert res[0]["n_buckets"] == 1
+
+
+@pytest.mark.parametrize("view, power_sgd", [(False, False), (True, False), (True, True)])
+def test_gradient_layouts_like_torch(pool, view, power_sgd):
+    """Each parameter's bucket slot follows its layout when it is dense (channels_last conv
+    weights, a transposed weight), as torch's reducer lays out its bucket views, and is
+    row-major when it is not (a weight with gaps): the .grad RingDDP leaves has torch DDP's
+    strides, with and without gradient_as_bucket_view, and training matches torch's. Before,
+    RingDDP's bucket-view .grad were row-major (a strided copy of every conv gradient).
+    power_sgd: torch's PowerSGD hook, which .view()s bucket.gradients() (row-major parts of
+    the buffer, as torch's GradBucket gives): it runs, ranks stay bitwise equal (its
+    compression depends on the bucketing, so not compared with torch's values)."""
+    res = pool.run(case_layouts_like_torch, view=view, power_sgd=power_sgd)
+    for r, out in enumerate(res):
+        strides = out["param_strides"]
+        assert strides["tw"] == (1, 8) and strides["gap"] == (10, 2) and strides["c2.weight"] == (54, 1, 18, 6)
+        for s, row in enumerate(out["steps"]):
+            assert row["ring"] == row["torch"], (r, s, row)
+            assert row["diff"] < (1.0 if power_sgd else 1e-5), (r, s, row["diff"])
+            for a, b in zip(row["params"], res[0]["steps"][s]["params"]):
+                assert torch.equal(a, b), f"rank {r} step {s}: parameters differ from rank 0's"
+            # dense parameters keep their own layout; the one with gaps is row-major in both
+            got = dict(zip(out["names"], row["ring"]))
+            assert got == dict(strides, gap=(5, 1)), (r, s, got)
+        if view:
+            assert all(out["is_slot"]), out["is_slot"]
 
 
 @pytest.mark.parametrize("view", [False, True])
