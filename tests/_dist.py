@@ -14,15 +14,22 @@ Two ways in:
   host: ranks that kill themselves, other world sizes, a different environment at start.
 
 `free_port()` is the one free-port helper of the test suite.
+
+A rank that has not answered when its run or case times out is asked for its Python stacks
+(every thread, through faulthandler on SIGUSR2) before it is killed: they land in the
+test's captured stderr, so that a hang that happened once says where it was.
 """
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing as mp
 import os
 import pickle
 import queue as _queue
+import signal
 import socket
+import sys
 import time
 import traceback
 
@@ -34,6 +41,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _stacks_on_request() -> None:
+    """(in a rank) Print every thread's Python stack on stderr when SIGUSR2 comes."""
+    faulthandler.register(signal.SIGUSR2, file=sys.stderr, all_threads=True)
+
+
+def _dump_stacks(procs, ranks) -> None:
+    """Ask the live ones among `ranks` of `procs` for their stacks (_stacks_on_request), and
+    give them a moment to write them, before they are killed."""
+    asked = [r for r in ranks if procs[r].is_alive()]
+    if not asked:
+        return
+    sys.stderr.write(f"\n=== test harness: Python stacks of ranks {asked}, which did not answer in time ===\n")
+    sys.stderr.flush()
+    for r in asked:
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR2)
+        except OSError:
+            pass
+    time.sleep(1.0)
 
 
 def _to_bytes(obj) -> bytes:
@@ -89,6 +117,7 @@ class _env_overrides:
 
 
 def _pool_worker(rank, world, port, timeout_s, env, inq, outq):
+    _stacks_on_request()
     os.environ.update(env)  # before torch is imported: OMP_NUM_THREADS, RINGDP_TIMEOUT_S
     import torch.distributed as dist
 
@@ -156,6 +185,7 @@ class Pool:
                 if left <= 0 or not all(p.is_alive() for p in self.procs):
                     self.broken = True
                     missing = sorted(set(range(self.world)) - set(results) - set(errors))
+                    _dump_stacks(self.procs, missing)
                     dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
                     why = f"workers {dead} died" if dead else f"none within {timeout} s: a hang?"
                     raise AssertionError(f"case {name}: ranks {missing} gave no answer ({why}); "
@@ -211,6 +241,7 @@ class PoolKeeper:
 
 # ============================================================== one-off runs
 def _entry(fn, rank, world, port, env, args, q, backend="gloo"):
+    _stacks_on_request()
     os.environ.update(env)
     try:
         _init_group(rank, world, port, backend=backend)
@@ -253,6 +284,7 @@ def run_ranks(fn, world, *args, timeout=240, env=None, allow_missing=(), backend
         while got < want:
             left = deadline - time.monotonic()
             if left <= 0:
+                _dump_stacks(procs, [r for r in range(world) if results[r] is None])
                 raise RankFailed(f"ranks did not finish within {timeout} s: {results}")
             try:
                 rank, status, value = q.get(timeout=min(left, 1.0))
