@@ -7,7 +7,13 @@ import glob
 import os
 
 from setuptools import find_packages, setup
-from torch.utils import cpp_extension
+
+try:
+    from torch.utils import cpp_extension
+except ImportError as e:  # pip's default isolated build has setuptools alone
+    raise SystemExit(f"ringdp builds against the torch it will run with, and this build cannot import torch ({e}). "
+                     "Install torch first, then build without isolation: "
+                     "pip install torch==2.13.0 && pip install --no-build-isolation .") from None
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
