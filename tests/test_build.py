@@ -57,3 +57,31 @@ def test_sdist_holds_the_sources(tmp_path):
     missing = sorted(want - inside)
     assert not missing, f"{len(missing)} tracked files not in the sdist: {missing[:20]}"
     assert any(f.endswith(".cuh") for f in inside) and any(f.endswith(".cu") for f in inside)
+
+
+def test_extension_that_does_not_load_says_why(tmp_path):
+    """A package without its extension says to build it; one whose extension is there but does
+    not load (built against another torch: an undefined symbol) says so, naming the torch
+    that runs, rather than calling it missing. (ringdp/_native.py alone, in a package of
+    another name: an editable install's finder would supply the checkout's ringdp._C.)"""
+    import shutil
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    copy = tmp_path / "ringdp_alone"
+    copy.mkdir()
+    (copy / "__init__.py").write_text("")
+    shutil.copy2(Path(ringdp.__file__).parent / "_native.py", copy / "_native.py")
+
+    def import_error() -> str:
+        run = subprocess.run([sys.executable, "-c", "import ringdp_alone._native"], cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert run.returncode != 0, "the copy imported"
+        return run.stderr.strip().splitlines()[-1]
+
+    assert "ringdp._C is missing" in import_error()
+    (copy / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))).write_bytes(b"not a shared object")
+    msg = import_error()
+    assert "does not load" in msg and f"torch {torch.__version__} here" in msg, msg
