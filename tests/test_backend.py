@@ -345,6 +345,65 @@ def test_fsdp2_world4():
     check_fsdp2(values(run_ranks(case_fsdp2, 4, True, backend="cpu:ringdp", timeout=180)))
 
 
+def case_hsdp(rank, world, steps=4):
+    """Stock FSDP2 sharding across hosts' worth of ranks and replicating between them (HSDP:
+    fully_shard on a 2-D ("replicate", "shard") mesh of the ringdp default group; its
+    reduce-scatters and all-gathers run on the shard groups, its all-reduces on the replicate
+    groups) against one process training the same model on the full batch (the mean of the
+    ranks' losses). Returns every step's loss on this rank and the reference's for the same
+    rows, the largest parameter difference at the end, and the native calls of each group."""
+    import ringdp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    groups = {d: mesh[d].get_group() for d in ("replicate", "shard")}
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+                               for _ in range(2)])
+
+    model, ref = build(), build()
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    before = {d: len(ringdp.get_communicator(g).flight_record()) for d, g in groups.items()}
+    losses, ref_losses = [], []
+    for step in range(steps):
+        x = torch.randn(world * 2, 5, 16, generator=torch.Generator().manual_seed(step))
+        loss = model(x[rank * 2:(rank + 1) * 2]).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        per_rank = [ref(x[r * 2:(r + 1) * 2]).pow(2).mean() for r in range(world)]
+        torch.stack(per_rank).mean().backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(per_rank[rank].detach())
+    return {"losses": torch.stack(losses), "ref": torch.stack(ref_losses),
+            "params": [p.full_tensor() for p in model.parameters()], "ref_params": [p.detach() for p in ref.parameters()],
+            "native": {d: len(ringdp.get_communicator(g).flight_record()) - before[d] for d, g in groups.items()},
+            "backends": [dist.get_backend(g) for g in groups.values()]}
+
+
+def test_fsdp2_hybrid_sharding():
+    """issue 11: HSDP (FSDP2 on a 2-D mesh) on cpu:ringdp, world 4: the losses and the final
+    parameters of one process on the full batch; both kinds of group reached ringdp."""
+    res = values(run_ranks(case_hsdp, 4, backend="cpu:ringdp", timeout=240))
+    for r, out in enumerate(res):
+        assert out["backends"] == ["cpu:ringdp", "cpu:ringdp"], (r, out["backends"])
+        assert out["native"]["replicate"] > 0 and out["native"]["shard"] > 0, (r, out["native"])
+        torch.testing.assert_close(out["losses"], out["ref"], rtol=1e-5, atol=1e-7)
+        for a, b in zip(out["params"], out["ref_params"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert out["losses"][-1] < out["losses"][0], f"rank {r} did not train: {out['losses']}"
+        for a, b in zip(out["params"], res[0]["params"]):
+            assert torch.equal(a, b), f"rank {r}'s parameters differ from rank 0's"
+
+
 def case_checkpoint(rank, world, path):
     """torch.distributed.checkpoint of an FSDP2 model and its Adam state on a ringdp group:
     saved after 2 steps, loaded into a model trained otherwise, which then holds the same
