@@ -404,6 +404,81 @@ def test_fsdp2_hybrid_sharding():
             assert torch.equal(a, b), f"rank {r}'s parameters differ from rank 0's"
 
 
+def case_torch_recipes(rank, world):
+    """torch's own recipes that sit on the collectives, over a ringdp group and over gloo:
+    the autograd collectives (torch.distributed.nn.functional: all_gather and all_reduce
+    whose backward is a collective too), ZeroRedundancyOptimizer under DDP (Adam's state
+    sharded, parameters broadcast from their owners, consolidate_state_dict), post-local SGD
+    (DDP's post_localSGD_hook and PeriodicModelAverager). Returns each recipe's results per
+    group kind."""
+    import torch.distributed.nn.functional as F
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    def autograd(g):
+        x = (torch.arange(3.0) + rank).requires_grad_()
+        gathered = F.all_gather(x, group=g)
+        sum((y * (i + 1)).sum() for i, y in enumerate(gathered)).backward()
+        out = [torch.stack(gathered).detach(), x.grad.clone()]
+        x.grad = None
+        F.all_reduce(x * (rank + 1), group=g).sum().backward()
+        return out + [x.grad.clone()]
+
+    def trained(model, opt, steps, after_step=lambda: None):
+        for step in range(steps):
+            x, y = batch(step, 4 * world)
+            nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4]).backward()
+            opt.step()
+            after_step()  # (averaging takes the parameters that have gradients: before zero_grad)
+            opt.zero_grad()
+
+    def zero(g):
+        m = build(MLP, rank)
+        ddp = nn.parallel.DistributedDataParallel(m, process_group=g)
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, process_group=g, lr=0.01)
+        trained(ddp, opt, 3)
+        opt.consolidate_state_dict(to=0)
+        state = opt.state_dict()["state"] if rank == 0 else {}
+        return params(m) + [v["exp_avg"] for _, v in sorted(state.items())]
+
+    def post_local_sgd(g):
+        m = build(MLP, rank)
+        ddp = nn.parallel.DistributedDataParallel(m, process_group=g)
+        ddp.register_comm_hook(PostLocalSGDState(process_group=g, subgroup=g, start_localSGD_iter=2), post_localSGD_hook)
+        averager = PeriodicModelAverager(period=2, warmup_steps=2, process_group=g)
+        trained(ddp, torch.optim.SGD(m.parameters(), lr=LR), 6, lambda: averager.average_parameters(m.parameters()))
+        return params(m)
+
+    g = ringdp_group()
+    recipes = {"autograd": autograd, "zero": zero, "post_local_sgd": post_local_sgd}
+    out = {name: {"ring": fn(g)} for name, fn in recipes.items()}
+    drop(g)
+    for name, fn in recipes.items():
+        out[name]["gloo"] = fn(dist.group.WORLD)
+    return out
+
+
+def test_torch_recipes(pool):
+    """issue 11: the recipes of case_torch_recipes give on a ringdp group bitwise what they
+    give on gloo (world 2: one addition per element either way), the autograd collectives
+    their closed forms too."""
+    res = pool.run(case_torch_recipes)
+    world = len(res)
+    for r, out in enumerate(res):
+        for name, got in out.items():
+            assert len(got["ring"]) == len(got["gloo"]) > 0, (r, name)
+            for i, (a, b) in enumerate(zip(got["ring"], got["gloo"])):
+                assert torch.equal(a, b), f"rank {r} {name}[{i}]: ringdp {a} != gloo {b}"
+        gathered, grad_gather, grad_reduce = out["autograd"]["ring"]
+        assert torch.equal(gathered, torch.arange(3.0) + torch.arange(world.__float__()).unsqueeze(1))
+        # y_i = x_i weighted by i + 1 on every rank: d/dx_r sums rank r's weight over the ranks
+        assert torch.equal(grad_gather, torch.full((3,), world * (r + 1.0)))
+        assert torch.equal(grad_reduce, torch.full((3,), world * (r + 1.0)))
+        if r == 0:
+            assert len(out["zero"]["ring"]) > len(params(build(MLP, 0))), "rank 0 consolidated no optimizer state"
+
+
 def case_checkpoint(rank, world, path):
     """torch.distributed.checkpoint of an FSDP2 model and its Adam state on a ringdp group:
     saved after 2 steps, loaded into a model trained otherwise, which then holds the same
