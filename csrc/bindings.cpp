@@ -3,8 +3,12 @@
 #include <torch/extension.h>
 #include <torch/version.h>
 
+#include <chrono>
+#include <csignal>
+
 #include "common/endpoint.h"
 #include "common/error.h"
+#include "common/interrupt.h"
 #include "common/types.h"
 #include "kernels/cpu/reduce.h"
 #include "ring/ring.h"
@@ -100,6 +104,34 @@ std::function<void(const std::string&)> python_callback(py::function f, const ch
   };
 }
 
+// Ctrl-C during a collective (common/interrupt.h). Python runs a signal's handler on its main
+// thread between bytecodes, so a SIGINT that came while the main thread waited in C++ was
+// handled only once the call returned: it waited out the timeout (300 s by default). The
+// waits of the main thread look every 50 ms whether a SIGINT came. With Python's own handler
+// (default_int_handler) the wait ends in the KeyboardInterrupt that handler raises. A
+// handler of the program's is left for Python to run when the call returns, as before (the
+// SIGINT is given back): it never runs inside a collective, where a collective of its own
+// (a checkpoint saved on Ctrl-C) would wait for the very call it interrupted.
+unsigned long g_main_thread = 0;  // threading.main_thread().ident, at import
+
+void python_interrupt_check() {
+  if (PyThread_get_thread_ident() != g_main_thread) return;
+  static std::chrono::steady_clock::time_point next;  // (the main thread's alone)
+  const auto now = std::chrono::steady_clock::now();
+  if (now < next) return;
+  next = now + std::chrono::milliseconds(50);
+  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+  py::gil_scoped_acquire gil;
+  if (!PyOS_InterruptOccurred()) return;  // (takes the SIGINT)
+  py::module_ signal = py::module_::import("signal");
+  if (!signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler"))) {
+    PyErr_SetInterrupt();  // the program's handler: Python runs it when the call returns
+    return;
+  }
+  PyErr_SetNone(PyExc_KeyboardInterrupt);
+  throw py::error_already_set();
+}
+
 // Flight records as dicts (names for kind, dtype and op; the algorithm's code).
 py::list records_to_python(const std::vector<CallRecord>& records) {
   py::list out;
@@ -129,6 +161,8 @@ py::list records_to_python(const std::vector<CallRecord>& records) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "ringdp native extension";
   py::register_exception<RingError>(m, "RingError", PyExc_RuntimeError);
+  g_main_thread = py::module_::import("threading").attr("main_thread")().attr("ident").cast<unsigned long>();
+  set_interrupt_check(&python_interrupt_check);
 
 #ifdef RINGDP_WITH_CUDA
   m.attr("WITH_CUDA") = true;

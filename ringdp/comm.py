@@ -266,6 +266,22 @@ class Communicator:
         """What Work.wait(timeout) raises when the collective did not finish in time."""
         return RingError(f"rank {self.rank}: a collective did not finish within {timeout:g} s of Work.wait(){where}")
 
+    def _abandon(self, e: BaseException, when: str) -> None:
+        """A signal's handler raised `e` on this thread (Ctrl-C: KeyboardInterrupt) `when`
+        a collective was in flight: the program leaves it, so its endpoints abort, as the
+        backend's abort() does without the teardown. The call in flight fails within
+        milliseconds (on the worker thread too), the peers blocked on this rank fail naming
+        it, and the next call here raises a RingError saying why. (Inside the shared-memory
+        transport's waits the transport itself aborts: csrc/common/interrupt.h.)"""
+        why = f"rank {self.rank}: interrupted ({type(e).__name__} from a signal's handler: Ctrl-C) {when}"
+        shm, across = self._inhost_endpoint(), self.across
+        if isinstance(shm, _C.ShmComm):
+            with contextlib.suppress(Exception):  # (what to raise is `e`: the caller raises it)
+                shm.abort(why)
+        if across is not None:
+            with contextlib.suppress(Exception):
+                across.abort(why, self._last_store())
+
     def _store(self):
         """The store the rendezvous uses, looked up at each use (class doc)."""
         if not self.group_alive:
@@ -483,6 +499,10 @@ class Communicator:
         except RingError as e:
             self.dump_flight_record("failed collective", str(e))
             raise
+        except BaseException as e:
+            if not isinstance(e, Exception):  # (Ctrl-C in a wait of Python's: the steps across hosts)
+                self._abandon(e, "during a collective")
+            raise
         finally:
             if in_callback:
                 self._callbacks_since = time.monotonic()
@@ -578,6 +598,9 @@ class Communicator:
                 return
             except _FutureTimeout:
                 pass
+            except BaseException as e:  # a signal's handler raised meanwhile (Ctrl-C: KeyboardInterrupt)
+                self._abandon(e, "while waiting for a collective queued on ringdp's worker thread")
+                raise
             since = self._callbacks_since
             if since is not None and time.monotonic() - since > self.timeout and self._drop(fut):
                 raise RingError(

@@ -1021,6 +1021,87 @@ def test_peer_dies_in_training(kind, when, hosts):
     assert not left, left
 
 
+def _interrupted(rank, world, mode, hosts):
+    """Rank 0 sends itself a SIGINT 0.5 s into a collective that the others enter 1.5 s
+    late ("inline": a synchronous ringdp.all_reduce, run on the calling thread; "wait":
+    async_op and Work.wait(), the call on ringdp's worker; "backend": dist.all_reduce on a
+    cpu:ringdp group; "handler": a SIGINT handler of the program's, which returns). Returns
+    (what the call raised or its values, seconds from the call to that, what the next call
+    raised or its values, seconds from the start to when a handler ran)."""
+    import threading
+
+    if hosts:
+        os.environ["RINGDP_HOST_ID"] = hosts[rank]
+    import torch.distributed as dist
+
+    import ringdp
+
+    # (a parent that ignores SIGINT, as a shell's background job does, passes that on)
+    ran = []
+    handler = (lambda sig, frame: ran.append(time.monotonic())) if mode == "handler" else signal.default_int_handler
+    signal.signal(signal.SIGINT, handler)
+    group = dist.new_group(backend="cpu:ringdp") if mode == "backend" else None
+
+    def reduce(async_op=False):
+        t = torch.full((1000,), float(rank + 1))
+        if mode == "backend":
+            dist.all_reduce(t, group=group)
+        elif async_op:
+            ringdp.all_reduce(t, async_op=True).wait()
+        else:
+            ringdp.all_reduce(t)
+        return sorted(set(t.tolist()))
+
+    def outcome(fn):
+        try:
+            return fn()
+        except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt included: what the caller sees
+            return f"{type(e).__name__}: {e}"
+
+    reduce()
+    t0 = time.monotonic()
+    if rank == 0:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    else:
+        time.sleep(1.5)
+    first = outcome(lambda: reduce(async_op=mode == "wait"))
+    took = time.monotonic() - t0
+    return first, took, outcome(reduce), [t - t0 for t in ran]
+
+
+@pytest.mark.parametrize("mode,hosts", [("inline", None), ("wait", None), ("backend", None), ("handler", None),
+                                        ("inline", "aabb")],
+                         ids=["inline", "wait", "backend", "handler", "inline-aabb"])
+def test_ctrl_c_ends_a_collective(mode, hosts):
+    """Ctrl-C (SIGINT) while a collective waits for a late peer: a KeyboardInterrupt at once
+    (it waited out the timeout, 300 s by default, as the transport waited in C++), the peers'
+    call a RingError naming rank 0 and the interrupt, the next call on rank 0 a RingError
+    saying so, and the process exits with 0. A SIGINT handler of the program's runs as it
+    did, once the call returns, never inside it: every rank gets the sum, twice."""
+    world = 4 if hosts else 2
+    codes = []
+    res = values(run_ranks(_interrupted, world, mode, hosts and list(hosts), env={"RINGDP_TIMEOUT_S": "30"},
+                           timeout=120, exitcodes=codes))
+    total = [world * (world + 1) / 2]
+    if mode == "handler":
+        for r, (first, took, after, ran) in enumerate(res):
+            assert first == after == total, (r, first, after)
+        (first, took, after, ran) = res[0]
+        # (sent at 0.5 s; the call ends once rank 1 came, at 1.5 s)
+        assert len(ran) == 1 and 1.0 < ran[0] < took + 0.5, f"the handler ran at {ran} s, the call ended at {took} s"
+    else:
+        first, took, after, _ = res[0]
+        assert str(first).startswith("KeyboardInterrupt"), first
+        assert took < 0.5 + SLACK_S, took
+        assert str(after).startswith("RingError") and "interrupted" in str(after), after
+        peers = [1] if hosts else range(1, world)  # (across hosts: the partner's gloo step may simply complete)
+        for r in peers:
+            first, took, _, _ = res[r]
+            assert str(first).startswith("RingError") and "rank 0" in str(first) and "interrupted" in str(first), (r, first)
+            assert took < 1.5 + SLACK_S, (r, took)
+    assert codes == [0] * world, codes
+
+
 def _peer_dies_at_the_bucket_rebuild(rank, world):
     """RingDDP on the gloo default group: the last rank SIGKILLs itself where every rank
     adopts the authoritative rank's gradient order (Reducer.rebuild, at the end of the first

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "../../common/error.h"
+#include "../../common/interrupt.h"
 #include "../../kernels/cpu/reduce.h"
 #include "../../ring/ring.h"
 #include "../../ring/schedule.h"
@@ -226,6 +227,14 @@ void ShmComm::require_connected() const {
 void ShmComm::unlink_own() { segs_[static_cast<size_t>(cfg_.rank)].unlink(); }
 
 void ShmComm::check_health(int waiting_on, const char* what) {
+  try {
+    check_interrupt();  // (interrupt.h: Ctrl-C; what the program's handler raised ends the call)
+  } catch (...) {
+    abort(cat("rank ", name_of(cfg_.rank), ": ", kind_name(kind_), " #", call_,
+              " was interrupted on this rank (Ctrl-C: SIGINT) while waiting for rank ",
+              name_of(waiting_on), " (", what, ")"));
+    throw;
+  }
   if (abort_requested_.load(std::memory_order_acquire)) {
     std::string why;
     {
