@@ -211,6 +211,45 @@ def test_no_shm_left_behind(how):
     assert names and not (set(names) & _shm_names())
 
 
+def _reduce_or_error(rank, world):
+    import ringdp
+
+    t = torch.full((1000,), float(rank + 1))
+    try:
+        ringdp.all_reduce(t)
+    except ringdp.RingError as e:
+        return str(e)
+    return t.tolist()
+
+
+def test_small_dev_shm_is_a_clear_error():
+    """/dev/shm smaller than a rank's segment (a container's default is 64 MiB; here 1 MiB,
+    a tmpfs mounted over it in a mount namespace of the test's own): every rank raises a
+    RingError naming itself, the room /dev/shm has and the settings that size the segment,
+    and leaves nothing there. Skipped where this user may not make a mount namespace."""
+    import json
+    import subprocess
+    import sys
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = (f"import json, sys; sys.path.insert(0, {tests!r}); import test_failures as t; "
+              "print(json.dumps(t.run_ranks(t._reduce_or_error, 2, timeout=120))); "
+              "import os; print(json.dumps(sorted(os.listdir('/dev/shm'))))")
+    run = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                          f"mount -t tmpfs -o size=1M tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", script],
+                         capture_output=True, text=True, timeout=180)
+    if run.returncode != 0 and ("unshare" in run.stderr or "mount" in run.stderr) and "Traceback" not in run.stderr:
+        pytest.skip(f"no mount namespace here: {run.stderr.strip()[-200:]}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    res, left = json.loads(lines[-2]), json.loads(lines[-1])
+    for r, (status, msg) in enumerate(res):
+        assert status == "ok" and isinstance(msg, str), (r, status, msg)
+        assert msg.startswith(f"rank {r}: cannot reserve") and "MiB free of 1 MiB" in msg, msg
+        assert "--shm-size" in msg and "RINGDP_SLOT_BYTES" in msg and "RINGDP_FIFO_SLOTS" in msg, msg
+    assert not [n for n in left if n.startswith("ringdp-")], left
+
+
 def test_different_hosts_collectives_work_and_registered_memory_is_a_clear_error():
     # Ranks on two hosts (hostnames differ), one rank each (the flat path: gloo on the whole
     # group; tests/test_hierarchy.py has the rest): the CPU collectives run; registered

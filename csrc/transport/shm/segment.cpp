@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/statvfs.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -123,9 +124,18 @@ void Segment::unlink() {
 void Segment::commit(size_t offset, size_t bytes) {
   if (bytes == 0) return;
   int rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
-  if (rc != 0)
-    throw RingError(cat("cannot reserve ", bytes, " bytes of shared memory (", errstr(rc),
-                        "); /dev/shm may be full or too small"));
+  if (rc != 0) {
+    decommit(offset, bytes);  // (what the failed reservation took of it: given back)
+    // how much the machine gives (a container's /dev/shm is often 64 MiB: docker --shm-size)
+    struct statvfs fs;
+    auto mib = [](double b) { return static_cast<double>(static_cast<int64_t>(b / 1048576.0 * 10.0 + 0.5)) / 10.0; };
+    const std::string room = ::statvfs("/dev/shm", &fs) == 0
+                                 ? cat("/dev/shm has ", mib(double(fs.f_bavail) * double(fs.f_frsize)), " MiB free of ",
+                                       mib(double(fs.f_blocks) * double(fs.f_frsize)), " MiB")
+                                 : std::string("/dev/shm may be full or too small");
+    throw RingError(cat("cannot reserve ", bytes, " bytes of shared memory for ", name_, " (", errstr(rc), "): ",
+                        room, " (a container's is often 64 MiB: docker run --shm-size)"));
+  }
   populate(base_ + offset, bytes, /*write=*/true);
 }
 
