@@ -174,6 +174,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("TAG_BYTES") = kTagBytes;  // a collective's tag: at most TAG_BYTES - 1 bytes
   m.def("shm_segment_name", &shm::segment_name, py::arg("job"), py::arg("rank"),
         "the /dev/shm name of rank's segment in job, created by this process");
+  m.def(
+      "shm_reserved_bytes",
+      [](size_t slots, size_t slot_bytes, size_t oneshot_bytes) {
+        return shm::Geometry::make(slots, slot_bytes, oneshot_bytes, 0, 1).fixed_bytes();
+      },
+      py::arg("fifo_slots"), py::arg("slot_bytes"), py::arg("oneshot_bytes"),
+      "the bytes of /dev/shm a rank reserves at set-up (its segment but the arena)");
   m.def("reap_stale_segments", &shm::reap_stale,
         "unlink segment names in /dev/shm whose creator is dead; returns the names removed");
   m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." + std::to_string(TORCH_VERSION_MINOR) +

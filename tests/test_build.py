@@ -85,3 +85,66 @@ def test_extension_that_does_not_load_says_why(tmp_path):
     (copy / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))).write_bytes(b"not a shared object")
     msg = import_error()
     assert "does not load" in msg and f"torch {torch.__version__} here" in msg, msg
+
+
+def _python_m_ringdp(*args, env=None, torchrun=None, timeout=180):
+    """`python -m ringdp ARGS` (under torchrun with `torchrun` ranks), from outside the
+    checkout; (exit status, stdout, stderr)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from _dist import free_port
+
+    cmd = [sys.executable, "-m", "ringdp", *args]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(torchrun),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "ringdp", *args]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=tempfile.gettempdir(),
+                         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return run.returncode, run.stdout, run.stderr
+
+
+def test_python_m_ringdp_reports_the_install_and_the_settings():
+    """python -m ringdp: versions, transports, /dev/shm's room against what a rank reserves
+    (the native layout's figure), the settings set (unknown ones named); an invalid setting
+    is exit status 1, naming it."""
+    import json
+
+    rc, out, err = _python_m_ringdp("--json", env={"RINGDP_TIMEOUT_S": "7", "RINGDP_NOPE": "1"})
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["ringdp"]["version"] == ringdp.__version__ and "shm" in rep["ringdp"]["transports"]
+    assert rep["settings"] == {"RINGDP_TIMEOUT_S": "7"} and rep["timeout_s"] == 7.0
+    assert rep["unknown_settings"] == ["RINGDP_NOPE"]
+    # 8 slots of 256 KiB, two 256 KiB one-shot buffers and the control block, on 2 MiB pages
+    assert rep["dev_shm"]["rank_reserves_bytes"] == 4 << 20 and rep["dev_shm"]["size_bytes"] > 0
+    rc, out, err = _python_m_ringdp(env={"RINGDP_TIMEOUT_S": "abc"})
+    assert rc == 1 and "INVALID: RINGDP_TIMEOUT_S='abc'" in out, (rc, out, err)
+    assert "/dev/shm" in out and "transports" in out
+
+
+def test_python_m_ringdp_check_under_torchrun(monkeypatch, capsys):
+    """torchrun -m ringdp --check, world 3: every native collective of 0, 1, 7, 1000 and 4099
+    elements per rank, twice, gave its closed form on every rank; rank 0 reports for the
+    job. Outside torchrun it says how to start it; a failed check is exit status 1, naming
+    the rank and the collectives (reporting checked with a made-up outcome)."""
+    import json
+
+    import ringdp.__main__ as main
+
+    rc, out, err = _python_m_ringdp("--check", "--json", torchrun=3)
+    assert rc == 0, err[-3000:]
+    rep = json.loads(out)  # (rank 0's alone: the others print nothing)
+    assert rep["check"]["ok"] and rep["check"]["world"] == 3, rep["check"]
+    assert [r["rank"] for r in rep["check"]["ranks"]] == [0, 1, 2]
+    rc, out, err = _python_m_ringdp("--check")
+    assert rc != 0 and "torchrun --nproc-per-node 2 -m ringdp --check" in err, (rc, out, err)
+    bad = {"rank": 0, "world": 2, "ok": False, "ranks": [
+        {"rank": 0, "failed": [], "error": None, "seconds": 0.1},
+        {"rank": 1, "failed": ["all_reduce 7", "broadcast 1"], "error": None, "seconds": 0.1}]}
+    monkeypatch.setattr(main, "check", lambda: bad)
+    assert main.main(["--check"]) == 1
+    shown = capsys.readouterr().out
+    assert "check        FAILED: world 2" in shown and "rank 1: wrong values: all_reduce 7, broadcast 1" in shown
