@@ -85,16 +85,26 @@ size_t registered_bytes(const std::vector<int64_t>& sizes, at::ScalarType st) {
   return static_cast<size_t>(bytes);
 }
 
+// Whether the interpreter is shutting down (public as Py_IsFinalizing since Python 3.13, which
+// dropped the underscored name: a build against 3.13 failed on it).
+inline bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing();
+#else
+  return _Py_IsFinalizing();
+#endif
+}
+
 // A Python callable as a C++ callback that may run on any thread (it takes the GIL; not
 // once the interpreter is finalizing). Errors it raises are reported as unraisable.
 std::function<void(const std::string&)> python_callback(py::function f, const char* what) {
   auto fn = std::shared_ptr<py::function>(new py::function(std::move(f)), [](py::function* p) {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;  // leaked at exit: the GIL may be gone
+    if (!Py_IsInitialized() || python_finalizing()) return;  // leaked at exit: the GIL may be gone
     py::gil_scoped_acquire gil;
     delete p;
   });
   return [fn, what](const std::string& text) {
-    if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+    if (!Py_IsInitialized() || python_finalizing()) return;
     py::gil_scoped_acquire gil;
     try {
       (*fn)(text);
@@ -120,7 +130,7 @@ void python_interrupt_check() {
   const auto now = std::chrono::steady_clock::now();
   if (now < next) return;
   next = now + std::chrono::milliseconds(50);
-  if (!Py_IsInitialized() || _Py_IsFinalizing()) return;
+  if (!Py_IsInitialized() || python_finalizing()) return;
   py::gil_scoped_acquire gil;
   if (!PyOS_InterruptOccurred()) return;  // (takes the SIGINT)
   py::module_ signal = py::module_::import("signal");

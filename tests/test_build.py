@@ -148,3 +148,54 @@ def test_python_m_ringdp_check_under_torchrun(monkeypatch, capsys):
     assert main.main(["--check"]) == 1
     shown = capsys.readouterr().out
     assert "check        FAILED: world 2" in shown and "rank 1: wrong values: all_reduce 7, broadcast 1" in shown
+
+
+def _other_pythons() -> list[tuple[tuple[int, int], str]]:
+    """Other CPython 3.x interpreters here (on PATH, or pyenv's) with their headers:
+    ((major, minor), include dir), newest first."""
+    import glob
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    exes = [shutil.which(f"python3.{minor}") for minor in range(9, 16)]
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    exes += sorted(glob.glob(os.path.join(root, "versions", "3.*", "bin", "python3")))
+    found = {}
+    for exe in filter(None, exes):
+        try:  # (a pyenv shim of a version that is not selected fails here)
+            out = subprocess.run([exe, "-c", "import sys, sysconfig; print(*sys.version_info[:2], "
+                                  "sysconfig.get_paths()['include'])"], capture_output=True, text=True, timeout=30)
+            major, minor, inc = out.stdout.split(maxsplit=2)
+        except (OSError, subprocess.SubprocessError, ValueError):
+            continue
+        version, inc = (int(major), int(minor)), inc.strip()
+        if version != sys.version_info[:2] and glob.glob(os.path.join(inc, "Python.h")):
+            found[version] = inc
+    return sorted(found.items(), reverse=True)
+
+
+def test_binding_compiles_against_the_newest_python():
+    """The one file that includes Python's headers (csrc/bindings.cpp) compiles against the
+    newest other CPython here (syntax only, with this torch's headers): Python 3.13 dropped
+    _Py_IsFinalizing from its API, and the build failed there on it."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import pybind11
+    import pytest
+    from torch.utils import cpp_extension
+
+    others = _other_pythons()
+    if not others:
+        pytest.skip("no other CPython with its headers on PATH")
+    (major, minor), inc = others[0]
+    root = Path(__file__).resolve().parents[1]
+    cmd = [os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-DTORCH_EXTENSION_NAME=_C",
+           "-DTORCH_API_INCLUDE_EXTENSION_H", *(f"-I{p}" for p in cpp_extension.include_paths()),
+           f"-I{pybind11.get_include()}", f"-I{inc}", f"-I{root / 'csrc'}", str(root / "csrc" / "bindings.cpp")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    errors = [line for line in run.stderr.splitlines() if "error" in line]
+    assert run.returncode == 0, f"bindings.cpp against Python {major}.{minor}'s headers:\n" + "\n".join(errors[:20])
