@@ -120,8 +120,8 @@ std::function<void(const std::string&)> python_callback(py::function f, const ch
 // waits of the main thread look every 50 ms whether a SIGINT came. With Python's own handler
 // (default_int_handler) the wait ends in the KeyboardInterrupt that handler raises. A
 // handler of the program's is left for Python to run when the call returns, as before (the
-// SIGINT is given back): it never runs inside a collective, where a collective of its own
-// (a checkpoint saved on Ctrl-C) would wait for the very call it interrupted.
+// SIGINT is not looked at): it never runs inside a collective, where a collective of its
+// own (a checkpoint saved on Ctrl-C) would wait for the very call it interrupted.
 unsigned long g_main_thread = 0;  // threading.main_thread().ident, at import
 
 void python_interrupt_check() {
@@ -132,12 +132,16 @@ void python_interrupt_check() {
   next = now + std::chrono::milliseconds(50);
   if (!Py_IsInitialized() || python_finalizing()) return;
   py::gil_scoped_acquire gil;
-  if (!PyOS_InterruptOccurred()) return;  // (takes the SIGINT)
-  py::module_ signal = py::module_::import("signal");
-  if (!signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler"))) {
-    PyErr_SetInterrupt();  // the program's handler: Python runs it when the call returns
+  try {  // the program's own handler (or none): the SIGINT is left alone, for Python. (_signal's
+    // C functions: signal.getsignal is Python code, whose first bytecode would run the handler)
+    py::module_ signal = py::module_::import("_signal");
+    if (!signal.attr("getsignal")(SIGINT).is(signal.attr("default_int_handler"))) return;
+  } catch (py::error_already_set& e) {
+    if (e.matches(PyExc_KeyboardInterrupt)) throw;  // (the handler ran after all: its exception)
+    e.discard_as_unraisable("ringdp's look for a SIGINT");
     return;
   }
+  if (!PyOS_InterruptOccurred()) return;  // (takes the SIGINT: its handler's KeyboardInterrupt is raised here)
   PyErr_SetNone(PyExc_KeyboardInterrupt);
   throw py::error_already_set();
 }

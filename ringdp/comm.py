@@ -273,14 +273,15 @@ class Communicator:
         milliseconds (on the worker thread too), the peers blocked on this rank fail naming
         it, and the next call here raises a RingError saying why. (Inside the shared-memory
         transport's waits the transport itself aborts: csrc/common/interrupt.h.)"""
-        why = f"rank {self.rank}: interrupted ({type(e).__name__} from a signal's handler: Ctrl-C) {when}"
+        how = "KeyboardInterrupt: Ctrl-C" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}"
+        why = f"rank {self.rank}: interrupted ({how}) {when}"
         shm, across = self._inhost_endpoint(), self.across
         if isinstance(shm, _C.ShmComm):
             with contextlib.suppress(Exception):  # (what to raise is `e`: the caller raises it)
                 shm.abort(why)
         if across is not None:
-            with contextlib.suppress(Exception):
-                across.abort(why, self._last_store())
+            with contextlib.suppress(Exception):  # (the store, where the other hosts' waits look)
+                across.abort(why, self._last_store() or self._store())
 
     def _store(self):
         """The store the rendezvous uses, looked up at each use (class doc)."""
@@ -598,7 +599,8 @@ class Communicator:
                 return
             except _FutureTimeout:
                 pass
-            except BaseException as e:  # a signal's handler raised meanwhile (Ctrl-C: KeyboardInterrupt)
+            except BaseException as e:  # a signal's handler raised meanwhile (Ctrl-C: KeyboardInterrupt; any
+                # exception here is one: the future is never cancelled, its own failure is not raised here)
                 self._abandon(e, "while waiting for a collective queued on ringdp's worker thread")
                 raise
             since = self._callbacks_since

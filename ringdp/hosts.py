@@ -243,13 +243,14 @@ class CrossHost:
         kept = [w for w in self._abandoned if not w.is_completed()]
         self._abandoned = kept + [w for w in works if not any(w is k for k in kept)]
 
-    def _drain(self, works) -> None:
+    def _drain(self, works, wait: bool = True) -> None:
         """A call that fails midway (a later piece's in-host step raised: a peer of the host
         rejected it) waits briefly for the cross-host steps it started (gloo works, or a CUDA
         CrossHost's events), so that none still writes into the tensor or a scratch buffer
         after the call raised; one stuck on a dead peer is left in flight (it fails in its
-        own timeout, writing nothing: _leave). After an abort() nothing is waited for."""
-        aborted = self._aborts.mine is not None or self._aborts.seen is not None
+        own timeout, writing nothing: _leave). After an abort() nothing is waited for, nor
+        when the call was interrupted (`wait` False: a signal's handler raised, Ctrl-C)."""
+        aborted = not wait or self._aborts.mine is not None or self._aborts.seen is not None
         left = []
         for w in works:
             if w is None:
@@ -425,8 +426,8 @@ class CrossHost:
                     self._gather_piece(*pending, avg, forced, t, tag)
                 pending = (work, mine, piece)
             self._gather_piece(*pending, avg, forced, t, tag)
-        except BaseException:
-            self._drain(started)
+        except BaseException as e:  # (Ctrl-C: nothing waited for; the caller aborts: Communicator._abandon)
+            self._drain(started, wait=isinstance(e, Exception))
             raise
 
     def _leaders(self, flat, red, dop, avg, forced, t, tag, begin) -> None:
@@ -460,8 +461,8 @@ class CrossHost:
                     self._spread_piece(*pending, avg, forced, t, tag)
                 pending = (work, piece)
             self._spread_piece(*pending, avg, forced, t, tag)
-        except BaseException:
-            self._drain(started)
+        except BaseException as e:  # (Ctrl-C: nothing waited for; the caller aborts: Communicator._abandon)
+            self._drain(started, wait=isinstance(e, Exception))
             raise
 
     def _spread_piece(self, work, piece, avg, forced, t, tag) -> None:
@@ -720,7 +721,17 @@ class CrossHost:
         its cross-host step's result from them instead of running it (one gloo round trip
         instead of two). None: it did not go. A payload function that raises fails the call
         on this rank as a failed step would (a FAILED row, then a RingError with its error
-        as the cause), and this host's peers, past the step, meet a rejected in-host call."""
+        as the cause), and this host's peers, past the step, meet a rejected in-host call.
+
+        After an abort() of this rank's or one it saw a peer's (Communicator._abandon: a call
+        left midway, Ctrl-C) a call raises here, before any gloo operation: the members' are
+        paired no more (a check row sent where a peer waited for an abandoned call's
+        header-only outcome, or for its data, made gloo terminate the peer's process:
+        "Received data size doesn't match expected size")."""
+        why = self._aborts.why()
+        if why is not None:
+            raise RingError(f"rank {self.rank}: this ringdp communicator cannot run collectives across hosts any "
+                            f"more: {why}; call ringdp.destroy() and initialise again")
         self._announce(what, tensor, code, root)
         if start is not None:
             return self._begin_overlapped(what, tensor, code, root, t, tag, step, start, fold, piece)
@@ -815,13 +826,13 @@ class CrossHost:
                               None if failure is None else str(failure), header_only=True)
         try:
             work = start()
-        except BaseException:
-            self._drain([outcome.work])
+        except BaseException as e:  # (Ctrl-C: nothing waited for; the caller aborts: Communicator._abandon)
+            self._drain([outcome.work], wait=isinstance(e, Exception))
             raise
         try:
             outcome.wait()
-        except BaseException:
-            self._drain([work])
+        except BaseException as e:  # (Ctrl-C: nothing waited for; the caller aborts: Communicator._abandon)
+            self._drain([work], wait=isinstance(e, Exception))
             raise
         if failure is not None:
             self._drain([work])

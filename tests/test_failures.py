@@ -235,9 +235,12 @@ def test_small_dev_shm_is_a_clear_error():
     script = (f"import json, sys; sys.path.insert(0, {tests!r}); import test_failures as t; "
               "print(json.dumps(t.run_ranks(t._reduce_or_error, 2, timeout=120))); "
               "import os; print(json.dumps(sorted(os.listdir('/dev/shm'))))")
-    run = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
-                          f"mount -t tmpfs -o size=1M tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", script],
-                         capture_output=True, text=True, timeout=180)
+    try:
+        run = subprocess.run(["unshare", "-m", "--propagation", "private", "sh", "-c",
+                              f"mount -t tmpfs -o size=1M tmpfs /dev/shm && exec {sys.executable} -c \"$0\"", script],
+                             capture_output=True, text=True, timeout=180)
+    except FileNotFoundError:
+        pytest.skip("no unshare here")
     if run.returncode != 0 and ("unshare" in run.stderr or "mount" in run.stderr) and "Traceback" not in run.stderr:
         pytest.skip(f"no mount namespace here: {run.stderr.strip()[-200:]}")
     assert run.returncode == 0, run.stderr[-3000:]
@@ -1060,11 +1063,16 @@ def test_peer_dies_in_training(kind, when, hosts):
     assert not left, left
 
 
-def _interrupted(rank, world, mode, hosts):
-    """Rank 0 sends itself a SIGINT 0.5 s into a collective that the others enter 1.5 s
-    late ("inline": a synchronous ringdp.all_reduce, run on the calling thread; "wait":
-    async_op and Work.wait(), the call on ringdp's worker; "backend": dist.all_reduce on a
-    cpu:ringdp group; "handler": a SIGINT handler of the program's, which returns). Returns
+LATE_S = 3.0  # how late _interrupted's peers come to the collective (rank 0's SIGINT: at 0.5 s)
+
+
+def _interrupted(rank, world, mode, hosts, numel=1000):
+    """Rank 0 sends itself a SIGINT 0.5 s into a collective of `numel` elements that the
+    others enter LATE_S late ("inline": a synchronous ringdp.all_reduce, run on the calling
+    thread; "wait": async_op and Work.wait(), the call on ringdp's worker; "backend":
+    dist.all_reduce on a cpu:ringdp group; "handler": a SIGINT handler of the program's,
+    which returns). Across hosts with more than 1000 elements (pipeline pieces) only the
+    other host is late: the interrupt comes in a cross-host wait. Returns
     (what the call raised or its values, seconds from the call to that, what the next call
     raised or its values, seconds from the start to when a handler ran)."""
     import threading
@@ -1082,7 +1090,7 @@ def _interrupted(rank, world, mode, hosts):
     group = dist.new_group(backend="cpu:ringdp") if mode == "backend" else None
 
     def reduce(async_op=False):
-        t = torch.full((1000,), float(rank + 1))
+        t = torch.full((numel,), float(rank + 1))
         if mode == "backend":
             dist.all_reduce(t, group=group)
         elif async_op:
@@ -1101,43 +1109,52 @@ def _interrupted(rank, world, mode, hosts):
     t0 = time.monotonic()
     if rank == 0:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    else:
-        time.sleep(1.5)
+    elif not (hosts and numel > 1000 and hosts[rank] == hosts[0]):
+        time.sleep(LATE_S)
     first = outcome(lambda: reduce(async_op=mode == "wait"))
     took = time.monotonic() - t0
     return first, took, outcome(reduce), [t - t0 for t in ran]
 
 
-@pytest.mark.parametrize("mode,hosts", [("inline", None), ("wait", None), ("backend", None), ("handler", None),
-                                        ("inline", "aabb")],
-                         ids=["inline", "wait", "backend", "handler", "inline-aabb"])
-def test_ctrl_c_ends_a_collective(mode, hosts):
+@pytest.mark.parametrize("mode,hosts,numel", [("inline", None, 1000), ("wait", None, 1000), ("backend", None, 1000),
+                                              ("handler", None, 1000), ("inline", "aabb", 1000),
+                                              ("inline", "aabb", 1 << 16)],
+                         ids=["inline", "wait", "backend", "handler", "inline-aabb", "pipelined-aabb-late-host"])
+def test_ctrl_c_ends_a_collective(mode, hosts, numel):
     """Ctrl-C (SIGINT) while a collective waits for a late peer: a KeyboardInterrupt at once
     (it waited out the timeout, 300 s by default, as the transport waited in C++), the peers'
     call a RingError naming rank 0 and the interrupt, the next call on rank 0 a RingError
     saying so, and the process exits with 0. A SIGINT handler of the program's runs as it
-    did, once the call returns, never inside it: every rank gets the sum, twice."""
+    did, once the call returns, never inside it: every rank gets the sum, twice. Across hosts
+    in two pipeline pieces with the other host late, the interrupt comes in the call check
+    across hosts, where Python waits; the ranks that saw the abort run no gloo operation
+    after it (rank 1's next call once sent a check row where rank 3, late, waited for the
+    abandoned call's: gloo terminated rank 3's process)."""
     world = 4 if hosts else 2
     codes = []
-    res = values(run_ranks(_interrupted, world, mode, hosts and list(hosts), env={"RINGDP_TIMEOUT_S": "30"},
-                           timeout=120, exitcodes=codes))
+    env = {"RINGDP_TIMEOUT_S": "30", "RINGDP_HIER_PIECE_BYTES": "4096"}  # (64 Ki floats: two pieces)
+    res = values(run_ranks(_interrupted, world, mode, hosts and list(hosts), numel, env=env, timeout=120,
+                           exitcodes=codes))
     total = [world * (world + 1) / 2]
     if mode == "handler":
         for r, (first, took, after, ran) in enumerate(res):
             assert first == after == total, (r, first, after)
         (first, took, after, ran) = res[0]
-        # (sent at 0.5 s; the call ends once rank 1 came, at 1.5 s)
-        assert len(ran) == 1 and 1.0 < ran[0] < took + 0.5, f"the handler ran at {ran} s, the call ended at {took} s"
+        # (sent at 0.5 s; the call ends once rank 1 came, at LATE_S)
+        assert len(ran) == 1 and LATE_S - 0.5 < ran[0] < took + 0.5, f"the handler ran at {ran} s, the call ended at {took} s"
     else:
         first, took, after, _ = res[0]
         assert str(first).startswith("KeyboardInterrupt"), first
-        assert took < 0.5 + SLACK_S, took
+        assert took < 0.5 + (2.0 if numel > 1000 else SLACK_S), took  # (the peers came at LATE_S)
         assert str(after).startswith("RingError") and "interrupted" in str(after), after
-        peers = [1] if hosts else range(1, world)  # (across hosts: the partner's gloo step may simply complete)
-        for r in peers:
+        for r in range(1, world):
             first, took, _, _ = res[r]
-            assert str(first).startswith("RingError") and "rank 0" in str(first) and "interrupted" in str(first), (r, first)
-            assert took < 1.5 + SLACK_S, (r, took)
+            assert str(first).startswith("RingError"), (r, first)
+            # the other host hears the reason through the store, which lives on rank 0 here:
+            # once rank 0 has exited, its gloo step fails (a rank died, is stuck or unreachable)
+            if not hosts or hosts[r] == hosts[0]:
+                assert "rank 0" in str(first) and "interrupted" in str(first), (r, first)
+            assert took < LATE_S + SLACK_S, (r, took)
     assert codes == [0] * world, codes
 
 

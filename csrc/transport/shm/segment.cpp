@@ -123,9 +123,13 @@ void Segment::unlink() {
 
 void Segment::commit(size_t offset, size_t bytes) {
   if (bytes == 0) return;
-  int rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  int rc;
+  do {  // (tmpfs gives up on a pending signal with EINTR on older kernels: not a lack of room)
+    rc = ::posix_fallocate(fd_, static_cast<off_t>(offset), static_cast<off_t>(bytes));
+  } while (rc == EINTR);
   if (rc != 0) {
     decommit(offset, bytes);  // (what the failed reservation took of it: given back)
+    if (rc != ENOSPC) throw RingError(cat("cannot reserve ", bytes, " bytes of shared memory for ", name_, ": ", errstr(rc)));
     // how much the machine gives (a container's /dev/shm is often 64 MiB: docker --shm-size)
     struct statvfs fs;
     auto mib = [](double b) { return static_cast<double>(static_cast<int64_t>(b / 1048576.0 * 10.0 + 0.5)) / 10.0; };
@@ -133,8 +137,8 @@ void Segment::commit(size_t offset, size_t bytes) {
                                  ? cat("/dev/shm has ", mib(double(fs.f_bavail) * double(fs.f_frsize)), " MiB free of ",
                                        mib(double(fs.f_blocks) * double(fs.f_frsize)), " MiB")
                                  : std::string("/dev/shm may be full or too small");
-    throw RingError(cat("cannot reserve ", bytes, " bytes of shared memory for ", name_, " (", errstr(rc), "): ",
-                        room, " (a container's is often 64 MiB: docker run --shm-size)"));
+    throw NoRoom(cat("cannot reserve ", bytes, " bytes of shared memory for ", name_, " (", errstr(rc), "): ", room,
+                     " (a container's is often 64 MiB: docker run --shm-size)"));
   }
   populate(base_ + offset, bytes, /*write=*/true);
 }

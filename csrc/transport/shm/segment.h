@@ -5,8 +5,16 @@
 #include <cstddef>
 #include <string>
 
+#include "../../common/error.h"
+
 namespace ringdp {
 namespace shm {
+
+// commit() found no room in /dev/shm (ENOSPC): the RingError says how much there is.
+class NoRoom : public RingError {
+ public:
+  using RingError::RingError;
+};
 
 class Segment {
  public:
@@ -27,8 +35,8 @@ class Segment {
   const std::string& name() const { return name_; }
   // Remove the name from /dev/shm (mappings stay valid). Idempotent.
   void unlink();
-  // Reserve and fault in [offset, offset+bytes) of this (owned) segment. Throws RingError
-  // when /dev/shm is full, instead of a SIGBUS on first touch.
+  // Reserve and fault in [offset, offset+bytes) of this (owned) segment. Throws NoRoom
+  // when /dev/shm is full, instead of a SIGBUS on first touch (RingError on other errors).
   void commit(size_t offset, size_t bytes);
   // Give the pages of [offset, offset+bytes) back to the system.
   void decommit(size_t offset, size_t bytes);

@@ -131,12 +131,14 @@ ShmComm::ShmComm(const ShmConfig& cfg) : cfg_(cfg), flight_(cfg.flight_calls) {
   shm::Segment own;
   try {
     own = shm::Segment::create(cfg_.name, geo_.total_bytes(), geo_.fixed_bytes());
-  } catch (const RingError& e) {  // (/dev/shm too small: what takes the room, and what shrinks it)
+  } catch (const shm::NoRoom& e) {  // (/dev/shm too small: what takes the room, and what shrinks it)
     throw RingError(cat("rank ", name_of(cfg_.rank), ": ", e.what(), ". Each rank of this host reserves ",
                         geo_.fixed_bytes(), " bytes at set-up (", geo_.fifo_slots, " slots of ", geo_.slot_bytes,
                         " bytes: RINGDP_FIFO_SLOTS, RINGDP_SLOT_BYTES; two one-shot buffers of ", geo_.oneshot_bytes,
                         " bytes: RINGDP_ONESHOT_BYTES), and its registered tensors' arena (RINGDP_ARENA_GB) as "
                         "tensors are registered"));
+  } catch (const RingError& e) {
+    throw RingError(cat("rank ", name_of(cfg_.rank), ": ", e.what()));
   }
   Control* c = new (own.base()) Control();
   c->id = identity();
