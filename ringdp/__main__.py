@@ -11,6 +11,7 @@ anything: the settings are parsed by ringdp's one parser (config.py), as a run w
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import platform
@@ -23,14 +24,14 @@ import torch.distributed as dist
 from . import build_info, config, policy
 from ._native import _C
 
+
 def report() -> dict:
     """This install, this machine's room for ringdp, and the settings in effect."""
     out = {"ringdp": build_info(), "python": platform.python_version(), "platform": platform.platform()}
     out["cores"] = {"usable": len(os.sched_getaffinity(0)), "machine": os.cpu_count()}
     settings = {n: os.environ[n] for n in config.variables() if os.environ.get(n, "").strip()}
     out["settings"] = settings
-    out["unknown_settings"] = sorted(n for n in os.environ if n.startswith("RINGDP_")
-                                     and n not in config.variables() and n not in config._NOT_RUNTIME)
+    out["unknown_settings"] = config.unknown(os.environ)
     try:
         cfg = config.Config.from_env()
     except ValueError as e:  # (the parser's error names the variable and the rule)
@@ -117,7 +118,7 @@ def check() -> dict:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise SystemExit("python -m ringdp --check runs on a job's ranks: "
                          "torchrun --nproc-per-node 2 -m ringdp --check")
-    dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=policy.DEFAULT_TIMEOUT_S))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=policy.DEFAULT_TIMEOUT_S))
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.monotonic()
     try:

@@ -227,10 +227,15 @@ _NOT_RUNTIME = {"RINGDP_BUILD_CUDA", "RINGDP_CUDA_ARCHS", "RINGDP_REQUIRE_CUDA"}
 _warned: set[str] = set()
 
 
+def unknown(env: Mapping[str, str]) -> list[str]:
+    """The RINGDP_* names in `env` that ringdp does not read (build and test ones aside), sorted."""
+    return sorted(name for name in env if name.startswith("RINGDP_") and name not in _VARIABLES
+                  and name not in _NOT_RUNTIME and not name.startswith("RINGDP_TEST_"))
+
+
 def _warn_unknown(env: Mapping[str, str]) -> None:
-    for name in env:
-        if (name.startswith("RINGDP_") and name not in _VARIABLES and name not in _NOT_RUNTIME
-                and not name.startswith("RINGDP_TEST_") and name not in _warned):
+    for name in unknown(env):
+        if name not in _warned:
             _warned.add(name)
             known = ", ".join(sorted(_VARIABLES))
             warnings.warn(f"ringdp: unknown environment variable {name} is ignored (known: {known})",
