@@ -94,6 +94,12 @@ def _init_group(rank, world, port, timeout_s=None, backend="gloo"):
 
         kw["timeout"] = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, **kw)
+    # No rank goes on before every rank's group is made. gloo's init returns on a rank once its
+    # own connections are up; a case that then drops the group (destroy_process_group, to make
+    # its own on the store) or ends its process closes sockets that a slower rank's init has
+    # already counted as connected, and that rank's init fails ("Gloo connectFullMesh failed
+    # ... Connection closed by peer"): seen once in CI, test_fuzz.py[w4-gloo-default-aabb].
+    dist.barrier()
 
 
 # ============================================================== persistent pool
