@@ -1064,15 +1064,19 @@ def test_peer_dies_in_training(kind, when, hosts):
 
 
 LATE_S = 3.0  # how late _interrupted's peers come to the collective (rank 0's SIGINT: at 0.5 s)
+IN_FLIGHT_S = 5.0  # how late _interrupted's rank 2 starts its part of a cross-host step (in_flight)
 
 
-def _interrupted(rank, world, mode, hosts, numel=1000):
+def _interrupted(rank, world, mode, hosts, numel=1000, in_flight=False):
     """Rank 0 sends itself a SIGINT 0.5 s into a collective of `numel` elements that the
     others enter LATE_S late ("inline": a synchronous ringdp.all_reduce, run on the calling
     thread; "wait": async_op and Work.wait(), the call on ringdp's worker; "backend":
     dist.all_reduce on a cpu:ringdp group; "handler": a SIGINT handler of the program's,
     which returns). Across hosts with more than 1000 elements (pipeline pieces) only the
-    other host is late: the interrupt comes in a cross-host wait. Returns
+    other host is late: the interrupt comes in a cross-host wait. `in_flight` (across
+    hosts, pipeline pieces): every rank comes at once and rank 0's peer across hosts (rank 2)
+    starts its first piece's cross-host all-reduce IN_FLIGHT_S late, so that rank 0's
+    interrupt comes while both of its pieces' cross-host works are in flight. Returns
     (what the call raised or its values, seconds from the call to that, what the next call
     raised or its values, seconds from the start to when a handler ran)."""
     import threading
@@ -1106,21 +1110,33 @@ def _interrupted(rank, world, mode, hosts, numel=1000):
             return f"{type(e).__name__}: {e}"
 
     reduce()
+    if in_flight and rank == 2:
+        from ringdp.hosts import CrossHost
+
+        start, late = CrossHost._gloo_start, [IN_FLIGHT_S]
+
+        def gloo_start(self, *args, **kwargs):
+            if late:
+                time.sleep(late.pop())
+            return start(self, *args, **kwargs)
+        CrossHost._gloo_start = gloo_start
     t0 = time.monotonic()
     if rank == 0:
         threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
-    elif not (hosts and numel > 1000 and hosts[rank] == hosts[0]):
+    elif not (hosts and numel > 1000 and (in_flight or hosts[rank] == hosts[0])):
         time.sleep(LATE_S)
     first = outcome(lambda: reduce(async_op=mode == "wait"))
     took = time.monotonic() - t0
     return first, took, outcome(reduce), [t - t0 for t in ran]
 
 
-@pytest.mark.parametrize("mode,hosts,numel", [("inline", None, 1000), ("wait", None, 1000), ("backend", None, 1000),
-                                              ("handler", None, 1000), ("inline", "aabb", 1000),
-                                              ("inline", "aabb", 1 << 16)],
-                         ids=["inline", "wait", "backend", "handler", "inline-aabb", "pipelined-aabb-late-host"])
-def test_ctrl_c_ends_a_collective(mode, hosts, numel):
+@pytest.mark.parametrize("mode,hosts,numel,in_flight",
+                         [("inline", None, 1000, False), ("wait", None, 1000, False), ("backend", None, 1000, False),
+                          ("handler", None, 1000, False), ("inline", "aabb", 1000, False),
+                          ("inline", "aabb", 1 << 16, False), ("inline", "aabb", 1 << 16, True)],
+                         ids=["inline", "wait", "backend", "handler", "inline-aabb", "pipelined-aabb-late-host",
+                              "pipelined-aabb-in-flight"])
+def test_ctrl_c_ends_a_collective(mode, hosts, numel, in_flight):
     """Ctrl-C (SIGINT) while a collective waits for a late peer: a KeyboardInterrupt at once
     (it waited out the timeout, 300 s by default, as the transport waited in C++), the peers'
     call a RingError naming rank 0 and the interrupt, the next call on rank 0 a RingError
@@ -1129,11 +1145,13 @@ def test_ctrl_c_ends_a_collective(mode, hosts, numel):
     in two pipeline pieces with the other host late, the interrupt comes in the call check
     across hosts, where Python waits; the ranks that saw the abort run no gloo operation
     after it (rank 1's next call once sent a check row where rank 3, late, waited for the
-    abandoned call's: gloo terminated rank 3's process)."""
+    abandoned call's: gloo terminated rank 3's process). With the cross-host steps of both
+    pieces in flight (in_flight: rank 2 starts its part IN_FLIGHT_S late), the interrupted call
+    waits for neither (CrossHost._drain(wait=False)): it once waited GLOO_DRAIN_S for each."""
     world = 4 if hosts else 2
     codes = []
     env = {"RINGDP_TIMEOUT_S": "30", "RINGDP_HIER_PIECE_BYTES": "4096"}  # (64 Ki floats: two pieces)
-    res = values(run_ranks(_interrupted, world, mode, hosts and list(hosts), numel, env=env, timeout=120,
+    res = values(run_ranks(_interrupted, world, mode, hosts and list(hosts), numel, in_flight, env=env, timeout=120,
                            exitcodes=codes))
     total = [world * (world + 1) / 2]
     if mode == "handler":
@@ -1149,12 +1167,14 @@ def test_ctrl_c_ends_a_collective(mode, hosts, numel):
         assert str(after).startswith("RingError") and "interrupted" in str(after), after
         for r in range(1, world):
             first, took, _, _ = res[r]
+            if in_flight and hosts[r] != hosts[0] and first == total:
+                continue  # (rank 0 had given its shards to both cross-host works: the other host's sums)
             assert str(first).startswith("RingError"), (r, first)
             # the other host hears the reason through the store, which lives on rank 0 here:
             # once rank 0 has exited, its gloo step fails (a rank died, is stuck or unreachable)
             if not hosts or hosts[r] == hosts[0]:
                 assert "rank 0" in str(first) and "interrupted" in str(first), (r, first)
-            assert took < LATE_S + SLACK_S, (r, took)
+            assert took < (IN_FLIGHT_S if in_flight else LATE_S) + SLACK_S, (r, took)
     assert codes == [0] * world, codes
 
 
