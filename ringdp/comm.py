@@ -186,6 +186,7 @@ class Communicator:
         self._lock = threading.Lock()
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
+        self._worker_done = threading.Event()  # set as the worker's loop ends (close(): _join_worker)
         self._pending = 0
         self._pending_lock = threading.Lock()
         self._closed = False
@@ -396,18 +397,22 @@ class Communicator:
         """(under _pending_lock: one worker, whichever threads queue the first calls; kept
         only once it runs)"""
         q = queue.Queue()
-        worker = threading.Thread(target=self._run_worker, args=(q,), name=f"ringdp-worker-r{self.rank}", daemon=True)
+        worker = threading.Thread(target=self._run_worker, args=(q, self._worker_done),
+                                  name=f"ringdp-worker-r{self.rank}", daemon=True)
         worker.start()
         self._queue, self._worker = q, worker
         _working.add(self)  # (closed at exit if still open: _close_at_exit)
 
-    def _run_worker(self, q: queue.Queue):
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            self._run_item(item)
-            del item  # hold no tensor of a finished collective while idle
+    def _run_worker(self, q: queue.Queue, done: threading.Event):
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                self._run_item(item)
+                del item  # hold no tensor of a finished collective while idle
+        finally:
+            done.set()
 
     def _run_item(self, item) -> None:
         """Run one queued call (fn, future) on the worker thread and settle its future.
@@ -1186,7 +1191,9 @@ class Communicator:
         the calls still queued then fail unrun as the worker comes to them. A cross-host
         step's wait (a group across hosts) ends within 0.1 s here and within about a second
         on the other ranks (CrossHost.abort). A call in flight on CUDA keeps the endpoints
-        until it ends (its own timeout), then releases them (_locked)."""
+        until it ends (its own timeout), then releases them (_locked). A wait that lasts
+        says so (_join_worker); Ctrl-C in it leaves the calls as Ctrl-C in a call does
+        (_abandon), ends the teardown without waiting, and raises the KeyboardInterrupt."""
         with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
             if self._closed:
                 return
@@ -1195,8 +1202,15 @@ class Communicator:
                 self._queue.put(None)
         limit = (self.timeout if limit is None else limit) if wait else 0.0
         deadline = time.monotonic() + limit  # (one wait in all: the worker's call, then the lock)
+        interrupted = None
         if wait and self._worker is not None and self._worker is not threading.current_thread():
-            self._worker.join(timeout=limit)  # (from a callback on it: it stops after the callback)
+            try:  # (from a callback on it: it stops after the callback)
+                self._join_worker(deadline)
+            except BaseException as e:  # (Ctrl-C: the calls are left, the teardown goes on unwaited)
+                self._abandon(e, "while closing, in the wait for its unfinished collectives")
+                interrupted = e
+                log.warning("ringdp rank %d: interrupted while closing: its unfinished collectives were left "
+                            "(their peers fail naming this rank)", self.rank)
         # An inline call in flight on another thread (past _take_inline's check before the
         # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
         # still running at the deadline (its own timeout may be longer) keeps its endpoints,
@@ -1204,6 +1218,9 @@ class Communicator:
         # must not wait for itself): the call releases them as it ends (_locked).
         with self._pending_lock:
             self._torn_down = True
+        if interrupted is not None:  # (after _torn_down: the queued calls are refused unrun)
+            self._worker_done.wait(timeout=policy.ABANDON_WAIT_S)
+            deadline = time.monotonic()
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
             shm, across = self._inhost_endpoint(), self.across
             if across is not None:  # (first: an in-host step the abort fails finds it marked) a cross-host
@@ -1222,11 +1239,34 @@ class Communicator:
                     self._release_endpoints()
                 finally:
                     self._lock.release()
-            elif not mine and wait:
+            elif not mine and wait and interrupted is None:
                 log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
                             "endpoints are released when it ends", self.rank, self.timeout)
         finally:  # (a failed CUDA teardown too)
             self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
+        if interrupted is not None:
+            raise interrupted
+
+    def _join_worker(self, deadline: float) -> None:
+        """close()'s wait, until `deadline`, for the worker to run the calls queued before the
+        stop and end. One that lasts policy.CLOSE_NOTE_S says so on stderr (log), naming the
+        calls: a program that ends with a collective it never waited for (async_op), which its
+        peers have not made, would otherwise sit silent at exit for up to the timeout."""
+        done = self._worker_done  # (not Thread.join: one that Ctrl-C interrupted marks the thread
+        # stopped while it runs, CPython 3.11's _wait_for_tstate_lock, and a join after returns at once)
+        if done.wait(timeout=max(0.0, min(deadline - time.monotonic(), policy.CLOSE_NOTE_S))):
+            return
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        with self._pending_lock:
+            n = max(1, self._pending)
+        running = [f"{r['kind']} #{r['seq']}" for r in self.flight_record() if r["status"] == "running"]
+        log.warning("ringdp rank %d: closing waits for %d unfinished collective%s%s, at most %.0f s more, until "
+                    "the peers make %s too; Ctrl-C leaves %s", self.rank, n, "s" if n > 1 else "",
+                    f" (running: {', '.join(running)})" if running else "", left, "them" if n > 1 else "it",
+                    "them" if n > 1 else "it")
+        done.wait(timeout=max(0.0, deadline - time.monotonic()))
 
     def _release_endpoints(self) -> None:
         """(close(), or the call close() left it to: under _lock) Let the CUDA endpoint, the
@@ -1390,10 +1430,12 @@ def destroy(group=None):
         comms = [c for c in (_comms.pop(k, None) for k in keys) if c is not None]
     first = None
     for c in comms:  # every one closed, whatever one of them raised (the first error raised after)
-        try:
-            c.close()
-        except Exception as e:  # noqa: BLE001
-            first = first or e
+        interrupted = first is not None and not isinstance(first, Exception)
+        try:  # (after a Ctrl-C in one's wait, the others wait no more)
+            c.close(limit=0.0 if interrupted else None)
+        except BaseException as e:  # noqa: BLE001
+            if first is None or (not interrupted and not isinstance(e, Exception)):
+                first = e  # (the first error, or the interrupt: what the caller sees)
     if first is not None:
         raise first
 
@@ -1411,13 +1453,16 @@ def _close_at_exit() -> None:
     call when Python finalizes (calls queued behind a failure: DDP's buckets after a peer
     died) dies taking back the GIL on its way out of C++, and the process ends in
     std::terminate (exit code -6: tests/test_failures.py::test_peer_dies_in_training)."""
+    limit = policy.EXIT_WAIT_S
     try:
         destroy()
+    except KeyboardInterrupt:  # (Ctrl-C in close()'s wait, which said so: the exit goes on, waiting no more)
+        limit = 0.0
     finally:
         for c in list(_working):
             if not c._closed:
                 with contextlib.suppress(Exception):  # (at exit: nothing to raise to)
-                    c.close(limit=policy.EXIT_WAIT_S)
+                    c.close(limit=limit)
 
 
 atexit.register(_close_at_exit)

@@ -91,6 +91,12 @@ MAX_TIMEOUT_S = 1e7
 # At interpreter exit a communicator still open (a backend group never destroyed) waits this
 # long for its worker's queued calls (comm._close_at_exit); the call's timeouts bound them too
 EXIT_WAIT_S = 10.0
+# close() (destroy(), the exit) that has waited this long for the worker's unfinished calls says so
+CLOSE_NOTE_S = 1.0
+# Ctrl-C in that wait aborts the calls (Communicator._abandon); the worker then gets this long
+# to leave the aborted one (milliseconds on shared memory, ABORT_POLL_S across hosts) and refuse
+# the rest: a daemon thread still in C++ when Python finalizes ends the process in std::terminate
+ABANDON_WAIT_S = 2.0
 # A call that fails with gloo collectives of its own still in flight (a cross-host step of
 # an earlier piece, torch's Join all-reduce, the gloo part of a backend Work) waits this long
 # for them before it raises: a gloo collective left running completes its future on gloo's
