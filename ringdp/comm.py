@@ -1181,7 +1181,7 @@ class Communicator:
             self.across.set_timeout(secs)
         return secs
 
-    def close(self, wait: bool = True, limit: float | None = None):
+    def close(self, wait: bool = True, limit: float | None = None, abandon: BaseException | None = None):
         """Stop the worker and release the endpoints. Collective while the group is alive
         (the CUDA endpoint's teardown barrier); local once the group was destroyed. wait: the
         worker's queued calls run first, within `limit` seconds (None: the timeout).
@@ -1192,8 +1192,10 @@ class Communicator:
         step's wait (a group across hosts) ends within 0.1 s here and within about a second
         on the other ranks (CrossHost.abort). A call in flight on CUDA keeps the endpoints
         until it ends (its own timeout), then releases them (_locked). A wait that lasts
-        says so (_join_worker); Ctrl-C in it leaves the calls as Ctrl-C in a call does
-        (_abandon), ends the teardown without waiting, and raises the KeyboardInterrupt."""
+        says so (_join_worker). Ctrl-C in it (any exception raised there by a signal's
+        handler) leaves the calls as Ctrl-C in a call does, tears down locally and raises
+        the KeyboardInterrupt; `abandon` (the KeyboardInterrupt another communicator's close
+        raised: destroy(), the exit) leaves them so at once (_leave_on)."""
         with self._pending_lock:  # (a call being queued is queued before the stop, or refused: _enqueue)
             if self._closed:
                 return
@@ -1202,15 +1204,12 @@ class Communicator:
                 self._queue.put(None)
         limit = (self.timeout if limit is None else limit) if wait else 0.0
         deadline = time.monotonic() + limit  # (one wait in all: the worker's call, then the lock)
-        interrupted = None
-        if wait and self._worker is not None and self._worker is not threading.current_thread():
+        interrupted = None  # this close's own wait was interrupted: raised at the end
+        if abandon is None and wait and self._worker is not None and self._worker is not threading.current_thread():
             try:  # (from a callback on it: it stops after the callback)
                 self._join_worker(deadline)
-            except BaseException as e:  # (Ctrl-C: the calls are left, the teardown goes on unwaited)
-                self._abandon(e, "while closing, in the wait for its unfinished collectives")
-                interrupted = e
-                log.warning("ringdp rank %d: interrupted while closing: its unfinished collectives were left "
-                            "(their peers fail naming this rank)", self.rank)
+            except BaseException as e:  # noqa: BLE001 -- Ctrl-C: raised once the teardown is done
+                interrupted = abandon = e
         # An inline call in flight on another thread (past _take_inline's check before the
         # stop) finishes first; one that takes the lock after finds _torn_down (_call). A call
         # still running at the deadline (its own timeout may be longer) keeps its endpoints,
@@ -1218,8 +1217,8 @@ class Communicator:
         # must not wait for itself): the call releases them as it ends (_locked).
         with self._pending_lock:
             self._torn_down = True
-        if interrupted is not None:  # (after _torn_down: the queued calls are refused unrun)
-            self._worker_done.wait(timeout=policy.ABANDON_WAIT_S)
+        if abandon is not None:  # (after _torn_down: the queued calls are refused unrun)
+            self._leave_on(abandon, own=interrupted is not None)
             deadline = time.monotonic()
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
             shm, across = self._inhost_endpoint(), self.across
@@ -1235,17 +1234,36 @@ class Communicator:
                 self._release_deferred = not got
         try:
             if got:
-                try:
-                    self._release_endpoints()
+                try:  # (after Ctrl-C, no teardown barrier with the peers: they are failing)
+                    self._release_endpoints(collective=abandon is None)
                 finally:
                     self._lock.release()
-            elif not mine and wait and interrupted is None:
+            elif not mine and wait and abandon is None:
                 log.warning("ringdp rank %d: destroy() while a collective still runs after %g s: its "
-                            "endpoints are released when it ends", self.rank, self.timeout)
+                            "endpoints are released when it ends", self.rank, limit)
         finally:  # (a failed CUDA teardown too)
             self._shm_error = self._unusable()  # what CPU calls on this communicator raise from now on
         if interrupted is not None:
             raise interrupted
+
+    def _leave_on(self, e: BaseException, own: bool) -> None:
+        """(close(), after _torn_down) Leave the calls still unfinished as a Ctrl-C in a call
+        does (_abandon: the call in flight fails within milliseconds, the peers fail naming
+        this rank and why), say so, and give the worker policy.ABANDON_WAIT_S to leave the
+        call and refuse the queued ones: a daemon thread still inside C++ when Python
+        finalizes ends the process in std::terminate. `own`: the interrupt came in this
+        communicator's wait (else in another's: destroy(), the exit). A second Ctrl-C in
+        that wait is let go: the teardown goes on, and the first one is raised."""
+        self._abandon(e, "while closing, in the wait for its unfinished collectives" if own else
+                      "while closing (in another communicator's wait)")
+        if own:
+            log.warning("ringdp rank %d: interrupted while closing: its unfinished collectives were left "
+                        "(their peers fail naming this rank)", self.rank)
+        if self._worker is not None and self._worker is not threading.current_thread():
+            try:
+                self._worker_done.wait(timeout=policy.ABANDON_WAIT_S)
+            except BaseException:  # noqa: BLE001 -- a second Ctrl-C: see above
+                pass
 
     def _join_worker(self, deadline: float) -> None:
         """close()'s wait, until `deadline`, for the worker to run the calls queued before the
@@ -1262,19 +1280,20 @@ class Communicator:
         with self._pending_lock:
             n = max(1, self._pending)
         running = [f"{r['kind']} #{r['seq']}" for r in self.flight_record() if r["status"] == "running"]
-        log.warning("ringdp rank %d: closing waits for %d unfinished collective%s%s, at most %.0f s more, until "
-                    "the peers make %s too; Ctrl-C leaves %s", self.rank, n, "s" if n > 1 else "",
-                    f" (running: {', '.join(running)})" if running else "", left, "them" if n > 1 else "it",
-                    "them" if n > 1 else "it")
+        log.warning("ringdp rank %d: closing waits for %d unfinished call%s on ringdp's worker%s, at most %.0f s "
+                    "more; Ctrl-C leaves %s", self.rank, n, "s" if n > 1 else "",
+                    f" ({', '.join(running)} running: it waits for its peers to make it too)" if running else "",
+                    left, "them" if n > 1 else "it")
         done.wait(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _release_endpoints(self) -> None:
+    def _release_endpoints(self, collective: bool = True) -> None:
         """(close(), or the call close() left it to: under _lock) Let the CUDA endpoint, the
-        shared-memory one and the cross-host groups go."""
+        shared-memory one and the cross-host groups go; `collective` False: the CUDA
+        endpoint's teardown without its barrier with the peers (after a Ctrl-C)."""
         try:
             if self._cuda is not None:  # (its teardown barrier may fail: a peer died)
                 ep, self._cuda = self._cuda, None
-                ep.close(self.rendezvous if self.group_alive else None)
+                ep.close(self.rendezvous if self.group_alive and collective else None)
         finally:  # the others go whatever it did
             # Registered tensors still alive keep the native object (and its mapping) alive.
             self._shm = None
@@ -1428,14 +1447,16 @@ def destroy(group=None):
         else:  # a destroyed group: the communicator made for it, if any
             keys = [k for k, c in _comms.items() if c._pg() is group]
         comms = [c for c in (_comms.pop(k, None) for k in keys) if c is not None]
-    first = None
+    first = interrupt = None
     for c in comms:  # every one closed, whatever one of them raised (the first error raised after)
-        interrupted = first is not None and not isinstance(first, Exception)
-        try:  # (after a Ctrl-C in one's wait, the others wait no more)
-            c.close(limit=0.0 if interrupted else None)
-        except BaseException as e:  # noqa: BLE001
-            if first is None or (not interrupted and not isinstance(e, Exception)):
-                first = e  # (the first error, or the interrupt: what the caller sees)
+        try:  # (after a Ctrl-C in one's wait, the others' calls are left at once)
+            c.close(abandon=interrupt)
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+        except BaseException as e:  # noqa: BLE001 -- Ctrl-C: raised after, before any other error
+            interrupt = e
+    if interrupt is not None:
+        raise interrupt
     if first is not None:
         raise first
 
@@ -1453,16 +1474,21 @@ def _close_at_exit() -> None:
     call when Python finalizes (calls queued behind a failure: DDP's buckets after a peer
     died) dies taking back the GIL on its way out of C++, and the process ends in
     std::terminate (exit code -6: tests/test_failures.py::test_peer_dies_in_training)."""
-    limit = policy.EXIT_WAIT_S
+    interrupt = None
     try:
         destroy()
-    except KeyboardInterrupt:  # (Ctrl-C in close()'s wait, which said so: the exit goes on, waiting no more)
-        limit = 0.0
+    except KeyboardInterrupt as e:  # (Ctrl-C in a close()'s wait, which said so: the exit goes on)
+        interrupt = e
     finally:
         for c in list(_working):
-            if not c._closed:
-                with contextlib.suppress(Exception):  # (at exit: nothing to raise to)
-                    c.close(limit=limit)
+            if c._closed:
+                continue
+            try:  # (after a Ctrl-C, the calls are left at once)
+                c.close(limit=policy.EXIT_WAIT_S, abandon=interrupt)
+            except KeyboardInterrupt as e:
+                interrupt = e
+            except Exception:  # noqa: BLE001 -- at exit: nothing to raise to
+                pass
 
 
 atexit.register(_close_at_exit)
