@@ -1447,18 +1447,26 @@ def destroy(group=None):
         else:  # a destroyed group: the communicator made for it, if any
             keys = [k for k, c in _comms.items() if c._pg() is group]
         comms = [c for c in (_comms.pop(k, None) for k in keys) if c is not None]
-    first = interrupt = None
-    for c in comms:  # every one closed, whatever one of them raised (the first error raised after)
-        try:  # (after a Ctrl-C in one's wait, the others' calls are left at once)
-            c.close(abandon=interrupt)
-        except Exception as e:  # noqa: BLE001
-            first = first or e
-        except BaseException as e:  # noqa: BLE001 -- Ctrl-C: raised after, before any other error
-            interrupt = e
-    if interrupt is not None:
+    first, interrupt = _close_each(comms)
+    if interrupt is not None:  # (Ctrl-C: raised before any other error)
         raise interrupt
     if first is not None:
         raise first
+
+
+def _close_each(comms, limit: float | None = None, interrupt: BaseException | None = None):
+    """Close every one of `comms`, whatever one of them raised; after a Ctrl-C (`interrupt`,
+    or one raised in a close()'s wait) the others' calls are left at once (close(abandon=)).
+    Returns (the first error, the interrupt)."""
+    first = None
+    for c in comms:
+        try:
+            c.close(limit=limit, abandon=interrupt)
+        except Exception as e:  # noqa: BLE001
+            first = first or e
+        except BaseException as e:  # noqa: BLE001 -- Ctrl-C
+            interrupt = e
+    return first, interrupt
 
 
 # under torch.compile: ringdp's calls run eagerly (ringdp/_eager.py)
@@ -1479,16 +1487,8 @@ def _close_at_exit() -> None:
         destroy()
     except KeyboardInterrupt as e:  # (Ctrl-C in a close()'s wait, which said so: the exit goes on)
         interrupt = e
-    finally:
-        for c in list(_working):
-            if c._closed:
-                continue
-            try:  # (after a Ctrl-C, the calls are left at once)
-                c.close(limit=policy.EXIT_WAIT_S, abandon=interrupt)
-            except KeyboardInterrupt as e:
-                interrupt = e
-            except Exception:  # noqa: BLE001 -- at exit: nothing to raise to
-                pass
+    finally:  # (at exit: nothing to raise their errors to)
+        _close_each([c for c in list(_working) if not c._closed], policy.EXIT_WAIT_S, interrupt)
 
 
 atexit.register(_close_at_exit)
