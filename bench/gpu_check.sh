@@ -290,6 +290,7 @@ priority)
   cuda_test 60 "test_cuda_halves[nccl-2]"
   cuda_test 60 "test_nccl_peer_killed[torch]"
   cuda_test 45 "test_ipc_peer_killed[during]"
+  cuda_test 45 test_ipc_ctrl_c_at_close
   cuda_test 75 "test_cuda_two_hosts[two_level]"
   cuda_test 60 test_ringddp_cuda_two_hosts
   cuda_test 60 "test_cuda_two_hosts_halves[two_level-False]"

@@ -273,10 +273,14 @@ class Communicator:
         backend's abort() does without the teardown. The call in flight fails within
         milliseconds (on the worker thread too), the peers blocked on this rank fail naming
         it, and the next call here raises a RingError saying why. (Inside the shared-memory
-        transport's waits the transport itself aborts: csrc/common/interrupt.h.)"""
+        transport's waits the transport itself aborts: csrc/common/interrupt.h.) The CUDA
+        endpoint's device work is halted too (CudaEndpoint.halt): a collective left on
+        one transport leaves the whole communicator."""
         how = "KeyboardInterrupt: Ctrl-C" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}"
         why = f"rank {self.rank}: interrupted ({how}) {when}"
-        shm, across = self._inhost_endpoint(), self.across
+        shm, across, cuda = self._inhost_endpoint(), self.across, self._cuda
+        if cuda is not None:  # (never raises)
+            cuda.halt(why)
         if isinstance(shm, _C.ShmComm):
             with contextlib.suppress(Exception):  # (what to raise is `e`: the caller raises it)
                 shm.abort(why)
@@ -1221,7 +1225,9 @@ class Communicator:
             self._leave_on(abandon, own=interrupted is not None)
             deadline = time.monotonic()
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
-            shm, across = self._inhost_endpoint(), self.across
+            shm, across, cuda = self._inhost_endpoint(), self.across, self._cuda
+            if cuda is not None:  # its collectives give up, as torch's NCCL abort() makes them
+                cuda.halt(f"rank {self.rank}: ProcessGroup.abort() was called")
             if across is not None:  # (first: an in-host step the abort fails finds it marked) a cross-host
                 across.abort("ProcessGroup.abort() was called", self._last_store())  # wait ends too, everywhere
             if isinstance(shm, _C.ShmComm):
@@ -1289,9 +1295,19 @@ class Communicator:
     def _release_endpoints(self, collective: bool = True) -> None:
         """(close(), or the call close() left it to: under _lock) Let the CUDA endpoint, the
         shared-memory one and the cross-host groups go; `collective` False: the CUDA
-        endpoint's teardown without its barrier with the peers (after a Ctrl-C)."""
+        endpoint's teardown without its barrier with the peers (after a Ctrl-C). The CUDA
+        work still queued is waited for first (_wait_for_device): Ctrl-C there leaves it,
+        tears down locally and is raised at the end."""
+        interrupted = None
         try:
             if self._cuda is not None:  # (its teardown barrier may fail: a peer died)
+                try:
+                    self._wait_for_device(self._cuda)
+                except BaseException as e:  # noqa: BLE001 -- Ctrl-C: raised once the teardown is done
+                    interrupted, collective = e, False
+                    self._abandon(e, "while closing, in the wait for its CUDA collectives")
+                    log.warning("ringdp rank %d: interrupted while closing: its CUDA collectives were left "
+                                "(their peers fail naming this rank)", self.rank)
                 ep, self._cuda = self._cuda, None
                 ep.close(self.rendezvous if self.group_alive and collective else None)
         finally:  # the others go whatever it did
@@ -1300,6 +1316,20 @@ class Communicator:
             if self.across is not None:
                 across, self.across = self.across, None
                 across.close()  # (a backend's ProcessGroupGloo across hosts holds the store)
+        if interrupted is not None:
+            raise interrupted
+
+    def _wait_for_device(self, ep) -> None:
+        """(closing) Wait for the CUDA work still queued on ringdp's streams where Ctrl-C
+        reaches the wait (CudaEndpoint.wait_queued). One that lasts policy.CLOSE_NOTE_S says so
+        on stderr: a program that ends with a collective its peers have not made would
+        otherwise sit silent at exit until the device gives up on it (the timeout)."""
+        def lasting():
+            log.warning("ringdp rank %d: closing waits for the CUDA collectives queued on %s (they wait for "
+                        "their peers to make them too; the device gives up on them within the timeout, %g s); "
+                        "Ctrl-C leaves them", self.rank, ep.device, self.timeout)
+
+        ep.wait_queued(lasting)
 
 
 class _Held:

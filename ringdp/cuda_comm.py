@@ -4,10 +4,12 @@ Rendezvous, and ringdp's stream as torch sees it. The transports themselves are 
 csrc/cuda (see docs/cuda.md). Only used when ringdp was built with CUDA."""
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pathlib
 import socket
+import time
 
 import torch
 
@@ -48,6 +50,7 @@ class CudaEndpoint:
         # The stream the transport enqueues on, for events and record_stream.
         self.stream = torch.cuda.ExternalStream(native.stream, device=device)
         self.hier = None  # across hosts, hierarchical: the CUDA CrossHost of the collectives
+        self._halted = False  # halt() ran: close() tells the peers
         self._parts: list[tuple["CudaEndpoint", object]] = []  # its endpoints, each with its Rendezvous
 
     @classmethod
@@ -172,6 +175,45 @@ class CudaEndpoint:
         if self.hier is not None:
             self.hier.stream.synchronize()
 
+    def wait_queued(self, lasting=None) -> None:
+        """Wait until the device work queued so far on this endpoint's streams (its
+        transports', its hierarchy's) has ended, in Python, so that Ctrl-C (any exception
+        a signal's handler raises) reaches the waiting thread and ends the wait: the
+        transports' own waits (quiesce(), synchronize()) are CUDA calls that would hold the
+        signal until the work ends, and a collective whose peers never come ends only at
+        the device's timeout. For closing (Communicator._wait_for_device): it polls every
+        policy.DEVICE_POLL_S, too coarse for synchronize(), whose latency counts. `lasting()`
+        is called once when the wait has lasted policy.CLOSE_NOTE_S. A device that refuses
+        the events (a sticky CUDA error) ends the wait at once: the transports' own waits
+        report it."""
+        streams = [ep.stream for ep in self._ordered()] + ([self.hier.stream] if self.hier is not None else [])
+        try:
+            queued = []
+            for stream in streams:
+                ev = torch.cuda.Event()
+                ev.record(stream)
+                queued.append(ev)
+            start = time.monotonic()
+            while not all(ev.query() for ev in queued):
+                if lasting is not None and time.monotonic() - start >= policy.CLOSE_NOTE_S:
+                    lasting, told = None, lasting
+                    told()
+                time.sleep(policy.DEVICE_POLL_S)
+        except RuntimeError:  # (torch's CUDA errors; not a KeyboardInterrupt)
+            return
+
+    def halt(self, why: str) -> None:
+        """Stop this rank's device work from any thread (Communicator._abandon: Ctrl-C, the
+        backend's abort()): on every transport the collectives queued or running give up
+        within milliseconds and tell their peers `why` (an IPC kernel raises this rank's
+        abort flag with it; NCCL aborts its communicator), and every later call raises a
+        RingError. The endpoint is unusable from then on. close() tells the peers of a
+        transport on which no kernel was left to meet the halt. Never raises."""
+        self._halted = True
+        for ep in self._ordered():
+            with contextlib.suppress(Exception):
+                ep.native.halt(why)
+
     def close(self, rendezvous) -> None:
         """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
         hierarchy's endpoints after this one, each with its own peers).
@@ -182,6 +224,10 @@ class CudaEndpoint:
         ordered = self._ordered()
         parts, self._parts, self.hier = self._parts, [], None
         first = None
+        if self._halted:  # (halt()) check() tells the peers of a transport no kernel of which met it
+            for ep in ordered:
+                with contextlib.suppress(Exception):  # (it raises the halt: a RingError)
+                    ep.native.check()
         try:
             for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
                 ep.native.quiesce()

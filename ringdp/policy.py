@@ -91,8 +91,12 @@ MAX_TIMEOUT_S = 1e7
 # At interpreter exit a communicator still open (a backend group never destroyed) waits this
 # long for its worker's queued calls (comm._close_at_exit); the call's timeouts bound them too
 EXIT_WAIT_S = 10.0
-# close() (destroy(), the exit) that has waited this long for the worker's unfinished calls says so
+# close() (destroy(), the exit) that has waited this long for the worker's unfinished calls, or
+# for the CUDA work queued on ringdp's streams, says so
 CLOSE_NOTE_S = 1.0
+# Closing's wait for the CUDA work on ringdp's streams polls their events this often, in Python,
+# so that Ctrl-C ends it (cuda_comm.CudaEndpoint.wait_queued)
+DEVICE_POLL_S = 0.001
 # Ctrl-C in that wait aborts the calls (Communicator._abandon); the worker then gets this long
 # to leave the aborted one (milliseconds on shared memory, ABORT_POLL_S across hosts) and refuse
 # the rest: a daemon thread still in C++ when Python finalizes ends the process in std::terminate

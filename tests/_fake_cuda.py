@@ -8,10 +8,11 @@ import contextlib
 import threading
 
 
-def fake_cuda(log: list, current: list):
+def fake_cuda(log: list, current: list, idle=lambda: True):
     """(Stream, Event): every wait and record goes into `log` as (what, names..., thread
     name); `current[0]` names the stream that is current. A Stream(name) has `cuda_stream`
-    "<name>-handle"."""
+    "<name>-handle". An Event's query() is `idle()`: whether the device has ended the work
+    queued so far."""
 
     class Stream:
         made = 0
@@ -39,14 +40,17 @@ def fake_cuda(log: list, current: list):
             log.append(("record", self.name, stream.name if stream is not None else current[0],
                         threading.current_thread().name))
 
+        def query(self):
+            return idle()
+
     return Stream, Event
 
 
-def install(torch, log: list, current: list):
+def install(torch, log: list, current: list, idle=lambda: True):
     """Replace torch.cuda's Stream, ExternalStream, Event, current_stream and stream() by
     the fakes (in a rank's own process: nothing to restore). ExternalStream(handle) is the
     stream of that handle ("<name>-handle" -> name)."""
-    Stream, Event = fake_cuda(log, current)
+    Stream, Event = fake_cuda(log, current, idle)
     torch.cuda.Stream = Stream
     torch.cuda.ExternalStream = lambda handle, device=None: Stream(str(handle).removesuffix("-handle"), device)
     torch.cuda.Event = Event

@@ -2357,7 +2357,8 @@ def test_cuda_endpoint_drains_nccl_first():
 
     def ep(kind, name):
         e = object.__new__(cuda_comm.CudaEndpoint)
-        e.kind, e.native, e.hier, e._parts = kind, Native(name), None, []
+        e.kind, e.native, e.hier, e._parts, e._halted = kind, Native(name), None, [], False
+        e.wait_queued = lambda lasting=None: log.append(("wait_queued", name))  # (its events: test_cuda_work_at_close)
         return e
 
     class Rdv:
@@ -2375,7 +2376,18 @@ def test_cuda_endpoint_drains_nccl_first():
     flat._poison("why")
     cuda_comm._InHost(ipc).reject("why")
     assert log == [("abort", "flat"), ("abort", "net"), ("reject", "ipc")], log
+    # halted (Ctrl-C, abort()): every transport, then close() has each check() (an IPC one
+    # tells its peers the reason when no kernel of it was left to meet the halt)
     log.clear()
+    flat, ipc, net = ep("nccl", "flat"), ep("ipc", "ipc"), ep("nccl", "net")
+    flat._parts = [(ipc, Rdv("host")), (net, Rdv("local"))]
+    flat.halt("why")
+    flat.close(None)
+    assert log[:7] == [("halt", "flat"), ("halt", "net"), ("halt", "ipc"), ("check", "flat"), ("check", "net"),
+                       ("check", "ipc"), ("quiesce", "flat")], log
+    log.clear()
+    flat, ipc, net = ep("nccl", "flat"), ep("ipc", "ipc"), ep("nccl", "net")
+    flat._parts = [(ipc, Rdv("host")), (net, Rdv("local"))]
     flat.close(Rdv("group"))
     assert log[:4] == [("quiesce", "flat"), ("quiesce", "net"), ("quiesce", "ipc"), ("barrier", "group")], log
     assert ("destroy", "flat") in log and ("destroy", "ipc") in log and ("destroy", "net") in log

@@ -1212,6 +1212,59 @@ def test_ipc_peer_killed(when):
     _assert_struck(states)
 
 
+def _ctrl_c_at_close(rank, world):
+    """Rank 0 ends with a CUDA all-reduce that rank 1 makes only 4 s later: its destroy()
+    waits for the device, says so, and a SIGINT at 1.5 s ends that wait (comm.py
+    _wait_for_device): (what destroy() raised, seconds). Rank 1's late call then fails on
+    rank 0's halted kernel: (its RingError, seconds), well before the timeout."""
+    import signal
+    import threading
+    import time
+
+    import ringdp
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    _setup(rank)
+    t = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    ringdp.all_reduce(t)
+    ringdp.synchronize()
+    if rank == 0:
+        ringdp.all_reduce(t)  # its peer comes at 4 s
+        threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            ringdp.destroy()
+            raised = None
+        except BaseException as e:  # noqa: BLE001 -- the KeyboardInterrupt
+            raised = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - t0
+        time.sleep(6.0)  # (alive while rank 1 reads its flags)
+        return raised, took
+    time.sleep(4.0)
+    t0 = time.monotonic()
+    try:
+        ringdp.all_reduce(t)
+        ringdp.synchronize()
+        return None, time.monotonic() - t0
+    except ringdp.RingError as e:
+        return str(e), time.monotonic() - t0
+
+
+@needs_cuda
+def test_ipc_ctrl_c_at_close():
+    """Ctrl-C while the exit (destroy()) waits for a CUDA collective its peer has not made:
+    the wait ends at once with the KeyboardInterrupt (it sat in the transport's stream
+    synchronisation, in C++, until the device's timeout), the transport halted, and the
+    peer's call fails naming rank 0 and the interrupt instead of waiting out its timeout
+    (RINGDP_TIMEOUT_S=30). The same without a GPU: tests/test_failures.py::test_cuda_work_at_close."""
+    env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "30"}
+    (raised, took), (err, late_took) = values(run_ranks(_ctrl_c_at_close, 2, env=env, timeout=180))
+    assert str(raised).startswith("KeyboardInterrupt"), raised
+    assert took < 1.5 + 2.0, f"destroy() took {took:.1f} s (the SIGINT came at 1.5 s)"
+    assert err is not None and "rank 0" in err and "interrupted" in err, err
+    assert late_took < 10, f"rank 1 took {late_took:.1f} s to fail (timeout 30 s): {err}"
+
+
 @needs_cuda
 @pytest.mark.parametrize("sync", ["ringdp", "torch"])
 def test_nccl_peer_killed(sync):

@@ -1252,6 +1252,113 @@ def test_exit_with_an_unfinished_collective(tmp_path, mode, how):
         assert outcome == [{"values": [2.0, 6.0, 10.0, 14.0]}], outcome
     assert not (_shm_names() - before), _shm_names() - before
 
+BUSY_S = 1.5  # how long _cuda_work_at_close's stand-in device takes to end its queued work
+
+
+def _cuda_work_at_close(rank, world, how):
+    """A communicator whose CUDA endpoint (cuda_comm.CudaEndpoint over a stand-in transport,
+    on _fake_cuda's streams and events) still has device work queued: `how` "device-ends"
+    (it ends after BUSY_S), or never until the transport is halted, with a SIGINT at BUSY_S
+    in destroy()'s wait ("ctrl-c"), or the backend's abort() (close(wait=False): "abort").
+    Returns what the call raised, how long it took, the transport's calls in order, ringdp's
+    log lines (with their times) and what a CPU all-reduce raises after."""
+    import logging
+    import threading
+
+    import _fake_cuda
+    import ringdp
+    from ringdp import cuda_comm
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    calls, busy_until = [], [time.monotonic() + (BUSY_S if how == "device-ends" else 1e9)]
+
+    class Transport:  # (csrc/cuda's Comm, as CudaEndpoint calls it)
+        stream = "ringdp-handle"
+
+        def halt(self, why):
+            calls.append(("halt", why))
+            busy_until[0] = 0.0  # its kernels give up
+
+        def check(self):
+            calls.append(("check",))
+
+        def quiesce(self):
+            calls.append(("quiesce",))
+
+        def destroy(self):
+            calls.append(("destroy",))
+
+    _fake_cuda.install(torch, [], ["default"], idle=lambda: time.monotonic() >= busy_until[0])
+    comm = ringdp.get_communicator()
+    ringdp.all_reduce(torch.ones(4))
+    comm._cuda = cuda_comm.CudaEndpoint("ipc", Transport(), torch.device("cuda", 0))
+    lines, t0 = [], time.monotonic()
+
+    class Lines(logging.Handler):
+        def emit(self, record):
+            lines.append((time.monotonic() - t0, record.getMessage()))
+
+    logging.getLogger("ringdp").addHandler(Lines())
+    if how == "ctrl-c":
+        threading.Timer(BUSY_S, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        if how == "abort":
+            comm.close(wait=False)
+        else:
+            ringdp.destroy()
+        raised = None
+    except BaseException as e:  # noqa: BLE001 -- KeyboardInterrupt included
+        raised = f"{type(e).__name__}: {e}"
+    took = time.monotonic() - t0
+    try:
+        comm.all_reduce(torch.ones(4))
+        after = None
+    except ringdp.RingError as e:
+        after = str(e)
+    ringdp.destroy()
+    return raised, took, calls, lines, after
+
+
+@pytest.mark.parametrize("how", ["device-ends", "ctrl-c", "abort"])
+def test_cuda_work_at_close(how):
+    """Closing with CUDA work still queued on ringdp's streams (a collective whose peers
+    never came, left in flight at exit) waits for it where Ctrl-C reaches the wait: the
+    transports' teardown synchronised their streams in C++, which held the signal until the
+    device gave up (the timeout, 300 s by default), silently. After CLOSE_NOTE_S it says so
+    on stderr; Ctrl-C there halts the transports (their kernels give up and tell the peers
+    this rank's reason: close() has check() tell those of a transport no kernel was left
+    on), tears down locally and raises; the backend's abort() halts them too, as torch's
+    NCCL abort does. A stand-in transport on fake streams: what the device
+    does with a halt is tests/test_cuda.py's (bench/gpu_check.sh)."""
+    (raised, took, calls, lines, after), = values(run_ranks(_cuda_work_at_close, 1, how, timeout=120))
+    notes = [(t, m) for t, m in lines if "closing waits for the CUDA collectives" in m]
+    halts = [c for c in calls if c[0] == "halt"]
+    if how == "device-ends":
+        assert raised is None and BUSY_S - 0.1 < took < BUSY_S + SLACK_S, (raised, took)
+        assert len(notes) == 1 and 0.9 < notes[0][0] < BUSY_S, lines
+        assert "ringdp rank 0: closing waits for the CUDA collectives queued on cuda:0" in notes[0][1], notes
+        assert "Ctrl-C leaves them" in notes[0][1], notes
+        assert calls == [("quiesce",), ("destroy",)], calls
+        assert after is not None and "destroyed" in after, after
+        return
+    if how == "abort":
+        assert raised is None and took < SLACK_S, (raised, took)
+        assert halts == [("halt", "rank 0: ProcessGroup.abort() was called")], calls
+    else:
+        assert str(raised).startswith("KeyboardInterrupt"), raised
+        assert took < BUSY_S + 0.5, took  # (it waited for the device's timeout)
+        assert halts == [("halt", "rank 0: interrupted (KeyboardInterrupt: Ctrl-C) while closing, in the wait "
+                                  "for its CUDA collectives")], calls
+    assert after is not None and "rank 0" in after and "destroyed" in after, after
+    # the halt, check() telling the peers of a transport no kernel was left on, the local teardown
+    assert calls == [calls[0], ("check",), ("quiesce",), ("destroy",)], calls
+    if how == "ctrl-c":
+        assert len(notes) == 1, lines
+        assert [m for _, m in lines if "interrupted while closing" in m] == [
+            "ringdp rank 0: interrupted while closing: its CUDA collectives were left "
+            "(their peers fail naming this rank)"], lines
+
+
 def _peer_dies_at_the_bucket_rebuild(rank, world):
     """RingDDP on the gloo default group: the last rank SIGKILLs itself where every rank
     adopts the authoritative rank's gradient order (Reducer.rebuild, at the end of the first

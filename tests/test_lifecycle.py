@@ -330,6 +330,9 @@ def _failed_teardown(rank, world):
         c.all_reduce(torch.ones(4))
 
     class FailingCudaEndpoint:
+        def wait_queued(self, lasting=None):  # (nothing queued)
+            pass
+
         def close(self, rendezvous):
             raise ringdp.RingError(f"rank {rank}: the CUDA endpoint's teardown failed (a stand-in)")
 
