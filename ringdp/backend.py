@@ -481,8 +481,11 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         within 0.1 s too, and every other rank's within about a second, naming this rank's
         abort (the note CrossHost.abort leaves in the store; gloo itself cannot end a
         collective in flight, which runs on to gloo's timeout, its group held on a thread
-        meanwhile). A call in flight on CUDA ends in its own timeout. The endpoints are
-        released when the call in flight ends; new calls raise at once."""
+        meanwhile). The CUDA collectives are halted, as torch's NCCL abort() ends its own:
+        over CUDA IPC they give up within milliseconds and the peers waiting on this rank
+        fail naming it; over NCCL the communicator is aborted (its peers fail at their
+        timeout). The endpoints are released when the call in flight ends; new calls raise
+        at once."""
         if self._shut:
             return
         self._shut = True

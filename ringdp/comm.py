@@ -274,19 +274,18 @@ class Communicator:
         milliseconds (on the worker thread too), the peers blocked on this rank fail naming
         it, and the next call here raises a RingError saying why. (Inside the shared-memory
         transport's waits the transport itself aborts: csrc/common/interrupt.h.) The CUDA
-        endpoint's device work is halted too (CudaEndpoint.halt): a collective left on
-        one transport leaves the whole communicator."""
+        endpoint's device work is halted too, last (CudaEndpoint.halt: an NCCL abort may
+        take seconds): a collective left on one transport leaves the whole communicator.
+        A second Ctrl-C meanwhile is let go: every step runs (the caller raises `e`)."""
         how = "KeyboardInterrupt: Ctrl-C" if isinstance(e, KeyboardInterrupt) else f"{type(e).__name__}"
         why = f"rank {self.rank}: interrupted ({how}) {when}"
         shm, across, cuda = self._inhost_endpoint(), self.across, self._cuda
-        if cuda is not None:  # (never raises)
-            cuda.halt(why)
         if isinstance(shm, _C.ShmComm):
-            with contextlib.suppress(Exception):  # (what to raise is `e`: the caller raises it)
-                shm.abort(why)
-        if across is not None:
-            with contextlib.suppress(Exception):  # (the store, where the other hosts' waits look)
-                across.abort(why, self._last_store() or self._store())
+            _regardless(shm.abort, why)
+        if across is not None:  # (the store, where the other hosts' waits look)
+            _regardless(lambda: across.abort(why, self._last_store() or self._store()))
+        if cuda is not None:
+            cuda.halt(why)
 
     def _store(self):
         """The store the rendezvous uses, looked up at each use (class doc)."""
@@ -1194,9 +1193,11 @@ class Communicator:
         on it fails within milliseconds, and peers blocked on this rank fail fast naming it;
         the calls still queued then fail unrun as the worker comes to them. A cross-host
         step's wait (a group across hosts) ends within 0.1 s here and within about a second
-        on the other ranks (CrossHost.abort). A call in flight on CUDA keeps the endpoints
-        until it ends (its own timeout), then releases them (_locked). A wait that lasts
-        says so (_join_worker). Ctrl-C in it (any exception raised there by a signal's
+        on the other ranks (CrossHost.abort). The CUDA endpoint is halted
+        (CudaEndpoint.halt: its collectives on the device give up). A call still being
+        enqueued on CUDA keeps the endpoints until it returns, then releases them (_locked).
+        A wait for the worker, or for the CUDA work on ringdp's streams (_wait_for_device),
+        that lasts says so (_join_worker). Ctrl-C in it (any exception raised there by a signal's
         handler) leaves the calls as Ctrl-C in a call does, tears down locally and raises
         the KeyboardInterrupt; `abandon` (the KeyboardInterrupt another communicator's close
         raised: destroy(), the exit) leaves them so at once (_leave_on)."""
@@ -1298,19 +1299,26 @@ class Communicator:
         endpoint's teardown without its barrier with the peers (after a Ctrl-C). The CUDA
         work still queued is waited for first (_wait_for_device): Ctrl-C there leaves it,
         tears down locally and is raised at the end."""
-        interrupted = None
+        ep, interrupted = self._cuda, None
         try:
-            if self._cuda is not None:  # (its teardown barrier may fail: a peer died)
+            if ep is not None:  # (its teardown barrier may fail: a peer died)
                 try:
-                    self._wait_for_device(self._cuda)
+                    self._wait_for_device(ep)
                 except BaseException as e:  # noqa: BLE001 -- Ctrl-C: raised once the teardown is done
                     interrupted, collective = e, False
                     self._abandon(e, "while closing, in the wait for its CUDA collectives")
-                    log.warning("ringdp rank %d: interrupted while closing: its CUDA collectives were left "
-                                "(their peers fail naming this rank)", self.rank)
-                ep, self._cuda = self._cuda, None
-                ep.close(self.rendezvous if self.group_alive and collective else None)
+                    _regardless(log.warning, "ringdp rank %d: interrupted while closing: its CUDA collectives were "
+                                "left (their peers fail, naming this rank over CUDA IPC)", self.rank)
+                self._cuda = None
+                try:  # (every transport is freed, whatever one raised: CudaEndpoint.close)
+                    ep.close(self.rendezvous if self.group_alive and collective else None)
+                except BaseException as e:  # noqa: BLE001 -- after the interrupt: it is what is raised
+                    if interrupted is None:
+                        raise
+                    _regardless(log.warning, "ringdp rank %d: the CUDA teardown after the interrupt raised %s: %s",
+                                self.rank, type(e).__name__, e)
         finally:  # the others go whatever it did
+            self._cuda = None
             # Registered tensors still alive keep the native object (and its mapping) alive.
             self._shm = None
             if self.across is not None:
@@ -1348,6 +1356,15 @@ class _Held:
     def __exit__(self, *exc) -> bool:
         self.comm._let_go()
         return False
+
+
+def _regardless(fn, *args) -> None:
+    """fn(*args), whatever it raises, a second Ctrl-C included: a step of leaving a call
+    (Communicator._abandon), whose caller raises the interrupt that started it."""
+    try:
+        fn(*args)
+    except BaseException:  # noqa: BLE001 -- see above
+        pass
 
 
 def _host_key(hostname: str) -> str:

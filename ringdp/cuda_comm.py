@@ -205,14 +205,18 @@ class CudaEndpoint:
     def halt(self, why: str) -> None:
         """Stop this rank's device work from any thread (Communicator._abandon: Ctrl-C, the
         backend's abort()): on every transport the collectives queued or running give up
-        within milliseconds and tell their peers `why` (an IPC kernel raises this rank's
-        abort flag with it; NCCL aborts its communicator), and every later call raises a
-        RingError. The endpoint is unusable from then on. close() tells the peers of a
-        transport on which no kernel was left to meet the halt. Never raises."""
+        and every later call raises a RingError; the endpoint is unusable from then on.
+        CUDA IPC: within milliseconds, and the peers waiting on this rank fail with `why`
+        (a kernel raises this rank's abort flag with it; close() has check() raise it
+        where no kernel was left to meet the halt). NCCL: its abort (up to 2 s behind an
+        NCCL call that blocks), and the peers learn nothing: they fail at their timeout.
+        Never raises; a second Ctrl-C meanwhile is let go (every transport is halted)."""
         self._halted = True
         for ep in self._ordered():
-            with contextlib.suppress(Exception):
+            try:
                 ep.native.halt(why)
+            except BaseException:  # noqa: BLE001 -- see above
+                pass
 
     def close(self, rendezvous) -> None:
         """Collective teardown: drain, drop peers' mappings, barrier, free own memory (the
@@ -224,11 +228,11 @@ class CudaEndpoint:
         ordered = self._ordered()
         parts, self._parts, self.hier = self._parts, [], None
         first = None
-        if self._halted:  # (halt()) check() tells the peers of a transport no kernel of which met it
-            for ep in ordered:
-                with contextlib.suppress(Exception):  # (it raises the halt: a RingError)
-                    ep.native.check()
         try:
+            if self._halted:  # (halt()) check() tells the peers of a transport no kernel of which met it
+                for ep in ordered:
+                    with contextlib.suppress(Exception):  # (it raises the halt: a RingError)
+                        ep.native.check()
             for ep in ordered:  # drain every transport, NCCL first (_ordered); quiesce() runs once
                 ep.native.quiesce()
             if rendezvous is not None:

@@ -2358,7 +2358,6 @@ def test_cuda_endpoint_drains_nccl_first():
     def ep(kind, name):
         e = object.__new__(cuda_comm.CudaEndpoint)
         e.kind, e.native, e.hier, e._parts, e._halted = kind, Native(name), None, [], False
-        e.wait_queued = lambda lasting=None: log.append(("wait_queued", name))  # (its events: test_cuda_work_at_close)
         return e
 
     class Rdv:

@@ -1213,23 +1213,29 @@ def test_ipc_peer_killed(when):
 
 
 def _ctrl_c_at_close(rank, world):
-    """Rank 0 ends with a CUDA all-reduce that rank 1 makes only 4 s later: its destroy()
-    waits for the device, says so, and a SIGINT at 1.5 s ends that wait (comm.py
-    _wait_for_device): (what destroy() raised, seconds). Rank 1's late call then fails on
-    rank 0's halted kernel: (its RingError, seconds), well before the timeout."""
+    """Two groups of both ranks. Rank 0 ends with a CUDA all-reduce on the first that rank 1
+    never makes, and its destroy() waits for the device (comm.py _wait_for_device); rank 1
+    meanwhile waits in a kernel of an all-reduce on the second for rank 0, which never makes
+    it either. A SIGINT to rank 0 at 1.5 s ends that wait: (what destroy() raised, seconds).
+    Rank 0 leaves every communicator, so the second's halt tells rank 1's kernel (close()'s
+    check(): no kernel of rank 0 was there to meet it): (rank 1's RingError, seconds)."""
     import signal
     import threading
     import time
+
+    import torch.distributed as dist
 
     import ringdp
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _setup(rank)
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
     t = torch.full((1 << 20,), float(rank + 1), device="cuda")
-    ringdp.all_reduce(t)
+    for g in (first, second):
+        ringdp.all_reduce(t, group=g)
     ringdp.synchronize()
     if rank == 0:
-        ringdp.all_reduce(t)  # its peer comes at 4 s
+        ringdp.all_reduce(t, group=first)  # rank 1 never makes it
         threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         t0 = time.monotonic()
         try:
@@ -1237,14 +1243,11 @@ def _ctrl_c_at_close(rank, world):
             raised = None
         except BaseException as e:  # noqa: BLE001 -- the KeyboardInterrupt
             raised = f"{type(e).__name__}: {e}"
-        took = time.monotonic() - t0
-        time.sleep(6.0)  # (alive while rank 1 reads its flags)
-        return raised, took
-    time.sleep(4.0)
+        return raised, time.monotonic() - t0
     t0 = time.monotonic()
     try:
-        ringdp.all_reduce(t)
-        ringdp.synchronize()
+        ringdp.all_reduce(t, group=second)  # rank 0 never makes it
+        ringdp.get_communicator(second).synchronize()
         return None, time.monotonic() - t0
     except ringdp.RingError as e:
         return str(e), time.monotonic() - t0
@@ -1252,17 +1255,19 @@ def _ctrl_c_at_close(rank, world):
 
 @needs_cuda
 def test_ipc_ctrl_c_at_close():
-    """Ctrl-C while the exit (destroy()) waits for a CUDA collective its peer has not made:
+    """Ctrl-C while the exit (destroy()) waits for a CUDA collective its peer never makes:
     the wait ends at once with the KeyboardInterrupt (it sat in the transport's stream
-    synchronisation, in C++, until the device's timeout), the transport halted, and the
-    peer's call fails naming rank 0 and the interrupt instead of waiting out its timeout
-    (RINGDP_TIMEOUT_S=30). The same without a GPU: tests/test_failures.py::test_cuda_work_at_close."""
+    synchronisation, in C++, until the device's timeout), and the peer, waiting on this
+    rank in another group's kernel, fails naming rank 0 and the interrupt instead of
+    waiting out its timeout (RINGDP_TIMEOUT_S=30). (A peer that comes only after rank 0
+    tore down would read memory rank 0 freed: CUDA IPC leaves that undefined.) The same
+    without a GPU: tests/test_failures.py::test_cuda_work_at_close."""
     env = {"RINGDP_TRANSPORT": "ipc", "RINGDP_TIMEOUT_S": "30"}
-    (raised, took), (err, late_took) = values(run_ranks(_ctrl_c_at_close, 2, env=env, timeout=180))
+    (raised, took), (err, peer_took) = values(run_ranks(_ctrl_c_at_close, 2, env=env, timeout=180))
     assert str(raised).startswith("KeyboardInterrupt"), raised
     assert took < 1.5 + 2.0, f"destroy() took {took:.1f} s (the SIGINT came at 1.5 s)"
     assert err is not None and "rank 0" in err and "interrupted" in err, err
-    assert late_took < 10, f"rank 1 took {late_took:.1f} s to fail (timeout 30 s): {err}"
+    assert peer_took < 10, f"rank 1 took {peer_took:.1f} s to fail (timeout 30 s): {err}"
 
 
 @needs_cuda

@@ -146,12 +146,14 @@ class Comm : public Endpoint {
   // (The leader's side of follow().) Halt `follower` when this endpoint is aborted, before its
   // kernels return. NCCL only; IPC throws RingError. Thread-safe.
   virtual void lead(std::weak_ptr<Comm> follower) = 0;
-  // Stop this rank's device work from any thread (a leader's abort): every kernel that starts
+  // Stop this rank's device work from any thread (a leader's abort; Ctrl-C and the backend's
+  // abort(), ringdp/cuda_comm.py CudaEndpoint.halt): every kernel that starts
   // after it (on a following endpoint) or waits (on any) fails, reporting `reason` as its own
   // and beside its abort flag, so peers that stop on it name it. The next check() (every
   // call's first step) raises it, after announcing it to the peers as reject() does if no
   // kernel of this rank met it. Unlike abort(), it leaves the failures of collectives no
-  // kernel of which met it to their kernels. NCCL: abort(). Never throws; no CUDA call.
+  // kernel of which met it to their kernels. IPC: never throws; no CUDA call. NCCL: abort()
+  // (up to 2 s behind a blocked NCCL call, then ncclCommAbort).
   virtual void halt(const std::string& reason) = 0;
   // Collective: wait for this rank's work, then release everything that refers to peers.
   virtual void quiesce() = 0;
