@@ -26,10 +26,19 @@ others must end the program (a RingError; gloo's error for what runs on the inne
 within twice the timeout, with no wrong result on the way, then exit with 0 and leave no
 /dev/shm name behind.
 
+With --interrupt, one rank of each program gets a SIGINT (Ctrl-C, Python's own handler) a
+drawn 0-30 ms after it starts a call of its second half, so that the KeyboardInterrupt comes
+wherever that rank is then: inside a transport's wait, in Work.wait(), in a step across
+hosts, between calls, in the program's own code. Its program ends there; the others end
+theirs as after a kill (a RingError, or gloo's error), with no wrong result; every rank,
+the interrupted one too, exits with 0 (never std::terminate) and no /dev/shm name is left.
+The summary counts where the interrupts came.
+
     python tests/_fuzz.py --world 3 --seeds 0:200            # a campaign (fresh ranks per batch)
     python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 2
     python tests/_fuzz.py --world 4 --hosts a,a,b,b --seeds 0:50 --mismatches 1 --symmetric
     python tests/_fuzz.py --world 4 --hosts a,a,a,b --seeds 0:20 --kill
+    python tests/_fuzz.py --world 3 --seeds 0:40 --interrupt
     python tests/_fuzz.py --world 2 --seeds 17 --show         # print one program
 
 tests/test_fuzz.py runs a few seeds of each set-up in the test suite.
@@ -39,8 +48,11 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import signal
 import sys
+import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -87,7 +99,8 @@ def _reductions(dtype):
 
 
 def make_program(seed: int, world: int, subgroups: list[list[int]], length: int = 40, hosts=None,
-                 mismatches: int = 0, kill: bool = False, flat: bool = False, symmetric: bool = False) -> list[dict]:
+                 mismatches: int = 0, kill: bool = False, flat: bool = False, symmetric: bool = False,
+                 interrupt: bool = False) -> list[dict]:
     """The calls of program `seed` (identical on every rank). `hosts`: each rank's host id
     (None: one host); a group with one rank per host, or across hosts with `flat`
     (RINGDP_HIERARCHY=0), has no registered memory (its calls have no in-host step:
@@ -97,7 +110,9 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
     "Failures": a mismatch leaves the communicator usable). `kill`: one rank SIGKILLs itself
     before one call of the second half (that call's "kill": its rank; killed_by). `symmetric`
     (with `hosts`): the victims ("victims") are the members with one drawn local rank on
-    every host of the call's group, where that is not every member (_symmetric_victims)."""
+    every host of the call's group, where that is not every member (_symmetric_victims).
+    `interrupt`: one rank gets a SIGINT a drawn 0-30 ms after it starts one call of the
+    second half, not of the last 8 (that call's "interrupt": (its rank, the delay); ended_by)."""
     rng = random.Random(seed)
     groups = [list(range(world))] + subgroups
     calls = []
@@ -143,12 +158,22 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
             c["twisted_op"] = {"SUM": "MAX", "MAX": "MIN", "MIN": "SUM", "AVG": "SUM"}[c["op"]]
     if kill:
         calls[rng.randrange(length // 2, length)]["kill"] = rng.randrange(world)
+    if interrupt:  # (drawn after everything else: the calls are the uninterrupted program's)
+        calls[rng.randrange(length // 2, max(length // 2 + 1, length - 8))]["interrupt"] = (rng.randrange(world),
+                                                                                          rng.uniform(0.0, 0.03))
     return calls
 
 
 def killed_by(calls: list[dict]) -> int | None:
     """The rank a program kills (None: none)."""
     return next((c["kill"] for c in calls if "kill" in c), None)
+
+
+def ended_by(calls: list[dict]) -> int | None:
+    """The rank whose end (SIGKILL, or a SIGINT: its program stops there) ends the program
+    for the others (None: none)."""
+    return next((c["kill"] if "kill" in c else c["interrupt"][0] for c in calls
+                 if "kill" in c or "interrupt" in c), None)
 
 
 def _twistable(call) -> bool:
@@ -196,6 +221,8 @@ def describe(call: dict) -> str:
         text += f" MISMATCH: {who} the {c['twist']}"
     if "kill" in c:
         text += f" (rank {c['kill']} is SIGKILLed before it)"
+    if "interrupt" in c:
+        text += f" (rank {c['interrupt'][0]} gets a SIGINT {c['interrupt'][1] * 1000:.0f} ms after it starts it)"
     return text
 
 
@@ -379,7 +406,7 @@ def run_program(rank: int, seed: int, calls: list[dict], groups: dict, report: d
     rng_wait = random.Random(seed * 1000 + rank)  # this rank's own wait order and timing
     pending, errors = [], []
     report = {} if report is None else report
-    if killed_by(calls) is not None:
+    if ended_by(calls) is not None:
         report["kills"] = True
 
     def settle(item):
@@ -423,6 +450,12 @@ def _run_calls(rank, calls, groups, rng_wait, pending, errors, settle, report):
             if call["kill"] == rank:
                 sys.stdout.flush()
                 os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
+            report["killed_at"] = time.monotonic()
+        if "interrupt" in call:
+            who, delay = call["interrupt"]
+            if who == rank:  # (case_campaign installed Python's SIGINT handler)
+                report["timer"] = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+                report["timer"].start()
             report["killed_at"] = time.monotonic()
         members = call["members"]
         if rank in members:
@@ -469,11 +502,14 @@ def subgroups_for(world: int) -> list[list[int]]:
     return []
 
 
-def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts=None, symmetric=False):
+def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, interrupt=False, hosts=None,
+                  symmetric=False):
     """Every seed's program on this rank (one process group for all of them, so that
     communicators live across programs, as in a long job). Returns {seed: errors}. `kill`:
     one seed, whose program kills a rank; the others return at its end, with "_kill": what
-    ended it and how long after the killing call (run_program)."""
+    ended it and how long after the killing call (run_program). `interrupt`: one seed, whose
+    program interrupts a rank (SIGINT); that rank's "_kill" says where the
+    KeyboardInterrupt came ("interrupted_in"; None: after its program)."""
     import ringdp  # noqa: F401 -- registers the backend
 
     from datetime import timedelta
@@ -492,15 +528,28 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
         groups[tuple(members)] = (sub, sub)
     # where the ranks agree to go on, apart from what is tested
     control = dist.new_group(backend="gloo", timeout=timedelta(seconds=3 * limit.total_seconds()))
+    if interrupt:
+        (seed,), report = seeds, {}
+        calls = make_program(seed, world, subs, length, hosts, mismatches, flat=_flat(), symmetric=symmetric,
+                             interrupt=True)
+        if ended_by(calls) == rank:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            try:
+                errors = run_program(rank, seed, calls, groups, report)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)  # (the program ended first)
+                report["interrupted_in"] = None
+            except KeyboardInterrupt as e:
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                errors, report["interrupted_in"] = [], _landed(e)
+            report.pop("timer").cancel()
+            report.pop("after_kill_s", None)
+            return {seed: errors, "_kill": report}
+        return {seed: _within_bound(run_program(rank, seed, calls, groups, report), report, limit), "_kill": report}
     if kill:
         (seed,), report = seeds, {}
         errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, kill=True,
                                                       flat=_flat(), symmetric=symmetric), groups, report)
-        bound = 2 * limit.total_seconds() + 5
-        if report.get("after_kill_s", 0) > bound:
-            errors.append(f"the program went on {report['after_kill_s']:.1f} s after the killing call "
-                          f"(bound: {bound:g} s, twice the timeout and 5 s)")
-        return {seed: errors, "_kill": report}
+        return {seed: _within_bound(errors, report, limit), "_kill": report}
     results = {}
     for seed in seeds:
         errors = run_program(rank, seed, make_program(seed, world, subs, length, hosts, mismatches, flat=_flat(),
@@ -511,6 +560,29 @@ def case_campaign(rank, world, seeds, length=40, mismatches=0, kill=False, hosts
         if failed.item():
             break  # a failed program may leave the ranks out of step: every rank stops at the first
     return results
+
+
+def _within_bound(errors: list, report: dict, limit) -> list:
+    """`errors`, and one more if the program went on for longer than twice the timeout and
+    5 s after the rank that ended it passed its killing (or interrupting) call."""
+    bound = 2 * limit.total_seconds() + 5
+    if report.get("after_kill_s", 0) > bound:
+        errors.append(f"the program went on {report['after_kill_s']:.1f} s after the killing call "
+                      f"(bound: {bound:g} s, twice the timeout and 5 s)")
+    return errors
+
+
+def _landed(e: BaseException) -> str:
+    """Where a KeyboardInterrupt came: the innermost frame of its traceback, as
+    "file.py:function", and, if that is outside ringdp and this program (the standard
+    library's, torch's), the innermost of theirs after it: "threading.py:wait in work.py:wait"."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames:
+        return "?"
+    name = lambda f: f"{os.path.basename(f.filename)}:{f.name}"  # noqa: E731
+    ours = [f for f in frames if f"{os.sep}ringdp{os.sep}" in f.filename or f"{os.sep}tests{os.sep}" in f.filename]
+    inner = name(frames[-1])
+    return inner if not ours or ours[-1] is frames[-1] else f"{inner} in {name(ours[-1])}"
 
 
 def host_env(hosts: str | None, world: int) -> dict | None:
@@ -524,29 +596,33 @@ def host_env(hosts: str | None, world: int) -> dict | None:
 
 
 def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = None, length: int = 40,
-                 timeout: float = 600, mismatches: int = 0, kill: bool = False, symmetric: bool = False) -> dict:
+                 timeout: float = 600, mismatches: int = 0, kill: bool = False, symmetric: bool = False,
+                 interrupt: bool = False) -> dict:
     """Run the seeds' programs on `world` fresh ranks; returns {rank: {seed: errors}}.
     `kill`: fresh ranks for each seed, whose program kills a rank (make_program); the others
     must end the program (and exit, with 0) without a wrong result or a hang, and leave no
-    shared-memory name behind; each rank's "_kill" lists its run_program reports."""
+    shared-memory name behind; each rank's "_kill" lists its run_program reports.
+    `interrupt`: the same with a rank interrupted (SIGINT) instead, which exits with 0 too."""
     from _dist import run_ranks
 
     backend, env = SETUPS[setup]
-    env = {"RINGDP_TIMEOUT_S": "10" if kill else "20", **env}
+    env = {"RINGDP_TIMEOUT_S": "10" if kill or interrupt else "20", **env}
     ids = host_env(hosts, world)
     fn = case_campaign if ids is None else _HostCampaign(ids, backend, symmetric)
-    if not kill:
+    if not (kill or interrupt):
         return _outcomes(run_ranks(fn, world, list(seeds), length, mismatches, False, timeout=timeout, env=env,
                                    backend=backend))
     out = {r: {} for r in range(world)}
     for seed in seeds:
-        victim = killed_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=True,
-                                        flat=env.get("RINGDP_HIERARCHY") == "0", symmetric=symmetric))
+        victim = ended_by(make_program(seed, world, subgroups_for(world), length, ids, mismatches, kill=kill,
+                                       flat=env.get("RINGDP_HIERARCHY") == "0", symmetric=symmetric,
+                                       interrupt=interrupt))
         before = _shm_names()
         codes = []
-        res = run_ranks(fn, world, [seed], length, mismatches, True, timeout=timeout, env=env, backend=backend,
-                        allow_missing=(victim,), exitcodes=codes)
-        res[victim] = ("ok", {seed: []})
+        res = run_ranks(fn, world, [seed], length, mismatches, kill, interrupt, timeout=timeout, env=env,
+                        backend=backend, allow_missing=(victim,) if kill else (), exitcodes=codes)
+        if kill:
+            res[victim] = ("ok", {seed: []})
         for r, per in _outcomes(res).items():
             report = per.pop("_kill", None)
             out[r].update(per)
@@ -556,8 +632,11 @@ def run_campaign(world: int, seeds, setup: str = "backend", hosts: str | None = 
         if left:
             out[victim].setdefault(seed, []).append(f"shared-memory names left: {left}")
         for r, code in enumerate(codes):
-            if r != victim and code != 0:
-                out[r].setdefault(seed, []).append(f"exit code {code} (None: still running 10 s after its report)")
+            if (r != victim or interrupt) and code != 0:
+                where = [k.get("interrupted_in") for k in out[r].get("_kill", [])[-1:] if "interrupted_in" in k]
+                out[r].setdefault(seed, []).append(f"exit code {code} (None: still running 10 s after its report)"
+                                                   + (f"; interrupted in {where[0] or 'after its program'}"
+                                                      if where else ""))
     return out
 
 
@@ -590,7 +669,7 @@ class _HostCampaign:
         self.ids, self.backend, self.symmetric = ids, backend, symmetric
         self.__name__ = "case_campaign_hosts"
 
-    def __call__(self, rank, world, seeds, length, mismatches, kill):
+    def __call__(self, rank, world, seeds, length, mismatches, kill, interrupt=False):
         from datetime import timedelta
 
         os.environ["RINGDP_HOST_ID"] = self.ids[rank]
@@ -598,7 +677,7 @@ class _HostCampaign:
         dist.destroy_process_group()
         dist.init_process_group(self.backend, store=dist.PrefixStore("fuzz-hosts/", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=60))
-        out = case_campaign(rank, world, seeds, length, mismatches, kill, self.ids, self.symmetric)
+        out = case_campaign(rank, world, seeds, length, mismatches, kill, interrupt, self.ids, self.symmetric)
         del store
         return out
 
@@ -629,6 +708,8 @@ def main(argv=None) -> int:
                     help="with --hosts: the mismatching ranks are one local rank on every host")
     ap.add_argument("--kill", action="store_true",
                     help="each program SIGKILLs one rank in its second half (fresh ranks per program)")
+    ap.add_argument("--interrupt", action="store_true",
+                    help="each program sends one rank a SIGINT in its second half (fresh ranks per program)")
     ap.add_argument("--show", action="store_true", help="print the programs instead of running them")
     a = ap.parse_args(argv)
     seeds = list(_seeds(a.seeds))
@@ -638,20 +719,28 @@ def main(argv=None) -> int:
         for s in seeds:
             for k, c in enumerate(_fuzz.make_program(s, a.world, subgroups_for(a.world), a.length,
                                                      _fuzz.host_env(a.hosts, a.world), a.mismatches, a.kill,
-                                                     SETUPS[a.setup][1].get("RINGDP_HIERARCHY") == "0", a.symmetric)):
+                                                     SETUPS[a.setup][1].get("RINGDP_HIERARCHY") == "0", a.symmetric,
+                                                     a.interrupt)):
                 print(f"seed {s} call {k}: {describe(c)}")
         return 0
-    bad, t0 = [], time.monotonic()
+    bad, t0, landed = [], time.monotonic(), {}
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
         out = _fuzz.run_campaign(a.world, batch, a.setup, a.hosts, a.length, mismatches=a.mismatches, kill=a.kill,
-                                 symmetric=a.symmetric)
+                                 symmetric=a.symmetric, interrupt=a.interrupt)
         ran = min(len([s for s in per if not str(s).startswith("_")]) for per in out.values())
         bad += _fuzz.failures(out)
         after = [k.get("after_kill_s", 0.0) for per in out.values() for k in per.get("_kill", [])]
+        for per in out.values():
+            for k in per.get("_kill", []):
+                if "interrupted_in" in k:
+                    where = k["interrupted_in"] or "after its program"
+                    landed[where] = landed.get(where, 0) + 1
         print(f"seeds {batch[0]}..{batch[-1]}: {ran} programs ran, {len(_fuzz.failures(out))} failures "
               f"({time.monotonic() - t0:.0f} s)" + (f"; the survivors ended at most {max(after):.1f} s after the "
                                                     f"killing call" if after else ""), flush=True)
+    if landed:
+        print("the interrupts came in: " + ", ".join(f"{w} x{n}" for w, n in sorted(landed.items(), key=lambda x: -x[1])))
     for line in bad:
         print(line)
     return 1 if bad else 0

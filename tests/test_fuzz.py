@@ -4,7 +4,7 @@ must be right). `python tests/_fuzz.py` runs longer campaigns; the seeds here ar
 that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`).
 Random training runs (tests/_fuzz_ddp.py): RingDDP and stock DDP on cpu:ringdp against
 torch's DDP on gloo, step by step (`python tests/_fuzz_ddp.py --world W --seeds S`), and
-with one rank killed (`... --kill`)."""
+with one rank killed (`... --kill`); programs with one rank interrupted (`_fuzz.py --interrupt`)."""
 import pytest
 
 import _fuzz
@@ -77,6 +77,27 @@ def test_random_programs_with_a_rank_killed(world, hosts, seeds):
     assert len(reports) == (world - 1) * len(seeds), reports  # (every survivor of every program)
 
 
+# (world, simulated hosts, seeds): programs in which one rank gets a SIGINT (tests/_fuzz.py
+# --interrupt), fresh ranks for each; seeds whose interrupted rank has no collective on the
+# inner gloo group from the interrupt on (README "Failures": one in flight at exit may end
+# the process in std::terminate, as gloo's thread completes it while Python finalizes)
+INTERRUPTS = [(3, None, [100, 113, 142]), (4, "a,a,b,b", [125, 139])]
+
+
+@pytest.mark.parametrize("world,hosts,seeds", INTERRUPTS,
+                         ids=[f"w{w}-{h.replace(',', '') if h else 'onehost'}" for w, h, _ in INTERRUPTS])
+def test_random_programs_with_a_rank_interrupted(world, hosts, seeds):
+    """Ctrl-C at a random point of a random program: the others end it (a RingError, or
+    gloo's error) within twice the timeout with no wrong result, every rank exits with 0
+    (the interrupted one too), and no /dev/shm name is left."""
+    out = _fuzz.run_campaign(world, seeds, "backend", hosts, length=40, timeout=300, interrupt=True)
+    bad = _fuzz.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    reports = [k for per in out.values() for k in per.get("_kill", [])]
+    assert len(reports) == world * len(seeds), reports
+    assert sum("interrupted_in" in k for k in reports) == len(seeds), reports  # (one interrupted rank each)
+
+
 def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
     """The generator is a pure function of the seed (every rank draws the same calls), and
     a few seeds draw every kind of call, API, tensor form and group."""
@@ -119,6 +140,13 @@ def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
     marked = [k for k, c in enumerate(killing) if "kill" in c]
     assert len(marked) == 1 and marked[0] >= 20 and _fuzz.killed_by(killing) in range(4)
     assert [{k: v for k, v in c.items() if k != "kill"} for c in killing] == plain
+    # an interrupting program: the same calls, one of the second half (not of the last 8)
+    # marked with the rank that gets the SIGINT and its delay
+    interrupting = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40, interrupt=True)
+    marked = [k for k, c in enumerate(interrupting) if "interrupt" in c]
+    assert len(marked) == 1 and 20 <= marked[0] < 32 and _fuzz.ended_by(interrupting) in range(4)
+    assert 0 <= interrupting[marked[0]]["interrupt"][1] <= 0.03
+    assert [{k: v for k, v in c.items() if k != "interrupt"} for c in interrupting] == plain
 
 
 def test_closed_forms():
