@@ -1227,12 +1227,12 @@ class Communicator:
             deadline = time.monotonic()
         if not wait:  # (after _torn_down: the worker refuses the queued calls once the one in flight fails)
             shm, across, cuda = self._inhost_endpoint(), self.across, self._cuda
-            if cuda is not None:  # its collectives give up, as torch's NCCL abort() makes them
-                cuda.halt(f"rank {self.rank}: ProcessGroup.abort() was called")
             if across is not None:  # (first: an in-host step the abort fails finds it marked) a cross-host
                 across.abort("ProcessGroup.abort() was called", self._last_store())  # wait ends too, everywhere
             if isinstance(shm, _C.ShmComm):
                 shm.abort("ProcessGroup.abort() was called")
+            if cuda is not None:  # its collectives give up, as torch's NCCL abort() ends its own; last, as
+                cuda.halt(f"rank {self.rank}: ProcessGroup.abort() was called")  # in _abandon (NCCL: seconds)
         mine = self._lock_owner == threading.get_ident()
         got = not mine and self._lock.acquire(timeout=max(0.0, deadline - time.monotonic()))
         if not got:
@@ -1318,7 +1318,6 @@ class Communicator:
                     _regardless(log.warning, "ringdp rank %d: the CUDA teardown after the interrupt raised %s: %s",
                                 self.rank, type(e).__name__, e)
         finally:  # the others go whatever it did
-            self._cuda = None
             # Registered tensors still alive keep the native object (and its mapping) alive.
             self._shm = None
             if self.across is not None:

@@ -108,7 +108,7 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
     "victim") calls with another count, op or root than its peers (_twist): every member
     must raise a RingError for that call, and every later call must be right (README
     "Failures": a mismatch leaves the communicator usable). `kill`: one rank SIGKILLs itself
-    before one call of the second half (that call's "kill": its rank; killed_by). `symmetric`
+    before one call of the second half (that call's "kill": its rank; ended_by). `symmetric`
     (with `hosts`): the victims ("victims") are the members with one drawn local rank on
     every host of the call's group, where that is not every member (_symmetric_victims).
     `interrupt`: one rank gets a SIGINT a drawn 0-30 ms after it starts one call of the
@@ -162,11 +162,6 @@ def make_program(seed: int, world: int, subgroups: list[list[int]], length: int 
         calls[rng.randrange(length // 2, max(length // 2 + 1, length - 8))]["interrupt"] = (rng.randrange(world),
                                                                                           rng.uniform(0.0, 0.03))
     return calls
-
-
-def killed_by(calls: list[dict]) -> int | None:
-    """The rank a program kills (None: none)."""
-    return next((c["kill"] for c in calls if "kill" in c), None)
 
 
 def ended_by(calls: list[dict]) -> int | None:

@@ -138,7 +138,7 @@ def test_programs_are_the_same_on_every_rank_and_cover_the_calls():
     plain = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40)
     killing = _fuzz.make_program(5, 4, _fuzz.subgroups_for(4), 40, kill=True)
     marked = [k for k, c in enumerate(killing) if "kill" in c]
-    assert len(marked) == 1 and marked[0] >= 20 and _fuzz.killed_by(killing) in range(4)
+    assert len(marked) == 1 and marked[0] >= 20 and _fuzz.ended_by(killing) in range(4)
     assert [{k: v for k, v in c.items() if k != "kill"} for c in killing] == plain
     # an interrupting program: the same calls, one of the second half (not of the last 8)
     # marked with the rank that gets the SIGINT and its delay
