@@ -92,7 +92,7 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceCoalescedOpti
                                         BarrierOptions, BroadcastOptions, ReduceScatterOptions)
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from . import _types, policy
+from . import _types, inflight, policy
 from ._eager import eager, eager_methods
 from ._native import _C
 from .comm import Communicator, RingError
@@ -528,15 +528,16 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         contiguous in allreduce, reduce_scatter (list), broadcast, reduce and scatter, a
         wrong result with no error (pytorch issues 192920, 129337), and refuses one in
         send/recv and all_to_all_single. `outputs`: the future's value (None: the inner
-        future's, each copy in it replaced by its tensor)."""
+        future's, each copy in it replaced by its tensor). A gloo Work is held until a while
+        after it ends (ringdp/inflight.py: none is left to gloo's thread at exit)."""
         tensors = _tensors_in(args)
         inner = self._inner(tensors)
-        pairs = _contiguous_copies(tensors) if inner is self._gloo else None
-        if not pairs:
+        if inner is not self._gloo:
             w = getattr(inner, name)(*args, **kwargs)
             return w if outputs is None else _Chain([w], outputs)
-        w = getattr(inner, name)(*_swap(args, {id(t): c for t, c in pairs}), **kwargs)
-        return _StagedWork(w, pairs, outputs)
+        pairs = _contiguous_copies(tensors)
+        w = getattr(inner, name)(*(_swap(args, {id(t): c for t, c in pairs}) if pairs else args), **kwargs)
+        return _GlooWork(w, inner, name, pairs, outputs)
 
     def _use_ringdp_cuda(self) -> bool:
         if not _C.WITH_CUDA:
@@ -760,7 +761,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         opts = opts if opts is not None else BarrierOptions()
         t = torch.zeros(1)
         w = self._comm.all_reduce(t, async_op=_async(opts))
-        g = self._gloo.barrier(opts)
+        g = _GlooWork(self._gloo.barrier(opts), self._gloo, "barrier", [])
         return _chain([RingWork([w], [t]), g], [t])
 
 
@@ -843,7 +844,8 @@ class _Chain(dist.Work):
         super().__init__()
         self._works = works
         self._outputs = outputs
-        self._tf = _chain_future(works, outputs) if works else None
+        self._lock = threading.Lock()
+        self._tf = None  # made on demand: its callback would run on a gloo part's thread (inflight.py)
 
     def _waiting(self, timeout=None):
         return _waiting_for(self._works, timeout)
@@ -882,11 +884,14 @@ class _Chain(dist.Work):
         return None
 
     def get_future(self):
-        if self._tf is None:
+        if not self._works:
             f = torch.futures.Future()
             f.set_result(self._outputs)
             return f
-        return self._tf
+        with self._lock:
+            if self._tf is None:
+                self._tf = _chain_future(self._works, self._outputs)
+            return self._tf
 
     def result(self):
         self.wait()
@@ -921,7 +926,7 @@ def _chain(works, outputs):
 
 class _CopyBack:
     """Copies each (tensor, copy) pair's copy back into its tensor, once, whichever thread
-    asks first (_StagedWork)."""
+    asks first (_GlooWork)."""
 
     def __init__(self, pairs):
         self.pairs = pairs
@@ -936,30 +941,44 @@ class _CopyBack:
                 self._done = True
 
 
-class _StagedWork(dist.Work):
-    """An inner gloo group's Work that ran on contiguous copies of non-contiguous CPU tensors
-    (ProcessGroupRingdp._delegated): each copy is copied back into its tensor once, by the
-    first of wait(), is_completed() answering True or the future's completion, so that the
-    tensors hold the result whichever of them the caller uses. get_future(): the inner
-    Work's future (gloo has none for some calls: send, recv, ...) then the copy-back; its
-    value is the inner one's with the copies replaced by their tensors (`outputs` if given)."""
+class _GlooWork(dist.Work):
+    """A Work of the inner gloo group (ProcessGroupRingdp._delegated, barrier), held in
+    inflight.GLOO from its start until policy.GLOO_LET_GO_S after it is seen to end (its wait(),
+    is_completed() answering True, this wrapper dropped, or inflight's own look), and kept
+    for good if the exit comes first (ringdp/inflight.py).
+    Non-contiguous CPU tensors ran on contiguous copies (`pairs`): each copy is copied back
+    into its tensor once, by the first of wait(), is_completed() answering True or the
+    future's completion, so that the tensors hold the result whichever of them the caller
+    uses. get_future(): the inner Work's future (gloo has none for some calls: send, recv,
+    ...) then the copy-back; its value is the inner one's with the copies replaced by their
+    tensors (`outputs` if given)."""
 
-    def __init__(self, work, pairs, outputs=None):
+    _held = inflight.GLOO  # (a class attribute: __del__ may run after the module's globals are gone)
+
+    def __init__(self, work, group, name, pairs, outputs=None):
         super().__init__()
         self._work = work
+        self._held.hold(work, group, name)
         self._back = _CopyBack(pairs)
         self._outputs = outputs
         self._lock = threading.Lock()
         self._tf = None
 
+    def __del__(self):
+        self._held.settle(self._work)
+
     def wait(self, timeout=timedelta(0)):
-        self._work.wait(timeout) if timeout else self._work.wait()
+        try:
+            self._work.wait(timeout) if timeout else self._work.wait()
+        finally:
+            self._held.settle(self._work)
         self._back()
         return True
 
     def is_completed(self):
         if not self._work.is_completed():
             return False
+        self._held.settle(self._work)
         if self._work.is_success():
             self._back()
         return True

@@ -66,7 +66,7 @@ from concurrent.futures import TimeoutError as _FutureTimeout
 import torch
 import torch.distributed as dist
 
-from . import _types, cuda_comm, hosts, policy
+from . import _types, cuda_comm, hosts, inflight, policy
 from ._eager import eager, eager_methods
 from ._native import RingError, _C
 from .config import ALGOS, Config, trace_path
@@ -1527,14 +1527,19 @@ def _close_at_exit() -> None:
     policy.EXIT_WAIT_S for its worker. The workers are daemon threads: one still inside a
     call when Python finalizes (calls queued behind a failure: DDP's buckets after a peer
     died) dies taking back the GIL on its way out of C++, and the process ends in
-    std::terminate (exit code -6: tests/test_failures.py::test_peer_dies_in_training)."""
+    std::terminate (exit code -6: tests/test_failures.py::test_peer_dies_in_training). Last,
+    the backend's gloo collectives still in flight get policy.GLOO_DRAIN_S to end, and are then
+    kept from gloo's thread for the rest of the process (ringdp/inflight.py)."""
     interrupt = None
     try:
         destroy()
     except KeyboardInterrupt as e:  # (Ctrl-C in a close()'s wait, which said so: the exit goes on)
         interrupt = e
     finally:  # (at exit: nothing to raise their errors to)
-        _close_each([c for c in list(_working) if not c._closed], policy.EXIT_WAIT_S, interrupt)
+        try:
+            _, interrupt = _close_each([c for c in list(_working) if not c._closed], policy.EXIT_WAIT_S, interrupt)
+        finally:
+            inflight.GLOO.at_exit(policy.GLOO_DRAIN_S, interrupt is not None, policy.CLOSE_NOTE_S)
 
 
 atexit.register(_close_at_exit)

@@ -106,8 +106,14 @@ ABANDON_WAIT_S = 2.0
 # for them before it raises: a gloo collective left running completes its future on gloo's
 # thread, at the latest at exit, and one that does so after the interpreter finalised (a
 # Python callback on it) aborts the process ("terminate called ...", exit -6). One stuck on a
-# dead peer is left to its own timeout.
+# dead peer is left to its own timeout. The exit waits as long for the backend's gloo calls
+# still in flight (ringdp/inflight.py): long enough for peers that make them too, short where
+# they never will (ranks that stopped at a failure, each waiting on the others)
 GLOO_DRAIN_S = 2.0
+# The backend's inner gloo calls are held (ringdp/inflight.py) until this long after they are
+# seen to end: gloo's thread marks a call ended before it drops its own references (a lock and
+# a return: microseconds, longer on a loaded machine); the exit keeps for good what is held
+GLOO_LET_GO_S = 0.5
 # RINGDP_SLOT_BYTES: csrc/transport/shm/shm_comm.cpp's rule (a slot holds whole cache lines
 # and at least a page).
 SLOT_MIN_BYTES = 4096

@@ -7,9 +7,15 @@ same all-reduces only once the test says so.
 MODE: "ringdp" (ringdp.all_reduce on a gloo default group), "backend" (dist.all_reduce on a
 cpu:ringdp default group, which the script never destroys), "two-groups" (ringdp.all_reduce
 on the gloo default group and on a second group of the same ranks: two communicators, each
-with a call left). Rank 0 writes OUTDIR/left once its script has nothing more to run (its
-exit then waits in ringdp's close for the all-reduces). Rank 1 waits for OUTDIR/go, makes
-the all-reduces and writes OUTDIR/outcome: for each, the values it got or the error it raised.
+with a call left), "gloo-call" (dist.all_reduce with BXOR on a cpu:ringdp default group: a
+call the backend hands to its inner gloo group; policy.GLOO_DRAIN_S, the exit's wait for it,
+is GLOO_DRAIN_S from the environment, when set). Rank 0 writes OUTDIR/left once its script
+has nothing more to run (its exit then waits for the all-reduces). Rank 1 waits for
+OUTDIR/go, makes the all-reduces and writes OUTDIR/outcome: for each, the values it got or
+the error it raised. In "gloo-call",
+rank 0 writes OUTDIR/finalizing as Python finalizes and then takes FINAL_S seconds more (from
+the environment, 0 by default); rank 1 that sees it before OUTDIR/go leaves without the call,
+so that rank 0's gloo collective ends (fails) while rank 0 finalizes.
 """
 import json
 import os
@@ -34,28 +40,53 @@ def _write(path, text):
 
 rank, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.set_num_threads(1)
-dist.init_process_group("cpu:ringdp" if mode == "backend" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                        rank=rank, world_size=2)
+dist.init_process_group("gloo" if mode in ("ringdp", "two-groups") else "cpu:ringdp",
+                        init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+if "GLOO_DRAIN_S" in os.environ:
+    ringdp.policy.GLOO_DRAIN_S = float(os.environ["GLOO_DRAIN_S"])
 groups = [None] + ([dist.new_group([0, 1])] if mode == "two-groups" else [])
 
 
 def reduce(t, group, async_op=False):
     if mode == "backend":
         return dist.all_reduce(t, async_op=async_op)
+    if mode == "gloo-call":
+        return dist.all_reduce(t, op=dist.ReduceOp.BXOR, async_op=async_op)
     return ringdp.all_reduce(t, group=group, async_op=async_op)
 
 
-tensors = [torch.arange(1000, dtype=torch.float32) + rank for _ in groups]
+class _Finalizing:
+    """Marks the start of Python's finalization (this object's __del__, as the module's globals
+    are cleared: what it needs is bound now), which then takes FINAL_S seconds more."""
+
+    def __init__(self):
+        self.path, self.final_s = os.path.join(out, "finalizing"), float(os.environ.get("FINAL_S", "0"))
+        self.open, self.sleep = open, time.sleep
+
+    def __del__(self):
+        with self.open(self.path, "w"):
+            pass
+        self.sleep(self.final_s)
+
+
+dtype = torch.int32 if mode == "gloo-call" else torch.float32
+tensors = [torch.arange(1000, dtype=dtype) + rank for _ in groups]
 for t, g in zip(tensors, groups):
-    reduce(t, g)  # (the set-up: both ranks are in)
+    reduce(t.clone() if mode == "gloo-call" else t, g)  # (the set-up: both ranks are in)
 if rank == 0:
     for t, g in zip(tensors, groups):
         reduce(t, g, async_op=True)
+    if mode == "gloo-call":
+        finalizing = _Finalizing()
+        del tensors, t  # (the gloo Work holds the last reference: torch then keeps its Python object)
     _write(os.path.join(out, "left"), "")
 else:
-    go = os.path.join(out, "go")
+    go, finalizing = os.path.join(out, "go"), os.path.join(out, "finalizing")
     t0 = time.monotonic()
     while not os.path.exists(go) and time.monotonic() - t0 < 60:
+        if os.path.exists(finalizing):
+            _write(os.path.join(out, "outcome"), json.dumps([{"left": True}]))
+            os._exit(0)  # (at once: rank 0's gloo collective then fails as rank 0 finalizes)
         time.sleep(0.05)
     outcome = []
     for t, g in zip(tensors, groups):

@@ -1252,6 +1252,72 @@ def test_exit_with_an_unfinished_collective(tmp_path, mode, how):
         assert outcome == [{"values": [2.0, 6.0, 10.0, 14.0]}], outcome
     assert not (_shm_names() - before), _shm_names() - before
 
+@pytest.mark.parametrize("how", ["peer-comes", "ctrl-c", "peer-leaves"])
+def test_exit_with_a_gloo_call_in_flight(tmp_path, how):
+    """Rank 0 ends its script with a cpu:ringdp all-reduce that the backend hands to its inner
+    gloo group (BXOR), started with async_op and never waited for (tests/_exit_job.py
+    gloo-call). Its exit waits for it at most policy.GLOO_DRAIN_S (3 s here), saying so on
+    stderr within policy.CLOSE_NOTE_S, then keeps it from gloo's thread (ringdp/inflight.py).
+    "peer-comes": rank 1 makes the call in that wait; both get the result and exit with 0.
+    "ctrl-c": a SIGINT in the wait: rank 0 exits with 0 at once, naming the call it left.
+    "peer-leaves": rank 0 exits with 0 once the wait is over. In both, rank 1 leaves as rank 0
+    finalizes (which then takes 1.5 s more), so that the call ends (fails) on gloo's thread
+    while Python finalizes. Before: the exit waited for the call in the gloo group's
+    destructor as Python finalized (up to gloo's timeout), and a call that ended while Python
+    finalized ended the process in std::terminate (exit -6; found by tests/_fuzz.py
+    --interrupt)."""
+    import json
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}
+    env.update(RINGDP_TIMEOUT_S="60", GLOO_DRAIN_S="3", FINAL_S="1.5")
+    logs = [open(tmp_path / f"stderr-{r}", "w+") for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, EXIT_JOB, str(r), str(port), str(tmp_path), "gloo-call"], env=env,
+                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(2)]
+    err0 = lambda: (tmp_path / "stderr-0").read_text()  # noqa: E731
+    try:
+        _wait_for(lambda: (tmp_path / "left").exists(), 120, "rank 0 to start its all-reduce")
+        t0 = time.monotonic()
+        _wait_for(lambda: "the exit waits for" in err0(), 1.0 + SLACK_S, "rank 0's note")
+        assert "the exit waits for 1 gloo collective still in flight (allreduce: they wait for their peers" \
+               in err0(), err0()
+        if how == "peer-comes":
+            (tmp_path / "go").write_text("")
+        elif how == "ctrl-c":
+            procs[0].send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+        procs[0].wait(timeout=60)
+        took = time.monotonic() - t0
+        procs[1].wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+    outcome = json.loads((tmp_path / "outcome").read_text())
+    assert [p.returncode for p in procs] == [0, 0], ([p.returncode for p in procs], err0())
+    for bad in ("Traceback", "Exception ignored", "terminate called"):
+        assert bad not in err0(), err0()
+    if how == "peer-comes":
+        assert outcome == [{"values": [1, 3, 1, 7]}], outcome  # (i ^ (i + 1))
+        assert "still in flight at exit" not in err0(), err0()
+        return
+    assert err0().count("1 gloo collective still in flight at exit") == 1, err0()
+    assert "(allreduce): left to gloo's thread" in err0(), err0()
+    assert outcome == [{"left": True}], outcome  # (rank 1 left as rank 0 finalized)
+    if how == "ctrl-c":
+        assert took < 1.5 + SLACK_S, (took, err0())
+    else:
+        assert 3.0 - 1.0 < took < 3.0 + 1.5 + SLACK_S, (took, err0())
+        assert "after 3." in err0(), err0()
+
+
 BUSY_S = 2.5  # how long _cuda_work_at_close's stand-in device takes to end its queued work ("device-ends")
 SIGINT_S = 1.5  # when its SIGINT comes (the other cases)
 
