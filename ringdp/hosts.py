@@ -102,7 +102,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, BroadcastOptions, ReduceScatterOptions
 from torch.distributed.distributed_c10d import ProcessGroupGloo
 
-from . import _types, policy
+from . import _types, inflight, policy
 from ._native import RingError
 from .rendezvous import LookupStore, Rendezvous
 
@@ -168,7 +168,7 @@ class CrossHost:
         self._reasons = f"{comm.rendezvous._prefix}failed/"
         self._failures = 0  # this rank's failures published so far (a FAILED row carries the number)
         self._aborts = _Aborts(comm._store, f"{comm.rendezvous._prefix}aborted")  # (the CUDA copy's too)
-        self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: _let_go)
+        self._abandoned: list = []  # gloo works an abort or a failed call left in flight (close: inflight)
         self.fused_calls = 0  # all-reduces whose data went with the call check (policy.check_payload_bytes)
         self.folded_calls = 0  # two-level all-reduces whose first step's outcome went with their data (_fold_start)
         self._lookup = None  # the LookupStore under the gloo groups (create)
@@ -228,15 +228,17 @@ class CrossHost:
 
     def close(self) -> None:
         """Let the endpoint and the gloo groups go (they hold no store: create).
-        A gloo group with a work still in flight (left by an abort or a failed call) goes on a
-        thread of its own once its works end: its destructor waits for them (gloo's timeout)."""
+        A gloo work still in flight (left by an abort or a failed call) is held, with the
+        groups, until a while after it ends (ringdp/inflight.py): a gloo group's destructor
+        waits for its works (gloo's timeout), and gloo's thread must not drop a work's last
+        reference as Python finalizes."""
         groups = (self.cross, self.checker, self.whole, self._lookup)
         self.inhost = self.cross = self.checker = self.whole = self._lookup = None
         self._buffers.clear()
         self._aborts.store = None
         left, self._abandoned = [w for w in self._abandoned if not w.is_completed()], []
-        if left:
-            _let_go(groups, left)
+        for w in left:
+            inflight.GLOO.hold(w, groups, "a step across hosts")
 
     def _leave(self, works) -> None:
         """Keep `works`, left in flight, until close() (those already done go; each once)."""
@@ -1041,7 +1043,7 @@ class CrossHost:
     def _await(self, work, secs: float) -> None:
         """work.wait(), at most `secs`, in slices of ABORT_POLL_S: an abort() ends it (this
         rank's at the slice's end, a peer's once seen in the store, every
-        ABORT_STORE_POLL_S), _Aborted then, the work left in flight (close(): _let_go). A
+        ABORT_STORE_POLL_S), _Aborted then, the work left in flight (close(): inflight). A
         work without is_completed() (a CUDA CrossHost's, which only orders streams) waits
         once. A gloo Work's wait(timeout) that times out leaves the work as it was."""
         if not hasattr(work, "is_completed"):
@@ -1147,22 +1149,6 @@ class _Aborts:
 
 class _Aborted(Exception):
     """A cross-host wait ended by an abort() (CrossHost._await)."""
-
-
-def _let_go(groups, works) -> None:
-    """Drop `groups` once `works` (left in flight on them) have ended, on a thread of its own:
-    a ProcessGroupGloo's destructor waits for its works, which end in gloo's own timeout
-    (neither its abort() nor its shutdown() ends them). Not a daemon: a process that exits
-    meanwhile waits for it, as it waited in the destructor before (a daemon thread holding a
-    gloo group at exit ends the process in std::terminate)."""
-    def wait_then_drop(held=[groups, works]):  # noqa: B006 -- (the thread's own references)
-        for w in held[1]:
-            try:
-                w.wait()
-            except Exception:  # noqa: BLE001 -- their failure is expected: the calls failed
-                pass
-        held.clear()
-    threading.Thread(target=wait_then_drop, name="ringdp-let-go", daemon=False).start()
 
 
 class _NanAware:

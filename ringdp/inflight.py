@@ -14,9 +14,10 @@ interrupted with Ctrl-C, with an async gloo call it never waited for):
   tests/_fuzz.py --interrupt; stock gloo groups do the same).
 
 What. ringdp's backend (ringdp/backend.py) hands every Work of its inner gloo group here
-(hold); once the Work is seen to have ended (settle: its wait(), is_completed(), its wrapper
-dropped; or this module's thread, which looks while anything is held) it is let go
-policy.GLOO_LET_GO_S later, by when gloo's thread has dropped its own references. A group is
+(hold), and a group across hosts (ringdp/hosts.py) the gloo works an abort or a failed call
+left in flight when it closes; once a Work is seen to have ended (settle: its wait(),
+is_completed(), its wrapper dropped; or this module's thread, which looks while anything is
+held) it is let go policy.GLOO_LET_GO_S later, by when gloo's thread has dropped its own references. A group is
 held with its Works in flight only (so ringdp's shutdown() of a group no longer waits for them
 in the group's destructor). At exit (at_exit, from comm._close_at_exit, while threads still
 run) the collectives still in flight get a bounded wait to end; then every Work still held,
@@ -170,7 +171,8 @@ def _rank(entries):
         import torch.distributed as dist
         return dist.get_rank()
     except Exception:  # noqa: BLE001
-        return entries[0][1].rank() if entries[0][1] is not None else "?"
+        rank = getattr(entries[0][1], "rank", None)  # (CrossHost.close holds a tuple of groups)
+        return rank() if callable(rank) else "?"
 
 
 def _keep_for_good(obj) -> None:

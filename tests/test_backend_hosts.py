@@ -313,7 +313,7 @@ def test_abort_across_hosts_ends_the_cross_host_wait(hosts, path):
     late, codes = 3.0, []
     res = run_ranks(case_abort_across, 4, hosts, late, timeout=120, exitcodes=codes)
     # the gloo works left in flight end, and the processes exit cleanly (a daemon thread
-    # holding their gloo group at exit ended it in std::terminate: hosts.py _let_go)
+    # holding their gloo group at exit ended it in std::terminate: ringdp/inflight.py)
     assert codes == [0, 0, 0, 0], codes
     for r, out in enumerate(res):
         assert out is not None and out[0] == "ok", (r, out)

@@ -1,5 +1,6 @@
 """Failures end in exceptions on every surviving rank, within the timeout, naming the
 rank and the problem; nothing is left in /dev/shm."""
+import contextlib
 import os
 import signal
 import time
@@ -1182,6 +1183,33 @@ def test_ctrl_c_ends_a_collective(mode, hosts, numel, in_flight):
 EXIT_JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_job.py")
 
 
+@contextlib.contextmanager
+def _exit_job(tmp_path, mode, **settings):
+    """tests/_exit_job.py's two ranks in `mode` (stderr in tmp_path/stderr-R, CI's RINGDP_*
+    settings dropped, RINGDP_TIMEOUT_S 60 and `settings` set): (the processes, rank 0's
+    stderr so far). Whatever still runs at the end is killed."""
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}
+    env.update(RINGDP_TIMEOUT_S="60", **settings)
+    logs = [open(tmp_path / f"stderr-{r}", "w+") for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, EXIT_JOB, str(r), str(port), str(tmp_path), mode], env=env,
+                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(2)]
+    try:
+        yield procs, lambda: (tmp_path / "stderr-0").read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in logs:
+            f.close()
+
+
 def _wait_for(pred, limit_s, what):
     t0 = time.monotonic()
     while not pred():
@@ -1205,19 +1233,9 @@ def test_exit_with_an_unfinished_collective(tmp_path, mode, how):
     the worker, still in C++, was killed as Python finalized (exit -6, 3 of 8 scratch runs
     before close() waited on an event of its own)."""
     import json
-    import subprocess
-    import sys
 
-    from _dist import free_port
-
-    port, before = free_port(), _shm_names()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}  # (CI's settings: not here)
-    env["RINGDP_TIMEOUT_S"] = "60"
-    logs = [open(tmp_path / f"stderr-{r}", "w+") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, EXIT_JOB, str(r), str(port), str(tmp_path), mode], env=env,
-                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(2)]
-    err0 = lambda: (tmp_path / "stderr-0").read_text()  # noqa: E731
-    try:
+    before = _shm_names()
+    with _exit_job(tmp_path, mode) as (procs, err0):
         _wait_for(lambda: (tmp_path / "left").exists(), 120, "rank 0 to start its all-reduces")
         took = _wait_for(lambda: "closing waits for" in err0(), 1.0 + SLACK_S, "rank 0's note")
         assert "closing waits for 1 unfinished call on ringdp's worker (all_reduce #2 running: it waits for its " \
@@ -1231,13 +1249,6 @@ def test_exit_with_an_unfinished_collective(tmp_path, mode, how):
         (tmp_path / "go").write_text("")
         for p in procs:
             p.wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
     outcome = json.loads((tmp_path / "outcome").read_text())
     assert [p.returncode for p in procs] == [0, 0], ([p.returncode for p in procs], err0())
     for bad in ("Traceback", "Exception ignored", "terminate called", "still runs after"):
@@ -1267,19 +1278,8 @@ def test_exit_with_a_gloo_call_in_flight(tmp_path, how):
     finalized ended the process in std::terminate (exit -6; found by tests/_fuzz.py
     --interrupt)."""
     import json
-    import subprocess
-    import sys
 
-    from _dist import free_port
-
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}
-    env.update(RINGDP_TIMEOUT_S="60", GLOO_DRAIN_S="3", FINAL_S="1.5")
-    logs = [open(tmp_path / f"stderr-{r}", "w+") for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, EXIT_JOB, str(r), str(port), str(tmp_path), "gloo-call"], env=env,
-                              stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(2)]
-    err0 = lambda: (tmp_path / "stderr-0").read_text()  # noqa: E731
-    try:
+    with _exit_job(tmp_path, "gloo-call", GLOO_DRAIN_S="3", FINAL_S="1.5") as (procs, err0):
         _wait_for(lambda: (tmp_path / "left").exists(), 120, "rank 0 to start its all-reduce")
         t0 = time.monotonic()
         _wait_for(lambda: "the exit waits for" in err0(), 1.0 + SLACK_S, "rank 0's note")
@@ -1293,13 +1293,6 @@ def test_exit_with_a_gloo_call_in_flight(tmp_path, how):
         procs[0].wait(timeout=60)
         took = time.monotonic() - t0
         procs[1].wait(timeout=60)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for f in logs:
-            f.close()
     outcome = json.loads((tmp_path / "outcome").read_text())
     assert [p.returncode for p in procs] == [0, 0], ([p.returncode for p in procs], err0())
     for bad in ("Traceback", "Exception ignored", "terminate called"):

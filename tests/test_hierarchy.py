@@ -1208,10 +1208,35 @@ def _waiter(store):
     return h
 
 
+def test_close_holds_the_gloo_works_left_in_flight(monkeypatch):
+    """CrossHost.close(): the gloo works an abort or a failed call left in flight are held,
+    with the groups, in ringdp/inflight.py until a while after they end (their groups'
+    destructors would wait for them; gloo's thread must not drop them as Python finalizes);
+    the ones already done are let go."""
+    from ringdp import hosts, inflight
+    from ringdp.policy import GLOO_LET_GO_S
+
+    held = inflight.GlooInFlight()
+    monkeypatch.setattr(hosts.inflight, "GLOO", held)
+    h = _waiter(_FakeStore())
+    group = object()
+    h.inhost, h.cross, h.checker, h.whole, h._lookup, h._buffers = None, group, None, None, None, {}
+    done, stuck = _FakeWork(0.0), _FakeWork(time.monotonic() + 60)
+    h._abandoned = [done, stuck]
+    h.close()
+    assert held.held() == ["a step across hosts"] and h._abandoned == [] and h.cross is None
+    assert held._works[id(stuck)][1] == (group, None, None, None)  # (the groups, held with it)
+    stuck.done_at = time.monotonic()
+    t0 = time.monotonic()
+    while held.held() and time.monotonic() - t0 < 5 * GLOO_LET_GO_S:
+        time.sleep(0.01)
+    assert held.held() == []
+
+
 def test_cross_host_wait_in_slices():
     """CrossHost._await: a work done after several slices returns (and its error is raised as
     its own); this rank's abort() ends a wait within a slice, a peer's note in the store within
-    ABORT_STORE_POLL_S plus a slice, the work then kept (close: _let_go); the deadline holds;
+    ABORT_STORE_POLL_S plus a slice, the work then kept (close: inflight); the deadline holds;
     a wait that raises at once without the work done does not spin."""
     from ringdp import hosts
 
