@@ -979,7 +979,7 @@ class _GlooWork(dist.Work):
         if not self._work.is_completed():
             return False
         self._held.settle(self._work)
-        if self._work.is_success():
+        if self._back.pairs and self._work.is_success():  # (asked only with copies: it warns, deprecated)
             self._back()
         return True
 
@@ -992,7 +992,15 @@ class _GlooWork(dist.Work):
     def _source_rank(self):  # (recv_anysource's: torch's dist.recv(src=None) asks for it)
         return self._work._source_rank()
 
+    def source_rank(self):
+        return self._work.source_rank()
+
+    def synchronize(self):
+        return self._work.synchronize()
+
     def get_future(self):
+        if not self._back.pairs and self._outputs is None:
+            return self._work.get_future()  # (as it is: no Python callback on gloo's thread)
         with self._lock:
             if self._tf is None:
                 back, outputs, originals = self._back, self._outputs, {id(c): t for t, c in self._back.pairs}

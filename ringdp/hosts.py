@@ -236,8 +236,8 @@ class CrossHost:
         self.inhost = self.cross = self.checker = self.whole = self._lookup = None
         self._buffers.clear()
         self._aborts.store = None
-        left, self._abandoned = [w for w in self._abandoned if not w.is_completed()], []
-        for w in left:
+        left, self._abandoned = self._abandoned, []
+        for w in left:  # (the ended ones too: gloo's thread may not have let them go yet)
             inflight.GLOO.hold(w, groups, "a step across hosts")
 
     def _leave(self, works) -> None:

@@ -61,12 +61,17 @@ class GlooInFlight:
         with self._cond:
             if self._exited:  # (a call made after at_exit: kept for good, as at_exit keeps them)
                 _keep_for_good(work)
+                if not self._ended(work):
+                    _keep_for_good(group)
                 return
             self._works[id(work)] = [work, group, name, None]
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._look, name="ringdp-gloo-held")
-                self._thread.start()
-            self._cond.notify()
+            if self._thread is None and threading.main_thread().is_alive():
+                thread = threading.Thread(target=self._look, name="ringdp-gloo-held")
+                try:
+                    thread.start()
+                except RuntimeError:  # (Python 3.12+ at shutdown: "can't create new thread"; at_exit keeps it)
+                    return
+                self._thread = thread
 
     def settle(self, work) -> None:
         """Note that `work` has ended, if it has: it is let go policy.GLOO_LET_GO_S later.
@@ -83,7 +88,10 @@ class GlooInFlight:
             return [e[2] for e in self._works.values()]
 
     def _mark(self, entry, now) -> None:
-        entry[1], entry[3] = None, now  # (its group is not kept past its end)
+        """`entry` ended (seen at `now`). Its group goes with it, LET_GO_S later, on this
+        module's thread (_look): a settle() may run on gloo's own thread (a wrapper dropped in a
+        future's callback), where a group's destructor, which joins gloo's threads, must not."""
+        entry[3] = now
 
     def _look(self) -> None:
         """This module's thread: every policy.GLOO_LET_GO_S while anything is held, it marks
@@ -124,9 +132,9 @@ class GlooInFlight:
         noted = False
         try:
             while time.monotonic() < deadline and self._in_flight():
-                if not noted and time.monotonic() - start >= note_after:
+                left = self._in_flight()
+                if not noted and left and time.monotonic() - start >= note_after:
                     noted = True
-                    left = self._in_flight()
                     log.warning("ringdp rank %s: the exit waits for %s still in flight (%s: they wait for their "
                                 "peers to make them too), at most %.0f s more; Ctrl-C leaves %s", _rank(left),
                                 _count(left), ", ".join(e[2] for e in left), deadline - time.monotonic(),
@@ -171,7 +179,7 @@ def _rank(entries):
         import torch.distributed as dist
         return dist.get_rank()
     except Exception:  # noqa: BLE001
-        rank = getattr(entries[0][1], "rank", None)  # (CrossHost.close holds a tuple of groups)
+        rank = getattr(entries[0][1], "rank", None) if entries else None  # (CrossHost.close: a tuple)
         return rank() if callable(rank) else "?"
 
 

@@ -157,3 +157,33 @@ def test_exit_right_after_a_gloo_call(tmp_path):
         if [p.returncode for p in procs] != [0, 0] or any("terminate called" in e for e in out):
             bad.append(([p.returncode for p in procs], [e[-300:] for e in out]))
     assert not bad, bad
+
+
+def test_gloo_work_wrapper(monkeypatch):
+    """backend._GlooWork: holds its Work from the start; get_future() of a call without copies
+    or outputs is the gloo Work's own (no Python callback on gloo's thread); is_completed()
+    asks is_success() (deprecated, it warns) only when there are copies to copy back."""
+    from ringdp import backend
+
+    held = GlooInFlight()
+    monkeypatch.setattr(backend._GlooWork, "_held", held)
+
+    class Raw(_Work):
+        future = object()
+        asked = 0
+
+        def get_future(self):
+            return self.future
+
+        def is_success(self):
+            Raw.asked += 1
+            return True
+
+    raw = Raw()
+    w = backend._GlooWork(raw, _Group(), "alltoall_base", [])
+    assert held.held() == ["alltoall_base"]
+    assert w.get_future() is Raw.future
+    assert not w.is_completed()
+    raw.done = True
+    assert w.is_completed() and Raw.asked == 0
+    assert held._works[id(raw)][3] is not None  # (seen to end: let go LET_GO_S later)
