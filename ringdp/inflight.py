@@ -131,9 +131,11 @@ class GlooInFlight:
         deadline = start + (0.0 if interrupted else limit)
         noted = False
         try:
-            while time.monotonic() < deadline and self._in_flight():
+            while time.monotonic() < deadline:
                 left = self._in_flight()
-                if not noted and left and time.monotonic() - start >= note_after:
+                if not left:
+                    break
+                if not noted and time.monotonic() - start >= note_after:
                     noted = True
                     log.warning("ringdp rank %s: the exit waits for %s still in flight (%s: they wait for their "
                                 "peers to make them too), at most %.0f s more; Ctrl-C leaves %s", _rank(left),
@@ -188,5 +190,5 @@ def _keep_for_good(obj) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-# ringdp's one registry (the backend's inner gloo groups)
+# ringdp's one registry (the backend's inner gloo groups, the gloo groups across hosts)
 GLOO = GlooInFlight()
