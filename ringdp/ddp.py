@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable, _JoinConfig
 
-from . import policy
+from . import inflight, policy
 from .comm import _SUPPORTED_DTYPES, RingError, _group_key, _is_world, get_communicator, init
 from .config import Config, trace_path
 from .buckets import GradBucket, Observer, assign_buckets, now_us
@@ -443,8 +443,15 @@ class _RingJoinHook(JoinHook):
         on the process group (`work`, started here): a failed control all-reduce (a peer
         died) still waits for it, at most policy.GLOO_DRAIN_S, before it raises: a gloo collective
         left in flight aborted the process at exit ("terminate called without an active
-        exception", tests/_fuzz_ddp.py --kill, world 3 seed 69)."""
-        work = Join.notify_join_context(self.ddp)
+        exception", tests/_fuzz_ddp.py --kill, world 3 seed 69). On a gloo group the notice
+        is held in ringdp/inflight.py from its start: one still in flight after that raise
+        (a peer alive but elsewhere) made destroy_process_group() wait for it in the group's
+        destructor until the peer left or gloo's timeout ended it (tests/_exit_job.py join)."""
+        ddp = self.ddp
+        work = Join.notify_join_context(ddp)
+        held = work is not None and inflight.is_gloo(ddp.join_process_group, ddp.join_device)
+        if held:
+            inflight.GLOO.hold(work, ddp.join_process_group, "RingDDP's Join notice (allreduce)")
         try:
             self._control_allreduce(active=True)
         except BaseException:
@@ -454,6 +461,8 @@ class _RingJoinHook(JoinHook):
             raise
         if work is not None:
             work.wait()
+        if held:
+            inflight.GLOO.settle(work)
 
     @torch.no_grad()
     def main_hook(self) -> None:

@@ -14,8 +14,8 @@ interrupted with Ctrl-C, with an async gloo call it never waited for):
   tests/_fuzz.py --interrupt; stock gloo groups do the same).
 
 What. ringdp's backend (ringdp/backend.py) hands every Work of its inner gloo group here
-(hold), and a group across hosts (ringdp/hosts.py) the gloo works an abort or a failed call
-left in flight when it closes; once a Work is seen to have ended (settle: its wait(),
+(hold), a group across hosts (ringdp/hosts.py) the gloo works an abort or a failed call
+left in flight when it closes, and RingDDP (ringdp/ddp.py) its Join notice on a gloo group; once a Work is seen to have ended (settle: its wait(),
 is_completed(), its wrapper dropped; or this module's thread, which looks while anything is
 held) it is let go policy.GLOO_LET_GO_S later, by when gloo's thread has dropped its own references. A group is
 held with its Works in flight only (so ringdp's shutdown() of a group no longer waits for them
@@ -171,6 +171,16 @@ class GlooInFlight:
             return True
 
 
+def is_gloo(group, device) -> bool:
+    """Whether `group`'s calls on `device` run on a gloo group (torch's gloo backend; not
+    ringdp's backend, which hands its gloo calls here itself)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+    try:
+        return isinstance(group._get_backend(device), ProcessGroupGloo)
+    except Exception:  # noqa: BLE001 -- a group without that backend
+        return False
+
+
 def _count(entries) -> str:
     return f"{len(entries)} gloo collective{'s' if len(entries) > 1 else ''}"
 
@@ -190,5 +200,5 @@ def _keep_for_good(obj) -> None:
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
-# ringdp's one registry (the backend's inner gloo groups, the gloo groups across hosts)
+# ringdp's one registry (the backend's inner gloo groups, the gloo groups across hosts, RingDDP's Join)
 GLOO = GlooInFlight()

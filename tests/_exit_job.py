@@ -16,6 +16,12 @@ the error it raised. In "gloo-call",
 rank 0 writes OUTDIR/finalizing as Python finalizes and then takes FINAL_S seconds more (from
 the environment, 0 by default); rank 1 that sees it before OUTDIR/go leaves without the call,
 so that rank 0's gloo collective ends (fails) while rank 0 finalizes.
+"join" (RingDDP on a gloo default group, inside its join()): rank 1 makes no call after the
+set-up; rank 0's forward starts torch's Join notice (an async gloo all-reduce) and then fails
+(RingError: rank 1 makes no control all-reduce within RINGDP_TIMEOUT_S), which rank 0's script
+catches and writes to OUTDIR/raised; it then destroys the default group (the seconds that
+took: OUTDIR/destroyed) and ends as in "gloo-call"; rank 1 leaves once it sees
+OUTDIR/finalizing.
 """
 import json
 import os
@@ -40,7 +46,7 @@ def _write(path, text):
 
 rank, port, out, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 torch.set_num_threads(1)
-dist.init_process_group("gloo" if mode in ("ringdp", "two-groups") else "cpu:ringdp",
+dist.init_process_group("gloo" if mode in ("ringdp", "two-groups", "join") else "cpu:ringdp",
                         init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 if "GLOO_DRAIN_S" in os.environ:
     ringdp.policy.GLOO_DRAIN_S = float(os.environ["GLOO_DRAIN_S"])
@@ -68,6 +74,27 @@ class _Finalizing:
             pass
         self.sleep(self.final_s)
 
+
+if mode == "join":
+    ddp = ringdp.RingDDP(torch.nn.Linear(4, 2))  # (the set-up: both ranks are in)
+    if rank == 0:
+        finalizing = _Finalizing()
+        try:
+            with ddp.join():
+                ddp(torch.ones(2, 4))
+        except ringdp.RingError as e:
+            _write(os.path.join(out, "raised"), str(e))
+        t0 = time.monotonic()
+        dist.destroy_process_group()  # (as README asks)
+        _write(os.path.join(out, "destroyed"), f"{time.monotonic() - t0:.3f}")
+        _write(os.path.join(out, "left"), "")
+    else:
+        t0 = time.monotonic()
+        while not os.path.exists(os.path.join(out, "finalizing")) and time.monotonic() - t0 < 60:
+            time.sleep(0.05)
+        _write(os.path.join(out, "outcome"), json.dumps([{"left": True}]))
+        os._exit(0)
+    sys.exit(0)
 
 dtype = torch.int32 if mode == "gloo-call" else torch.float32
 tensors = [torch.arange(1000, dtype=dtype) + rank for _ in groups]

@@ -1195,7 +1195,7 @@ def _exit_job(tmp_path, mode, **settings):
 
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}
-    env.update(RINGDP_TIMEOUT_S="60", **settings)
+    env.update({"RINGDP_TIMEOUT_S": "60", **settings})
     logs = [open(tmp_path / f"stderr-{r}", "w+") for r in range(2)]
     procs = [subprocess.Popen([sys.executable, EXIT_JOB, str(r), str(port), str(tmp_path), mode], env=env,
                               stdout=subprocess.DEVNULL, stderr=logs[r]) for r in range(2)]
@@ -1309,6 +1309,30 @@ def test_exit_with_a_gloo_call_in_flight(tmp_path, how):
     else:
         assert 3.0 - 1.0 < took < 3.0 + 1.5 + SLACK_S, (took, err0())
         assert "after 3." in err0(), err0()
+
+
+def test_join_notice_left_in_flight_at_destroy(tmp_path):
+    """RingDDP's join() on a gloo default group: rank 0's forward starts torch's Join notice (an
+    async gloo all-reduce) and raises a RingError naming rank 1, which is alive but makes no
+    call (tests/_exit_job.py join). Its script then calls destroy_process_group(), as README
+    asks, and ends. Before: destroy_process_group() waited for the notice in the gloo group's
+    destructor until rank 1 left (55 s in a scratch run; gloo's timeout, 30 minutes by
+    default, for a peer that stays). Now the notice is held in ringdp/inflight.py: the destroy
+    is immediate, and the exit waits policy.GLOO_DRAIN_S (1 s here) and leaves it, naming it."""
+    import json
+
+    with _exit_job(tmp_path, "join", RINGDP_TIMEOUT_S="3", GLOO_DRAIN_S="1", FINAL_S="1.5") as (procs, err0):
+        procs[0].wait(timeout=60)
+        procs[1].wait(timeout=60)
+    assert [p.returncode for p in procs] == [0, 0], ([p.returncode for p in procs], err0())
+    raised = (tmp_path / "raised").read_text()
+    assert "rank 0: all_reduce #2 timed out after 3 s waiting for rank 1" in raised, raised
+    assert float((tmp_path / "destroyed").read_text()) < 1.0, err0()
+    for bad in ("Traceback", "Exception ignored", "terminate called"):
+        assert bad not in err0(), err0()
+    assert "ringdp rank 0: 1 gloo collective still in flight at exit after 1." in err0(), err0()
+    assert "(RingDDP's Join notice (allreduce)): left to gloo's thread" in err0(), err0()
+    assert json.loads((tmp_path / "outcome").read_text()) == [{"left": True}]  # (rank 1 left as rank 0 finalized)
 
 
 BUSY_S = 2.5  # how long _cuda_work_at_close's stand-in device takes to end its queued work ("device-ends")
