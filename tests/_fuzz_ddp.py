@@ -50,14 +50,26 @@ its last collective (before its last optimizer step).
     python tests/_fuzz_ddp.py --world 3 --seeds 0:40 --kill
     python tests/_fuzz_ddp.py --world 4 --hosts a,a,b,b --seeds 0:40 --kill --fsdp
 
+`--interrupt`: the same runs and points, but the victim gets a SIGINT (Ctrl-C, Python's own
+handler) a drawn 0-10 ms after its point instead, and its script catches the
+KeyboardInterrupt and ends. Every rank must exit with 0 (never std::terminate, never a
+hang), the survivors within the same bound, naming the victim when they raise (they may
+train to the end: the interrupt may land after the victim's last collective), and no
+shared-memory name may be left. The summary counts where the interrupts landed.
+
+    python tests/_fuzz_ddp.py --world 3 --seeds 0:40 --interrupt
+
 tests/test_fuzz.py runs a few seeds.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import random
+import signal
 import sys
+import threading
 import time
 
 import torch
@@ -283,12 +295,14 @@ class _Kill:
     each forward ("forward") and optimizer step ("optimizer"), and, through watch(first
     layer), when the gradient of the first layer's output comes ("backward": the later
     layers' gradients are in, their reductions started). The victim SIGKILLs itself at
-    `point` (step, micro, phase); every rank notes when it passed a point (`last`: the
+    `point` (step, micro, phase), or, given `interrupt` (seconds), sends itself a SIGINT that
+    much later (--interrupt: `timer`); every rank notes when it passed a point (`last`: the
     monotonic time). Without a point (the differential runs): nothing happens."""
 
-    def __init__(self, point=None, victim: int = -1, rank: int = -1):
-        self.point, self.victim, self.rank = point, victim, rank
+    def __init__(self, point=None, victim: int = -1, rank: int = -1, interrupt: float | None = None):
+        self.point, self.victim, self.rank, self.interrupt = point, victim, rank, interrupt
         self.last = time.monotonic()
+        self.timer = None
         self._where = (-1, -1)
 
     def at(self, step: int, micro: int, phase: str) -> None:
@@ -296,6 +310,11 @@ class _Kill:
         if phase == "forward":
             self._where = (step, micro)
         if self.point == (step, micro, phase) and self.rank == self.victim:
+            if self.interrupt is not None:
+                if self.timer is None:  # (case_kill installed Python's SIGINT handler)
+                    self.timer = threading.Timer(self.interrupt, os.kill, (os.getpid(), signal.SIGINT))
+                    self.timer.start()
+                return
             sys.stdout.flush()
             os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup
 
@@ -504,11 +523,13 @@ KILL_TIMEOUT_S = 10.0  # RINGDP_TIMEOUT_S of the kill runs
 KILL_SLACK_S = 10.0  # on top of twice the timeout: a loaded machine
 
 
-def make_kill(seed: int, world: int, fsdp: bool = False) -> dict:
+def make_kill(seed: int, world: int, fsdp: bool = False, interrupt: bool = False) -> dict:
     """Where seed `seed`'s run (make_run, or make_fsdp_run) kills a rank: the copy that
     trains ("kind"), the victim, and the point (step, micro-batch, phase) of its training at
     which it SIGKILLs itself; "last": whether that point comes after its last collective;
-    "gloo": whether the run has collectives on gloo (kill_on_gloo)."""
+    "gloo": whether the run has collectives on gloo (kill_on_gloo). `interrupt` (--interrupt):
+    the same, and "interrupt": the seconds after its point at which the victim gets a SIGINT
+    instead (drawn last: the points are --kill's)."""
     run = make_fsdp_run(seed, world) if fsdp else make_run(seed, world)
     rng = random.Random(seed * 7919 + 17)
     kind = "fsdp" if fsdp else rng.choice(["ring", "stock", "ring_pg"])
@@ -518,52 +539,75 @@ def make_kill(seed: int, world: int, fsdp: bool = False) -> dict:
     micro = _micro(run, step)
     phase = rng.choice(KILL_PHASES)
     m = micro - 1 if phase == "optimizer" else rng.randrange(micro)
-    return {"kind": kind, "victim": victim, "point": (step, m, phase),
-            "last": phase == "optimizer" and step == steps - 1 and not run.get("uneven"),
-            "gloo": not fsdp and kill_on_gloo(kind, run)}
+    k = {"kind": kind, "victim": victim, "point": (step, m, phase),
+         "last": phase == "optimizer" and step == steps - 1 and not run.get("uneven"),
+         "gloo": not fsdp and kill_on_gloo(kind, run)}
+    if interrupt:
+        k["interrupt"] = rng.random() * 0.01
+    return k
 
 
-def case_kill(rank, world, seed, hosts=None, fsdp=False):
-    """Seed `seed`'s kill run on this rank (make_kill): the victim dies at its point; the
-    others return (exception type or None, its message, seconds from the last point passed
-    to the end)."""
+def case_kill(rank, world, seed, hosts=None, fsdp=False, interrupt=False):
+    """Seed `seed`'s kill run on this rank (make_kill): the victim dies at its point (or is
+    interrupted: `interrupt`); the others, and an interrupted victim, return (exception type
+    or None, its message, seconds from the last point passed to the end); an interrupted
+    victim's message is where the KeyboardInterrupt landed (_fuzz._landed)."""
     if hosts is not None:
         os.environ["RINGDP_HOST_ID"] = hosts[rank]
     import ringdp  # noqa: F401 -- registers the backend
 
+    from _fuzz import _landed
+
     torch.set_num_threads(1)
     ring_group = dist.new_group(backend="cpu:ringdp")
-    k = make_kill(seed, world, fsdp)
-    kill = _Kill(k["point"], k["victim"], rank)
+    k = make_kill(seed, world, fsdp, interrupt)
+    kill = _Kill(k["point"], k["victim"], rank, k.get("interrupt"))
+    if interrupt and rank == k["victim"]:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        if fsdp:
-            _fsdp_train(ring_group, make_fsdp_run(seed, world), seed, rank, world, kill=kill)
-        else:
-            _train(k["kind"], make_run(seed, world), seed, rank, world, ring_group, kill=kill)
+        try:
+            if fsdp:
+                _fsdp_train(ring_group, make_fsdp_run(seed, world), seed, rank, world, kill=kill)
+            else:
+                _train(k["kind"], make_run(seed, world), seed, rank, world, ring_group, kill=kill)
+        finally:
+            if kill.timer is not None:
+                kill.timer.join()  # (a SIGINT in this join lands here: after the training)
+    except KeyboardInterrupt as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return "KeyboardInterrupt", _landed(e), time.monotonic() - kill.last
     except Exception as e:  # noqa: BLE001 -- what a survivor must see
         return type(e).__name__, str(e)[:2000], time.monotonic() - kill.last
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return None, None, time.monotonic() - kill.last
 
 
 def kill_errors(k: dict, world: int, res, codes, left) -> dict:
     """{rank: errors} of one kill run (case_kill's results, exit codes, shared-memory names
-    left). A run with collectives on gloo (k["gloo"]) may end in gloo's errors, which name no rank."""
+    left). A run with collectives on gloo (k["gloo"]) may end in gloo's errors, which name no
+    rank. An interrupted victim (k["interrupt"]) must exit with 0 too, and its peers may
+    train to the end (its interrupt may land after its last collective)."""
     victim, bound = k["victim"], 2 * KILL_TIMEOUT_S + KILL_SLACK_S
+    interrupt = "interrupt" in k
     out = {r: [] for r in range(world)}
-    if codes[victim] != -9:
+    if not interrupt and codes[victim] != -9:
         out[victim].append(f"the victim did not die at {k['point']} (exit code {codes[victim]})")
     if left:
         out[victim].append(f"shared-memory names left: {sorted(left)}")
     for r in range(world):
-        if r == victim:
+        if r == victim and not interrupt:
             continue
         if res[r] is None or res[r][0] != "ok":
-            out[r].append(f"failed outside its training: {res[r]}")
+            out[r].append(f"failed outside its training: {res[r]} (exit code {codes[r]})")
             continue
         etype, msg, took = res[r][1]
-        if etype is None and not k["last"]:
+        if r == victim:
+            if etype not in (None, "KeyboardInterrupt"):
+                out[r].append(f"interrupted, it raised {etype}: {msg.splitlines()[0][:300]}")
+        elif etype is None and not (k["last"] or interrupt):
             out[r].append(f"trained on after rank {victim} died at {k['point']}")
-        if etype is not None and not k["gloo"] and f"rank {victim}" not in msg and "across hosts" not in msg:
+        elif etype is not None and not k["gloo"] and f"rank {victim}" not in msg and "across hosts" not in msg:
             out[r].append(f"{etype} names neither rank {victim} nor the cross-host step: {msg.splitlines()[0][:300]}")
         if took > bound:
             out[r].append(f"ended {took:.1f} s after its last point (bound {bound:g} s): {etype}")
@@ -580,8 +624,10 @@ def kill_on_gloo(kind: str, run: dict) -> bool:
     return run["sparse"] or (kind == "ring" and run["uneven"] is not None)
 
 
-def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None, fsdp: bool = False) -> dict:
-    """{rank: {seed: errors}} of each seed's kill run on `world` fresh ranks."""
+def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None, fsdp: bool = False,
+              interrupt: bool = False, landed: collections.Counter | None = None) -> dict:
+    """{rank: {seed: errors}} of each seed's kill run (interrupt run: `interrupt`) on `world`
+    fresh ranks; `landed` counts where the interrupts landed ("after its training": none)."""
     from _dist import run_ranks
 
     from _fuzz import _shm_names, host_env
@@ -589,12 +635,16 @@ def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None,
     ids = host_env(hosts, world)
     out = {r: {} for r in range(world)}
     for seed in seeds:
-        k = make_kill(seed, world, fsdp)
+        k = make_kill(seed, world, fsdp, interrupt)
         before, codes = _shm_names(), []
-        res = run_ranks(case_kill, world, seed, ids, fsdp, timeout=timeout, allow_missing=(k["victim"],),
+        res = run_ranks(case_kill, world, seed, ids, fsdp, interrupt, timeout=timeout,
+                        allow_missing=() if interrupt else (k["victim"],),
                         exitcodes=codes, env={"RINGDP_TIMEOUT_S": str(KILL_TIMEOUT_S)})
         for r, errs in kill_errors(k, world, res, codes, _shm_names() - before).items():
             out[r][seed] = errs
+        mine = res[k["victim"]]
+        if interrupt and landed is not None and mine is not None and mine[0] == "ok":
+            landed[mine[1][1] if mine[1][0] == "KeyboardInterrupt" else "after its training"] += 1
     return out
 
 
@@ -608,6 +658,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 runs (fully_shard) instead of DDP runs")
     ap.add_argument("--kill", action="store_true",
                     help="one copy on ringdp, one rank SIGKILLed at a drawn point (fresh ranks per seed)")
+    ap.add_argument("--interrupt", action="store_true",
+                    help="as --kill, with a SIGINT (Ctrl-C) 0-10 ms after the point instead")
     ap.add_argument("--show", action="store_true", help="print the runs instead of training them")
     a = ap.parse_args(argv)
     import _fuzz_ddp  # the ranks import this module by name (not as __main__)
@@ -619,18 +671,24 @@ def main(argv=None) -> int:
         for s in seeds:
             make = _fuzz_ddp.make_fsdp_run if a.fsdp else _fuzz_ddp.make_run
             print(f"seed {s}: {_fuzz_ddp.describe(make(s, a.world))}"
-                  + (f" kill={_fuzz_ddp.make_kill(s, a.world, a.fsdp)}" if a.kill else ""))
+                  + (f" kill={_fuzz_ddp.make_kill(s, a.world, a.fsdp, a.interrupt)}" if a.kill or a.interrupt
+                     else ""))
         return 0
-    bad, skipped, t0 = [], 0, time.monotonic()
+    bad, skipped, t0, landed = [], 0, time.monotonic(), collections.Counter()
     for i in range(0, len(seeds), a.batch):
         batch = seeds[i:i + a.batch]
-        out = (_fuzz_ddp.run_kills if a.kill else _fuzz_ddp.run_seeds)(a.world, batch, a.timeout, a.hosts, a.fsdp)
+        if a.kill or a.interrupt:
+            out = _fuzz_ddp.run_kills(a.world, batch, a.timeout, a.hosts, a.fsdp, a.interrupt, landed)
+        else:
+            out = _fuzz_ddp.run_seeds(a.world, batch, a.timeout, a.hosts, a.fsdp)
         bad += _fuzz_ddp.failures(out)
         skipped += sum(1 for errs in out[0].values() for e in errs if e.startswith("skipped"))
         print(f"seeds {batch[0]}..{batch[-1]}: {len(_fuzz_ddp.failures(out))} failures, {skipped} skipped so far "
               f"({time.monotonic() - t0:.0f} s)", flush=True)
     for line in bad:
         print(line)
+    if landed:
+        print("interrupts landed in: " + ", ".join(f"{w} x{n}" for w, n in landed.most_common()))
     return 1 if bad else 0
 
 

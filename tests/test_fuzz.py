@@ -4,7 +4,8 @@ must be right). `python tests/_fuzz.py` runs longer campaigns; the seeds here ar
 that a failure reproduces (`python tests/_fuzz.py --world W --seeds S [--hosts ...]`).
 Random training runs (tests/_fuzz_ddp.py): RingDDP and stock DDP on cpu:ringdp against
 torch's DDP on gloo, step by step (`python tests/_fuzz_ddp.py --world W --seeds S`), and
-with one rank killed (`... --kill`); programs with one rank interrupted (`_fuzz.py --interrupt`)."""
+with one rank killed (`... --kill`) or interrupted (`... --interrupt`); programs with one
+rank interrupted (`_fuzz.py --interrupt`)."""
 import pytest
 
 import _fuzz
@@ -201,6 +202,27 @@ def test_random_training_runs_with_a_rank_killed(mode, world, hosts, seeds):
     bad = _fuzz_ddp.failures(out)
     assert not bad, "\n".join(bad[:20])
     assert [sorted(per) for per in out.values()] == [list(seeds)] * world
+
+
+# (DDP or FSDP2 runs, world, seeds): the same with a SIGINT (Ctrl-C) 0-10 ms after the point
+# instead (tests/_fuzz_ddp.py --interrupt)
+TRAINING_INTERRUPTS = [("ddp", 3, range(0, 4)), ("fsdp", 3, range(0, 2))]
+
+
+@pytest.mark.parametrize("mode,world,seeds", TRAINING_INTERRUPTS,
+                         ids=[f"{m}-w{w}" for m, w, _ in TRAINING_INTERRUPTS])
+def test_random_training_runs_with_a_rank_interrupted(mode, world, seeds):
+    """The interrupted rank catches its KeyboardInterrupt, and every rank exits with 0 (never
+    std::terminate), the survivors within twice the timeout of their last point, naming the
+    interrupted rank when they raise; no shared-memory name is left."""
+    import collections
+
+    landed = collections.Counter()
+    out = _fuzz_ddp.run_kills(world, seeds, fsdp=mode == "fsdp", interrupt=True, landed=landed)
+    bad = _fuzz_ddp.failures(out)
+    assert not bad, "\n".join(bad[:20])
+    assert [sorted(per) for per in out.values()] == [list(seeds)] * world
+    assert sum(landed.values()) == len(seeds), landed
 
 
 def test_training_kills_cover_the_points():
