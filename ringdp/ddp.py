@@ -414,10 +414,13 @@ class _RingJoinHook(JoinHook):
     trains, will they synchronise gradients), a shadow backward on ranks without data, and
     at the end rank-wide agreement on the model of a rank that joined last."""
 
+    NOTICE = "RingDDP's Join notice (allreduce)"  # (its name in ringdp/inflight.py's lines)
+
     def __init__(self, ddp: RingDDP, divide_by_initial_world_size: bool):
         self.ddp = ddp
         self.divide_by_initial_world_size = divide_by_initial_world_size
         self._control: torch.Tensor | None = None
+        self._on_gloo: bool | None = None  # whether torch's Join notice runs on gloo (pre_forward)
 
     def _control_allreduce(self, active: bool) -> bool:
         """Which ranks still train; sets the reducer's divisor and authoritative rank (a rank
@@ -444,20 +447,25 @@ class _RingJoinHook(JoinHook):
         died) still waits for it, at most policy.GLOO_DRAIN_S, before it raises: a gloo collective
         left in flight aborted the process at exit ("terminate called without an active
         exception", tests/_fuzz_ddp.py --kill, world 3 seed 69). On a gloo group the notice
-        is held in ringdp/inflight.py from its start: one still in flight after that raise
-        (a peer alive but elsewhere) made destroy_process_group() wait for it in the group's
-        destructor until the peer left or gloo's timeout ended it (tests/_exit_job.py join)."""
+        is held in ringdp/inflight.py from its start, and with its group once that wait
+        leaves it in flight (a peer alive but elsewhere): destroy_process_group() waited for
+        it in the group's destructor until the peer left or gloo's timeout ended it
+        (tests/_exit_job.py join)."""
         ddp = self.ddp
         work = Join.notify_join_context(ddp)
-        held = work is not None and inflight.is_gloo(ddp.join_process_group, ddp.join_device)
+        if self._on_gloo is None:  # (the group and device are the hook's for good)
+            self._on_gloo = inflight.is_gloo(ddp.join_process_group, ddp.join_device)
+        held = work is not None and self._on_gloo
         if held:
-            inflight.GLOO.hold(work, ddp.join_process_group, "RingDDP's Join notice (allreduce)")
+            inflight.GLOO.hold(work, None, self.NOTICE)
         try:
             self._control_allreduce(active=True)
         except BaseException:
             if work is not None:
                 with contextlib.suppress(Exception):  # (its own failure: the peer is gone)
                     work.wait(timeout=timedelta(seconds=policy.GLOO_DRAIN_S))
+                if held and not work.is_completed():
+                    inflight.GLOO.hold(work, ddp.join_process_group, self.NOTICE)
             raise
         if work is not None:
             work.wait()

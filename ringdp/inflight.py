@@ -14,20 +14,22 @@ interrupted with Ctrl-C, with an async gloo call it never waited for):
   tests/_fuzz.py --interrupt; stock gloo groups do the same).
 
 What. ringdp's backend (ringdp/backend.py) hands every Work of its inner gloo group here
-(hold), a group across hosts (ringdp/hosts.py) the gloo works an abort or a failed call
-left in flight when it closes, and RingDDP (ringdp/ddp.py) its Join notice on a gloo group; once a Work is seen to have ended (settle: its wait(),
-is_completed(), its wrapper dropped; or this module's thread, which looks while anything is
-held) it is let go policy.GLOO_LET_GO_S later, by when gloo's thread has dropped its own references. A group is
-held with its Works in flight only (so ringdp's shutdown() of a group no longer waits for them
-in the group's destructor). At exit (at_exit, from comm._close_at_exit, while threads still
-run) the collectives still in flight get a bounded wait to end; then every Work still held,
-and the groups of those in flight, are kept for the rest of the process (never destroyed:
-nothing waits for them, and gloo's thread never drops the last reference), and a warning names
-the calls left in flight. A script that ends right after a synchronous gloo call meets the
-second hazard too (gloo's thread, slow to drop its reference, drops it as Python finalizes):
-the Works that ended in the last GLOO_LET_GO_S are kept at exit for that. A Python callback on
-such a collective's future (get_future().then) still runs on gloo's thread when it ends: one
-that ends while the interpreter finalizes can still end the process so (README, Failures).
+(hold), a group across hosts (ringdp/hosts.py) the gloo works an abort or a failed call left in
+flight when it closes, and RingDDP (ringdp/ddp.py) its Join notice on a gloo group (with the
+group only where a failed forward leaves it in flight); once a Work is seen to have ended
+(settle: its wait(), is_completed(), its wrapper dropped; or this module's thread, which looks
+while anything is held) it is let go policy.GLOO_LET_GO_S later, by when gloo's thread has
+dropped its own references. A group is held with its Works in flight only (so ringdp's
+shutdown() of a group no longer waits for them in the group's destructor). At exit (at_exit,
+from comm._close_at_exit, while threads still run) the collectives still in flight get a
+bounded wait to end; then every Work still held, and the groups of those in flight, are kept
+for the rest of the process (never destroyed: nothing waits for them, and gloo's thread never
+drops the last reference), and a warning names the calls left in flight. A script that ends
+right after a synchronous gloo call meets the second hazard too (gloo's thread, slow to drop
+its reference, drops it as Python finalizes): the Works that ended in the last GLOO_LET_GO_S
+are kept at exit for that. A Python callback on such a collective's future (get_future().then)
+still runs on gloo's thread when it ends: one that ends while the interpreter finalizes can
+still end the process so (README, Failures).
 """
 from __future__ import annotations
 
@@ -46,8 +48,9 @@ POLL_S = 0.01
 
 class GlooInFlight:
     """The gloo Works handed out (hold), until a while after they are seen to have ended.
-    Entries: id(work): [work, its group (None once ended), the call's name, when it was first
-    seen to have ended (None before)]. A thread of its own looks while anything is held."""
+    Entries: id(work): [work, its group (or None: kept only while it is in flight, and at
+    exit), the call's name, when it was first seen to have ended (None before)]. A thread of
+    its own looks while anything is held; holding a Work again replaces its entry."""
 
     def __init__(self):
         self._cond = threading.Condition()
@@ -172,11 +175,15 @@ class GlooInFlight:
 
 
 def is_gloo(group, device) -> bool:
-    """Whether `group`'s calls on `device` run on a gloo group (torch's gloo backend; not
-    ringdp's backend, which hands its gloo calls here itself)."""
-    from torch.distributed.distributed_c10d import ProcessGroupGloo
+    """Whether `group`'s calls on `device` run on a gloo group (torch's gloo backend, wrapped
+    or not by TORCH_DISTRIBUTED_DEBUG=DETAIL's checks; not ringdp's backend, which hands its
+    gloo calls here itself)."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo, _ProcessGroupWrapper
     try:
-        return isinstance(group._get_backend(device), ProcessGroupGloo)
+        backend = group._get_backend(device)
+        while isinstance(backend, _ProcessGroupWrapper):
+            backend = backend.wrapped_pg
+        return isinstance(backend, ProcessGroupGloo)
     except Exception:  # noqa: BLE001 -- a group without that backend
         return False
 

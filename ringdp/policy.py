@@ -106,11 +106,12 @@ ABANDON_WAIT_S = 2.0
 # for them before it raises: a gloo collective left running completes its future on gloo's
 # thread, at the latest at exit, and one that does so after the interpreter finalised (a
 # Python callback on it) aborts the process ("terminate called ...", exit -6). One stuck on a
-# dead peer is left to its own timeout. The exit waits as long for the backend's gloo calls
+# dead peer is left to its own timeout. The exit waits as long for the gloo calls ringdp holds
 # still in flight (ringdp/inflight.py): long enough for peers that make them too, short where
 # they never will (ranks that stopped at a failure, each waiting on the others)
 GLOO_DRAIN_S = 2.0
-# The backend's inner gloo calls are held (ringdp/inflight.py) until this long after they are
+# The gloo calls ringdp holds (ringdp/inflight.py: the backend's inner ones, those left by a
+# group across hosts, RingDDP's Join notice on a gloo group) are held until this long after they are
 # seen to end: gloo's thread marks a call ended before it drops its own references (a lock and
 # a return: microseconds, longer on a loaded machine); the exit keeps for good what is held
 GLOO_LET_GO_S = 0.5

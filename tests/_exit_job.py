@@ -89,10 +89,11 @@ if mode == "join":
         _write(os.path.join(out, "destroyed"), f"{time.monotonic() - t0:.3f}")
         _write(os.path.join(out, "left"), "")
     else:
-        t0 = time.monotonic()
-        while not os.path.exists(os.path.join(out, "finalizing")) and time.monotonic() - t0 < 60:
+        t0, seen = time.monotonic(), False
+        while not seen and time.monotonic() - t0 < 60:
+            seen = os.path.exists(os.path.join(out, "finalizing"))
             time.sleep(0.05)
-        _write(os.path.join(out, "outcome"), json.dumps([{"left": True}]))
+        _write(os.path.join(out, "outcome"), json.dumps([{"left": seen}]))
         os._exit(0)
     sys.exit(0)
 

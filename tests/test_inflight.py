@@ -187,3 +187,37 @@ def test_gloo_work_wrapper(monkeypatch):
     raw.done = True
     assert w.is_completed() and Raw.asked == 0
     assert held._works[id(raw)][3] is not None  # (seen to end: let go LET_GO_S later)
+
+
+_IS_GLOO = """
+import os, sys, torch, torch.distributed as dist
+import ringdp
+from ringdp import inflight
+port = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+ring = dist.new_group(backend="cpu:ringdp")
+wrapped = type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__
+print(wrapped, inflight.is_gloo(dist.group.WORLD, torch.device("cpu")),
+      inflight.is_gloo(ring, torch.device("cpu")), inflight.is_gloo(dist.group.WORLD, torch.device("meta")))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("debug", ["OFF", "DETAIL"])
+def test_is_gloo(tmp_path, debug):
+    """inflight.is_gloo: a gloo group is one, wrapped by TORCH_DISTRIBUTED_DEBUG=DETAIL's checks
+    too (RingDDP's Join notice was not held there); a cpu:ringdp group (which hands its own gloo
+    calls to the registry) and a device without a backend are not."""
+    import os
+    import subprocess
+
+    from _dist import free_port
+
+    script = tmp_path / "is_gloo.py"
+    script.write_text(_IS_GLOO)
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("RINGDP_")}, "TORCH_DISTRIBUTED_DEBUG": debug}
+    out = subprocess.run([sys.executable, str(script), str(free_port())], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    wrapper = "_ProcessGroupWrapper" if debug == "DETAIL" else "ProcessGroupGloo"
+    assert out.stdout.split() == [wrapper, "True", "False", "False"], (out.stdout, out.stderr[-2000:])
