@@ -52,10 +52,12 @@ its last collective (before its last optimizer step).
 
 `--interrupt`: the same runs and points, but the victim gets a SIGINT (Ctrl-C, Python's own
 handler) a drawn 0-10 ms after its point instead, and its script catches the
-KeyboardInterrupt and ends. Every rank must exit with 0 (never std::terminate, never a
-hang), the survivors within the same bound, naming the victim when they raise (they may
-train to the end: the interrupt may land after the victim's last collective), and no
-shared-memory name may be left. The summary counts where the interrupts landed.
+KeyboardInterrupt and ends (the victim waits for it: it raises nothing else). Every rank must
+exit with 0 (never std::terminate, never a hang), the survivors within the same bound, naming
+the victim when they raise; they may train to the end only when the victim stopped in its
+last micro-batch (the interrupt may land after its last collective), and no shared-memory
+name may be left. The survivors' results are not compared (the differential runs do that).
+The summary counts where the interrupts landed.
 
     python tests/_fuzz_ddp.py --world 3 --seeds 0:40 --interrupt
 
@@ -297,16 +299,18 @@ class _Kill:
     layers' gradients are in, their reductions started). The victim SIGKILLs itself at
     `point` (step, micro, phase), or, given `interrupt` (seconds), sends itself a SIGINT that
     much later (--interrupt: `timer`); every rank notes when it passed a point (`last`: the
-    monotonic time). Without a point (the differential runs): nothing happens."""
+    monotonic time) and which (`passed`: its step and micro-batch). Without a point (the differential runs): nothing happens."""
 
     def __init__(self, point=None, victim: int = -1, rank: int = -1, interrupt: float | None = None):
         self.point, self.victim, self.rank, self.interrupt = point, victim, rank, interrupt
         self.last = time.monotonic()
         self.timer = None
+        self.passed = (-1, -1)  # (step, micro-batch) of the last point passed
         self._where = (-1, -1)
 
     def at(self, step: int, micro: int, phase: str) -> None:
         self.last = time.monotonic()
+        self.passed = (step, micro)
         if phase == "forward":
             self._where = (step, micro)
         if self.point == (step, micro, phase) and self.rank == self.victim:
@@ -529,7 +533,8 @@ def make_kill(seed: int, world: int, fsdp: bool = False, interrupt: bool = False
     which it SIGKILLs itself; "last": whether that point comes after its last collective;
     "gloo": whether the run has collectives on gloo (kill_on_gloo). `interrupt` (--interrupt):
     the same, and "interrupt": the seconds after its point at which the victim gets a SIGINT
-    instead (drawn last: the points are --kill's)."""
+    instead (drawn last: the points are --kill's); "final": the victim's last micro-batch (step,
+    micro), whose backward synchronises (kill_errors)."""
     run = make_fsdp_run(seed, world) if fsdp else make_run(seed, world)
     rng = random.Random(seed * 7919 + 17)
     kind = "fsdp" if fsdp else rng.choice(["ring", "stock", "ring_pg"])
@@ -544,14 +549,16 @@ def make_kill(seed: int, world: int, fsdp: bool = False, interrupt: bool = False
          "gloo": not fsdp and kill_on_gloo(kind, run)}
     if interrupt:
         k["interrupt"] = rng.random() * 0.01
+        k["final"] = (steps - 1, _micro(run, steps - 1) - 1)  # (the victim's last micro-batch: it synchronises)
     return k
 
 
 def case_kill(rank, world, seed, hosts=None, fsdp=False, interrupt=False):
     """Seed `seed`'s kill run on this rank (make_kill): the victim dies at its point (or is
     interrupted: `interrupt`); the others, and an interrupted victim, return (exception type
-    or None, its message, seconds from the last point passed to the end); an interrupted
-    victim's message is where the KeyboardInterrupt landed (_fuzz._landed)."""
+    or None, its message, seconds from the last point passed to the end, that point's step and
+    micro-batch); an interrupted victim's message is where the KeyboardInterrupt landed
+    (_fuzz._landed). The victim waits for its SIGINT: it always comes before this returns."""
     if hosts is not None:
         os.environ["RINGDP_HOST_ID"] = hosts[rank]
     import ringdp  # noqa: F401 -- registers the backend
@@ -575,19 +582,24 @@ def case_kill(rank, world, seed, hosts=None, fsdp=False, interrupt=False):
                 kill.timer.join()  # (a SIGINT in this join lands here: after the training)
     except KeyboardInterrupt as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        return "KeyboardInterrupt", _landed(e), time.monotonic() - kill.last
+        hidden = e.__context__  # (an error of the training, which the SIGINT in the join replaced)
+        if isinstance(hidden, Exception):
+            return type(hidden).__name__, str(hidden)[:2000], time.monotonic() - kill.last, kill.passed
+        return "KeyboardInterrupt", _landed(e), time.monotonic() - kill.last, kill.passed
     except Exception as e:  # noqa: BLE001 -- what a survivor must see
-        return type(e).__name__, str(e)[:2000], time.monotonic() - kill.last
+        return type(e).__name__, str(e)[:2000], time.monotonic() - kill.last, kill.passed
     finally:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    return None, None, time.monotonic() - kill.last
+    return None, None, time.monotonic() - kill.last, kill.passed
 
 
 def kill_errors(k: dict, world: int, res, codes, left) -> dict:
     """{rank: errors} of one kill run (case_kill's results, exit codes, shared-memory names
     left). A run with collectives on gloo (k["gloo"]) may end in gloo's errors, which name no
-    rank. An interrupted victim (k["interrupt"]) must exit with 0 too, and its peers may
-    train to the end (its interrupt may land after its last collective)."""
+    rank. An interrupted victim (k["interrupt"]) must exit with 0 too, and raise only its
+    KeyboardInterrupt; its peers may train to the end only when it passed the start of its
+    last micro-batch (k["final"]: the interrupt may land after its last collective; before
+    that micro-batch it had not made that backward's reductions)."""
     victim, bound = k["victim"], 2 * KILL_TIMEOUT_S + KILL_SLACK_S
     interrupt = "interrupt" in k
     out = {r: [] for r in range(world)}
@@ -595,20 +607,27 @@ def kill_errors(k: dict, world: int, res, codes, left) -> dict:
         out[victim].append(f"the victim did not die at {k['point']} (exit code {codes[victim]})")
     if left:
         out[victim].append(f"shared-memory names left: {sorted(left)}")
+    stopped = None  # (where the interrupted victim stopped: its last point's step and micro-batch)
+    if interrupt and res[victim] is not None and res[victim][0] == "ok":
+        etype, msg, _, stopped = res[victim][1]
+        if etype != "KeyboardInterrupt":
+            out[victim].append(f"interrupted at {k['point']}, it raised {etype}: "
+                               + (msg.splitlines()[0][:300] if msg else "(its interrupt was lost)"))
     for r in range(world):
         if r == victim and not interrupt:
             continue
         if res[r] is None or res[r][0] != "ok":
             out[r].append(f"failed outside its training: {res[r]} (exit code {codes[r]})")
             continue
-        etype, msg, took = res[r][1]
-        if r == victim:
-            if etype not in (None, "KeyboardInterrupt"):
-                out[r].append(f"interrupted, it raised {etype}: {msg.splitlines()[0][:300]}")
-        elif etype is None and not (k["last"] or interrupt):
-            out[r].append(f"trained on after rank {victim} died at {k['point']}")
-        elif etype is not None and not k["gloo"] and f"rank {victim}" not in msg and "across hosts" not in msg:
-            out[r].append(f"{etype} names neither rank {victim} nor the cross-host step: {msg.splitlines()[0][:300]}")
+        etype, msg, took, _ = res[r][1]
+        if r != victim:
+            may_finish = k["last"] if not interrupt else stopped is None or tuple(stopped) >= k["final"]
+            if etype is None and not may_finish:
+                out[r].append(f"trained on after rank {victim} " + (f"died at {k['point']}" if not interrupt else
+                                                                      f"was interrupted at step/micro {stopped}"))
+            elif etype is not None and not k["gloo"] and f"rank {victim}" not in msg and "across hosts" not in msg:
+                out[r].append(f"{etype} names neither rank {victim} nor the cross-host step: "
+                              f"{msg.splitlines()[0][:300]}")
         if took > bound:
             out[r].append(f"ended {took:.1f} s after its last point (bound {bound:g} s): {etype}")
         if codes[r] != 0:
@@ -627,7 +646,8 @@ def kill_on_gloo(kind: str, run: dict) -> bool:
 def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None, fsdp: bool = False,
               interrupt: bool = False, landed: collections.Counter | None = None) -> dict:
     """{rank: {seed: errors}} of each seed's kill run (interrupt run: `interrupt`) on `world`
-    fresh ranks; `landed` counts where the interrupts landed ("after its training": none)."""
+    fresh ranks; `landed` counts where the interrupts landed (in parentheses: the error the
+    victim raised instead, a failure)."""
     from _dist import run_ranks
 
     from _fuzz import _shm_names, host_env
@@ -644,7 +664,7 @@ def run_kills(world: int, seeds, timeout: float = 300, hosts: str | None = None,
             out[r][seed] = errs
         mine = res[k["victim"]]
         if interrupt and landed is not None and mine is not None and mine[0] == "ok":
-            landed[mine[1][1] if mine[1][0] == "KeyboardInterrupt" else "after its training"] += 1
+            landed[mine[1][1] if mine[1][0] == "KeyboardInterrupt" else f"({mine[1][0]})"] += 1
     return out
 
 
@@ -656,10 +676,11 @@ def main(argv=None) -> int:
     ap.add_argument("--hosts", default=None, help="each rank's simulated host, e.g. a,a,b,b")
     ap.add_argument("--timeout", type=float, default=600, help="seconds for a batch")
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 runs (fully_shard) instead of DDP runs")
-    ap.add_argument("--kill", action="store_true",
-                    help="one copy on ringdp, one rank SIGKILLed at a drawn point (fresh ranks per seed)")
-    ap.add_argument("--interrupt", action="store_true",
-                    help="as --kill, with a SIGINT (Ctrl-C) 0-10 ms after the point instead")
+    ends = ap.add_mutually_exclusive_group()
+    ends.add_argument("--kill", action="store_true",
+                      help="one copy on ringdp, one rank SIGKILLed at a drawn point (fresh ranks per seed)")
+    ends.add_argument("--interrupt", action="store_true",
+                      help="as --kill, with a SIGINT (Ctrl-C) 0-10 ms after the point instead")
     ap.add_argument("--show", action="store_true", help="print the runs instead of training them")
     a = ap.parse_args(argv)
     import _fuzz_ddp  # the ranks import this module by name (not as __main__)

@@ -225,6 +225,34 @@ def test_random_training_runs_with_a_rank_interrupted(mode, world, seeds):
     assert sum(landed.values()) == len(seeds), landed
 
 
+def test_interrupt_run_verdicts():
+    """kill_errors of an interrupt run: peers that trained to the end pass only when the victim
+    stopped in its last micro-batch; a victim that raised something else, or nothing (its
+    interrupt lost), fails; a peer's error must name the victim."""
+    k = _fuzz_ddp.make_kill(3, 3, interrupt=True)
+    assert k == {**_fuzz_ddp.make_kill(3, 3), "interrupt": k["interrupt"], "final": k["final"]}
+    assert 0 <= k["interrupt"] < 0.01
+    k = {**k, "victim": 1, "final": (2, 0), "gloo": False}
+    ok = ("ok", (None, None, 0.1, (2, 0)))
+
+    def verdict(victim, peer):
+        res = [peer, victim, peer]
+        return {r: e for r, e in _fuzz_ddp.kill_errors(k, 3, res, [0, 0, 0], set()).items() if e}
+
+    interrupted = lambda at: ("ok", ("KeyboardInterrupt", "comm.py:wait", 0.1, at))  # noqa: E731
+    assert verdict(interrupted((2, 0)), ok) == {}
+    early = verdict(interrupted((1, 1)), ok)
+    assert sorted(early) == [0, 2] and "trained on after rank 1 was interrupted" in early[0][0], early
+    named = ("ok", ("RingError", "rank 1 was interrupted", 0.1, (1, 1)))
+    assert verdict(interrupted((1, 1)), named) == {}
+    unnamed = verdict(interrupted((1, 1)), ("ok", ("RingError", "a peer left", 0.1, (1, 1))))
+    assert sorted(unnamed) == [0, 2] and "names neither rank 1" in unnamed[0][0], unnamed
+    lost = verdict(("ok", (None, None, 0.1, (2, 0))), ok)
+    assert list(lost) == [1] and "its interrupt was lost" in lost[1][0], lost
+    other = verdict(("ok", ("RuntimeError", "boom", 0.1, (1, 1))), named)
+    assert list(other) == [1] and "it raised RuntimeError: boom" in other[1][0], other
+
+
 def test_training_kills_cover_the_points():
     """The seeds of TRAINING_KILLS kill in every phase, train every DDP copy (RingDDP, stock
     DDP and RingDDP on cpu:ringdp), kill inside Join and under no_sync (a micro-batch before
