@@ -251,6 +251,8 @@ def test_interrupt_run_verdicts():
     assert list(lost) == [1] and "its interrupt was lost" in lost[1][0], lost
     other = verdict(("ok", ("RuntimeError", "boom", 0.1, (1, 1))), named)
     assert list(other) == [1] and "it raised RuntimeError: boom" in other[1][0], other
+    reworded = "Cannot extract tensors from value: KeyboardInterrupt: <EMPTY MESSAGE>"  # (torch's, in backward)
+    assert verdict(("ok", ("RuntimeError", reworded, 0.1, (1, 1))), named) == {}
 
 
 def test_training_kills_cover_the_points():
