@@ -1,5 +1,6 @@
 // The one binding file: converts between torch/Python and ringdp's torch-free C++ API.
 // No logic lives here beyond argument conversion.
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
 #include <torch/version.h>
 
@@ -170,6 +171,16 @@ py::list records_to_python(const std::vector<CallRecord>& records) {
   return out;
 }
 
+// Complete a torch future (torch.futures.Future) with tensors held as a C++ tensor list.
+// Python's set_result holds a Python object, whose tensors torch's C++ readers (DDP's
+// reducer) find by running Python (torch._jit_internal._extract_tensors), where a pending
+// Ctrl-C lands. (toIValue: torch's own conversion of its Future type, in libtorch_python.)
+void complete_future(const py::object& future, std::vector<at::Tensor> tensors) {
+  auto fut = torch::jit::toIValue(future, c10::FutureType::create(c10::AnyType::get())).toFuture();
+  py::gil_scoped_release release;  // (its callbacks take the GIL, as set_result's)
+  fut->markCompleted(c10::IValue(std::move(tensors)));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -185,6 +196,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   m.attr("COMPILER") = __VERSION__;
   m.def("supported_dtypes", &supported_dtypes, "the torch dtypes ringdp reduces");
+  m.def("complete_future", &complete_future, py::arg("future"), py::arg("tensors"),
+        "complete a torch future with a list of tensors that torch's C++ readers take without Python");
   m.attr("TAG_BYTES") = kTagBytes;  // a collective's tag: at most TAG_BYTES - 1 bytes
   m.def("shm_segment_name", &shm::segment_name, py::arg("job"), py::arg("rank"),
         "the /dev/shm name of rank's segment in job, created by this process");

@@ -97,7 +97,7 @@ from ._eager import eager, eager_methods
 from ._native import _C
 from .comm import Communicator, RingError
 from .rendezvous import Rendezvous
-from .work import HelpingFuture, _completed, fail_future
+from .work import HelpingFuture, _completed, fail_future, set_outputs
 
 __all__ = ["BACKEND_NAME", "ProcessGroupRingdp", "RingWork", "register"]
 
@@ -216,7 +216,7 @@ class RingWork(dist.Work):
         else:
             on = self._on_call_stream()
         with on:
-            tf.set_result(self._outputs)
+            set_outputs(tf, self._outputs)
 
     def _on_call_stream(self):
         """The stream current where the call was made, made current (CUDA; else nothing)."""
@@ -886,7 +886,7 @@ class _Chain(dist.Work):
     def get_future(self):
         if not self._works:
             f = torch.futures.Future()
-            f.set_result(self._outputs)
+            set_outputs(f, self._outputs)
             return f
         with self._lock:
             if self._tf is None:
@@ -914,7 +914,7 @@ def _chain_future(works, outputs):
         except BaseException as e:  # noqa: BLE001 -- handed to the waiter
             fail_future(tf, e)
             return
-        tf.set_result(outputs)
+        set_outputs(tf, outputs)
 
     torch.futures.collect_all(futs).add_done_callback(done)
     return tf

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ._native import _C
+
 if TYPE_CHECKING:
     from . import cuda_comm
 
-__all__ = ["HelpingFuture", "Work", "fail_future"]
+__all__ = ["HelpingFuture", "Work", "fail_future", "set_outputs"]
 
 def _join_stream(cuda: "cuda_comm.Enqueued") -> None:
     """A CUDA collective, enqueued: raise what the device reported so far, and make the
@@ -171,6 +173,20 @@ def fail_future(tf: torch.futures.Future, exc: BaseException) -> None:
     tf.set_result(_Failure(exc))
 
 
+def set_outputs(tf: torch.futures.Future, outputs) -> None:
+    """Complete the torch future `tf` with a collective's outputs. A list of tensors is set
+    from C++ as a tensor list (_C.complete_future), which torch's C++ readers take as it is:
+    set_result would hold a Python list, whose tensors DDP's reducer finds by running Python
+    (torch._jit_internal._extract_tensors) at the end of backward, where a pending Ctrl-C
+    lands and torch rewords the KeyboardInterrupt as "RuntimeError: Cannot extract tensors
+    from value: KeyboardInterrupt". Python readers get a list of the same tensors either
+    way. Anything else (all_gather's list of lists, one tensor): set_result."""
+    if type(outputs) is list and all(isinstance(t, torch.Tensor) for t in outputs):
+        _C.complete_future(tf, outputs)
+    else:
+        tf.set_result(outputs)
+
+
 def _settle(fut: Future, error: BaseException | None) -> None:
     """A collective's future: its failure, or done."""
     if error is not None:
@@ -197,6 +213,6 @@ def _complete(tf: torch.futures.Future, f: Future, outputs: list, cuda) -> None:
         stream = cuda.endpoint.stream
         stream.wait_event(cuda.done)
         with torch.cuda.stream(stream):
-            tf.set_result(list(outputs))
+            set_outputs(tf, list(outputs))
     else:
-        tf.set_result(list(outputs))
+        set_outputs(tf, list(outputs))

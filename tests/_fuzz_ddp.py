@@ -52,13 +52,14 @@ its last collective (before its last optimizer step).
 
 `--interrupt`: the same runs and points, but the victim gets a SIGINT (Ctrl-C, Python's own
 handler) a drawn 0-10 ms after its point instead, and its script catches the
-KeyboardInterrupt and ends (the victim waits for it: it raises nothing else, but for torch's
-rewording of it: torch_took_the_interrupt). Every rank must
-exit with 0 (never std::terminate, never a hang), the survivors within the same bound, naming
-the victim when they raise; they may train to the end only when the victim stopped in its
-last micro-batch (the interrupt may land after its last collective), and no shared-memory
-name may be left. The survivors' results are not compared (the differential runs do that).
-The summary counts where the interrupts landed.
+KeyboardInterrupt and ends (the victim waits for it: it raises nothing else; torch's
+rewording of it, which stock DDP raised until the backend's futures held C++ tensor lists,
+fails: torch_took_the_interrupt). Every rank must exit with 0 (never std::terminate, never
+a hang), the survivors within the same bound, naming the victim when they raise; they may
+train to the end only when the victim stopped in its last micro-batch (the interrupt may
+land after its last collective), and no shared-memory name may be left. The survivors'
+results are not compared (the differential runs do that). The summary counts where the
+interrupts landed.
 
     python tests/_fuzz_ddp.py --world 3 --seeds 0:40 --interrupt
 
@@ -528,6 +529,15 @@ KILL_TIMEOUT_S = 10.0  # RINGDP_TIMEOUT_S of the kill runs
 KILL_SLACK_S = 10.0  # on top of twice the timeout: a loaded machine
 
 
+def torch_ddp_refuses(run: dict) -> bool:
+    """Whether torch's DDP cannot train DDP run `run`, on any backend: a complex parameter
+    used conjugated keeps autograd's lazy conjugate as its gradient (DDP copies the reduced
+    bucket into it, unless gradient_as_bucket_view), and Adam's view_as_real of it raises
+    "view_as_real doesn't work on unresolved conjugated tensors" (seed 54 at world 3, on gloo
+    as on cpu:ringdp; the differential runs report it as skipped)."""
+    return bool(run.get("complex")) and run["optimizer"] == "adam" and not run["gradient_as_bucket_view"]
+
+
 def make_kill(seed: int, world: int, fsdp: bool = False, interrupt: bool = False) -> dict:
     """Where seed `seed`'s run (make_run, or make_fsdp_run) kills a rank: the copy that
     trains ("kind"), the victim, and the point (step, micro-batch, phase) of its training at
@@ -539,6 +549,8 @@ def make_kill(seed: int, world: int, fsdp: bool = False, interrupt: bool = False
     run = make_fsdp_run(seed, world) if fsdp else make_run(seed, world)
     rng = random.Random(seed * 7919 + 17)
     kind = "fsdp" if fsdp else rng.choice(["ring", "stock", "ring_pg"])
+    if kind == "stock" and torch_ddp_refuses(run):
+        kind = "ring_pg"  # (the differential runs skip these: torch's DDP raises on gloo too)
     victim = rng.randrange(world)
     steps = run["steps"] + (run["uneven"][victim] if run.get("uneven") else 0)
     step = rng.randrange(steps)
@@ -598,9 +610,10 @@ def kill_errors(k: dict, world: int, res, codes, left) -> dict:
     """{rank: errors} of one kill run (case_kill's results, exit codes, shared-memory names
     left). A run with collectives on gloo (k["gloo"]) may end in gloo's errors, which name no
     rank. An interrupted victim (k["interrupt"]) must exit with 0 too, and raise only its
-    KeyboardInterrupt (or torch's rewording of it: torch_took_the_interrupt); its peers may train to the end only when it passed the start of its
-    last micro-batch (k["final"]: the interrupt may land after its last collective; before
-    that micro-batch it had not made that backward's reductions)."""
+    KeyboardInterrupt (torch's rewording of it, torch_took_the_interrupt, fails too); its peers
+    may train to the end only when it passed the start of its last micro-batch (k["final"]:
+    the interrupt may land after its last collective; before that micro-batch it had not made
+    that backward's reductions)."""
     victim, bound = k["victim"], 2 * KILL_TIMEOUT_S + KILL_SLACK_S
     interrupt = "interrupt" in k
     out = {r: [] for r in range(world)}
@@ -611,7 +624,10 @@ def kill_errors(k: dict, world: int, res, codes, left) -> dict:
     stopped = None  # (where the interrupted victim stopped: its last point's step and micro-batch)
     if interrupt and res[victim] is not None and res[victim][0] == "ok":
         etype, msg, _, stopped = res[victim][1]
-        if etype != "KeyboardInterrupt" and not torch_took_the_interrupt(etype, msg):
+        if torch_took_the_interrupt(etype, msg):
+            out[victim].append(f"interrupted at {k['point']}, torch reworded its KeyboardInterrupt: it read a "
+                               "future's tensors in Python (work.set_outputs)")
+        elif etype != "KeyboardInterrupt":
             out[victim].append(f"interrupted at {k['point']}, it raised {etype}: "
                                + (msg.splitlines()[0][:300] if msg else "(its interrupt was lost)"))
     for r in range(world):
@@ -638,10 +654,10 @@ def kill_errors(k: dict, world: int, res, codes, left) -> dict:
 
 def torch_took_the_interrupt(etype, msg) -> bool:
     """Whether an interrupted victim's error is torch's rewording of its KeyboardInterrupt: torch
-    DDP's C++ reducer, in backward, reads the tensors of a future that Python completed (the
+    DDP's C++ reducer, in backward, read the tensors of a future that Python completed (the
     cpu:ringdp backend's) through torch._jit_internal._extract_tensors, the first Python code
-    after its wait, where the SIGINT's KeyboardInterrupt then lands; torch's C++ turns it into
-    this RuntimeError (6 of 21 stock-DDP interrupts at world 3; README, Failures)."""
+    after its wait, where the SIGINT's KeyboardInterrupt landed; torch's C++ turned it into
+    this RuntimeError (6 of 21 stock-DDP interrupts at world 3, before work.set_outputs)."""
     return etype == "RuntimeError" and bool(msg) and msg.startswith("Cannot extract tensors from value: KeyboardInterrupt")
 
 

@@ -258,6 +258,91 @@ def test_ddp_buckets_registered_in_place(pool):
             assert torch.equal(a, b), f"rank {r}'s parameters differ from rank 0's"
 
 
+def case_ddp_reads_tensors_in_cpp(rank, world):
+    """Stock DDP (no comm hook) on a ringdp group, backward twice under a profile function
+    that records the calls of torch._jit_internal._extract_tensors on the main thread, where
+    DDP's reducer, the futures' C++ reader, runs at the end of backward."""
+    import sys
+
+    import ringdp
+
+    g = ringdp_group()
+    comm = ringdp.get_communicator(g)
+    model = build(MLP, 0)
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=g, bucket_cap_mb=1e-4)
+    before = len(comm.flight_record())  # (backward's calls alone: not DDP's broadcasts at set-up)
+    called = []  # the Python functions that extract a value's tensors for C++
+
+    def profile(frame, event, _arg):
+        if event == "call" and frame.f_code.co_name == "_extract_tensors":
+            called.append(len(called))
+
+    x, y = batch(0, 4 * world)
+    for _ in range(2):
+        ddp.zero_grad()
+        loss = nn.functional.mse_loss(ddp(x[rank * 4:(rank + 1) * 4]), y[rank * 4:(rank + 1) * 4])
+        sys.setprofile(profile)
+        try:
+            loss.backward()
+        finally:
+            sys.setprofile(None)
+    sys.setprofile(profile)  # the control: the profile function sees the function when it runs
+    try:
+        torch._jit_internal._extract_tensors([torch.ones(1)])
+    finally:
+        sys.setprofile(None)
+    ref = build(MLP, 0)
+    nn.functional.mse_loss(ref(x), y).backward()
+    out = {"called": called, "native_calls": len(comm.flight_record()) - before,
+           "grads": [p.grad.clone() for p in model.parameters()], "ref": [p.grad for p in ref.parameters()]}
+    del ddp
+    drop(g)
+    return out
+
+
+def test_ddp_reads_the_reduced_tensors_without_python(pool):
+    """The futures of ringdp's Works hold a C++ tensor list (work.set_outputs), which DDP's
+    reducer reads without Python. A Python value's tensors are found by
+    torch._jit_internal._extract_tensors, Python run where a pending Ctrl-C lands: torch
+    then raised "RuntimeError: Cannot extract tensors from value: KeyboardInterrupt" out of
+    backward instead of the KeyboardInterrupt (_fuzz_ddp.py --interrupt: 1 run in 4 of
+    stock DDP). The gradients are the full batch's, the same on every rank."""
+    res = pool.run(case_ddp_reads_tensors_in_cpp)
+    for r, out in enumerate(res):
+        assert out["native_calls"] >= 2, f"rank {r}: {out['native_calls']} ringdp calls"
+        # (the last is the control's call: the profile function saw it)
+        assert out["called"] == [0], f"rank {r}: torch extracted the tensors in Python {len(out['called']) - 1} times"
+        for a, b, c in zip(out["grads"], out["ref"], res[0]["grads"]):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+            assert torch.equal(a, c), f"rank {r}'s gradients differ from rank 0's"
+
+
+def test_set_outputs_holds_a_cpp_tensor_list():
+    """work.set_outputs: a list of tensors is held in C++ (each read converts it to a new
+    Python list; a Python value comes back as the very object set), the same tensors, a
+    Parameter still one; callbacks run; anything else is set as it is; a second completion
+    raises."""
+    from ringdp.work import HelpingFuture, set_outputs
+
+    a, b = torch.ones(2), nn.Parameter(torch.zeros(1))
+    f, seen = HelpingFuture(None), []
+    f.add_done_callback(lambda x: seen.append(x.value()))
+    set_outputs(f, [a, b])
+    got = f.wait()
+    assert len(got) == 2 and got[0] is a and got[1] is b and type(got[1]) is nn.Parameter
+    assert f.value() is not f.value() and f.value() == got, "held as a Python list"
+    assert len(seen) == 1 and seen[0][0] is a
+    empty = torch.futures.Future()
+    set_outputs(empty, [])
+    assert empty.wait() == []
+    nested = [[a], [b]]  # (all_gather's)
+    g = torch.futures.Future()
+    set_outputs(g, nested)
+    assert g.value() is nested
+    with pytest.raises(RuntimeError, match="completed"):
+        set_outputs(f, [a])
+
+
 @pytest.mark.parametrize("variant", ["fp16", "bf16"])
 def test_ddp_compression_hooks(pool, variant):
     # the hook's compressed sum: ringdp accumulates half types in float32, gloo in the half
