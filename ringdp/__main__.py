@@ -27,16 +27,16 @@ from ._native import _C
 
 def report() -> dict:
     """This install, this machine's room for ringdp, and the settings in effect."""
-    out = {"ringdp": build_info(), "python": platform.python_version(), "platform": platform.platform()}
+    # (an invalid setting is left at its default, and named: the report still comes. build_info
+    # takes the settings, which a CUDA build reads for RINGDP_NCCL_LIBRARY: it raised there)
+    cfg, errors = config.Config.from_env_and_errors()
+    out = {"ringdp": build_info(cfg), "python": platform.python_version(), "platform": platform.platform()}
     out["cores"] = {"usable": len(os.sched_getaffinity(0)), "machine": os.cpu_count()}
     settings = {n: os.environ[n] for n in config.variables() if os.environ.get(n, "").strip()}
     out["settings"] = settings
     out["unknown_settings"] = config.unknown(os.environ)
-    try:
-        cfg = config.Config.from_env()
-    except ValueError as e:  # (the parser's error names the variable and the rule)
-        out["settings_error"] = str(e)
-        cfg = config.Config()
+    if errors:
+        out["settings_error"] = "; ".join(errors)
     out["timeout_s"] = cfg.timeout_s
     reserve = _C.shm_reserved_bytes(cfg.fifo_slots, cfg.slot_bytes, cfg.oneshot_bytes)
     try:

@@ -953,7 +953,7 @@ class Communicator:
         if not (tensor.is_cpu or (tensor.is_cuda and _C.WITH_CUDA)):
             raise ValueError(
                 f"ringdp.{what} on rank {self.rank}: {name} is on {tensor.device}, which this ringdp "
-                f"build does not reduce (build_info(): {build_info()})"
+                f"build does not reduce (build_info(): {build_info(self.config)})"
             )
         ep = self._cuda  # (read once: close() on another thread may clear it)
         if tensor.is_cuda and ep is not None and tensor.device != ep.device:
@@ -1545,9 +1545,15 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
-def build_info() -> dict:
+def build_info(config: Config | None = None) -> dict:
+    """This build: version, transports, the torch it was built with and runs on, and on a
+    CUDA build the NCCL it would load (RINGDP_NCCL_LIBRARY of `config`, default: the
+    environment's settings, whose parse error it raises)."""
     transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
-    extra = {"nccl": tuple(_C.cuda_nccl_info(cuda_comm.nccl_library(Config.from_env())))} if _C.WITH_CUDA else {}
+    extra = {}
+    if _C.WITH_CUDA:
+        cfg = config if config is not None else Config.from_env()
+        extra["nccl"] = tuple(_C.cuda_nccl_info(cuda_comm.nccl_library(cfg)))
     return {
         **extra,
         "version": __import__("ringdp").__version__,

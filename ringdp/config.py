@@ -70,16 +70,30 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
-        """Parse the RINGDP_* variables of `environ` (default: os.environ)."""
+        """Parse the RINGDP_* variables of `environ` (default: os.environ); a ValueError names
+        the first invalid one."""
+        cfg, errors = cls.from_env_and_errors(environ)
+        if errors:
+            raise ValueError(errors[0])
+        return cfg
+
+    @classmethod
+    def from_env_and_errors(cls, environ: Mapping[str, str] | None = None) -> tuple["Config", list[str]]:
+        """The valid RINGDP_* settings of `environ` (default: os.environ), each invalid one left
+        at its default, and the invalid ones' errors: for a report (python -m ringdp) that
+        names every error and shows what the others select."""
         env = os.environ if environ is None else environ
-        values = {}
+        values, errors = {}, []
         for name, (field, parse) in _VARIABLES.items():
             raw = env.get(name)
             if raw is None or raw.strip() == "":
                 continue
-            values[field] = parse(name, raw.strip())
+            try:
+                values[field] = parse(name, raw.strip())
+            except ValueError as e:  # (each parser's error names the variable and the rule)
+                errors.append(str(e))
         _warn_unknown(env)
-        return cls(**values)
+        return cls(**values), errors
 
     def replace(self, **changes) -> "Config":
         return dataclasses.replace(self, **changes)

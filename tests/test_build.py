@@ -1,4 +1,5 @@
 """The extension says what it was built with."""
+import pytest
 import torch
 
 import ringdp
@@ -36,8 +37,6 @@ def test_sdist_holds_the_sources(tmp_path):
     import sys
     import tarfile
     from pathlib import Path
-
-    import pytest
 
     root = Path(__file__).resolve().parents[1]
     files = _tracked(root)
@@ -125,6 +124,36 @@ def test_python_m_ringdp_reports_the_install_and_the_settings():
     assert "/dev/shm" in out and "transports" in out
 
 
+def test_report_of_a_cuda_build_with_an_invalid_setting(monkeypatch):
+    """A CUDA build's report (faked: WITH_CUDA and the NCCL query) names an invalid setting
+    and the NCCL that RINGDP_NCCL_LIBRARY chose: build_info read the settings itself, and
+    `python -m ringdp` ended in the parser's traceback (the CUDA build against torch
+    2.13+cu130 and 2.11+cu130, 2026-12-07)."""
+    import types
+
+    from ringdp import __main__ as main, comm
+
+    asked = []
+    fake = types.SimpleNamespace(**{k: getattr(comm._C, k) for k in dir(comm._C) if not k.startswith("__")})
+    fake.WITH_CUDA = True
+    fake.cuda_nccl_info = lambda lib: (asked.append(lib), (lib, 2, 28))[1]
+    monkeypatch.setattr(comm, "_C", fake)
+    monkeypatch.setenv("RINGDP_NCCL_LIBRARY", "/opt/libnccl.so.2")
+    monkeypatch.setenv("RINGDP_TIMEOUT_S", "abc")
+    rep = main.report()
+    assert rep["settings_error"] == "RINGDP_TIMEOUT_S='abc': not a number", rep
+    assert rep["ringdp"]["cuda"] and rep["ringdp"]["nccl"] == ("/opt/libnccl.so.2", 2, 28), rep["ringdp"]
+    monkeypatch.setenv("RINGDP_SPIN_US", "-5")  # (every invalid setting is named; the valid ones apply)
+    monkeypatch.setenv("RINGDP_FIFO_SLOTS", "4")
+    rep = main.report()
+    assert rep["settings_error"].count("RINGDP_") == 2 and "RINGDP_SPIN_US='-5'" in rep["settings_error"], rep
+    assert rep["dev_shm"]["rank_reserves_bytes"] < 4 << 20, rep["dev_shm"]  # (4 slots, not 8)
+    assert asked == ["/opt/libnccl.so.2"] * 2, asked
+    with pytest.raises(ValueError, match="RINGDP_TIMEOUT_S"):  # (called bare: the settings' error)
+        monkeypatch.setenv("RINGDP_TIMEOUT_S", "abc")
+        comm.build_info()
+
+
 def test_python_m_ringdp_check_under_torchrun(monkeypatch, capsys):
     """torchrun -m ringdp --check, world 3: every native collective of 0, 1, 7, 1000 and 4099
     elements per rank, twice, gave its closed form on every rank; rank 0 reports for the
@@ -185,7 +214,6 @@ def test_binding_compiles_against_the_newest_python():
     from pathlib import Path
 
     import pybind11
-    import pytest
     from torch.utils import cpp_extension
 
     others = _other_pythons()
