@@ -1548,11 +1548,11 @@ atexit.register(_close_at_exit)
 def build_info(config: Config | None = None) -> dict:
     """This build: version, transports, the torch it was built with and runs on, and on a
     CUDA build the NCCL it would load (RINGDP_NCCL_LIBRARY of `config`, default: the
-    environment's settings, whose parse error it raises)."""
+    environment's valid settings: never raises for an invalid one)."""
     transports = ["shm"] + (["cuda_ipc", "nccl"] if _C.WITH_CUDA else [])
     extra = {}
     if _C.WITH_CUDA:
-        cfg = config if config is not None else Config.from_env()
+        cfg = config if config is not None else Config.from_env_and_errors()[0]
         extra["nccl"] = tuple(_C.cuda_nccl_info(cuda_comm.nccl_library(cfg)))
     return {
         **extra,

@@ -71,11 +71,13 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "Config":
         """Parse the RINGDP_* variables of `environ` (default: os.environ); a ValueError names
-        the first invalid one."""
-        cfg, errors = cls.from_env_and_errors(environ)
+        the first invalid one. (Unknown RINGDP_* names are warned of once the rest is valid.)"""
+        env = os.environ if environ is None else environ
+        values, errors = _parse(env)
         if errors:
             raise ValueError(errors[0])
-        return cfg
+        _warn_unknown(env)
+        return cls(**values)
 
     @classmethod
     def from_env_and_errors(cls, environ: Mapping[str, str] | None = None) -> tuple["Config", list[str]]:
@@ -83,15 +85,7 @@ class Config:
         at its default, and the invalid ones' errors: for a report (python -m ringdp) that
         names every error and shows what the others select."""
         env = os.environ if environ is None else environ
-        values, errors = {}, []
-        for name, (field, parse) in _VARIABLES.items():
-            raw = env.get(name)
-            if raw is None or raw.strip() == "":
-                continue
-            try:
-                values[field] = parse(name, raw.strip())
-            except ValueError as e:  # (each parser's error names the variable and the rule)
-                errors.append(str(e))
+        values, errors = _parse(env)
         _warn_unknown(env)
         return cls(**values), errors
 
@@ -193,7 +187,8 @@ def _check_trace_fields(what: str, raw: str) -> bool:
         raise ValueError(f"{what}: unknown field {{{bad}}}: {hint}")
     try:
         raw.format(rank=0)
-    except (ValueError, TypeError) as e:  # a format spec an int does not take
+    except (ValueError, TypeError, KeyError, IndexError) as e:  # a format spec an int does not take
+        # (or a nested field of the spec: {rank:{x}} is a KeyError, {rank:{0}} an IndexError)
         raise ValueError(f"{what}: {e}: {hint}") from None
     return bool(fields)
 
@@ -245,6 +240,21 @@ def unknown(env: Mapping[str, str]) -> list[str]:
     """The RINGDP_* names in `env` that ringdp does not read (build and test ones aside), sorted."""
     return sorted(name for name in env if name.startswith("RINGDP_") and name not in _VARIABLES
                   and name not in _NOT_RUNTIME and not name.startswith("RINGDP_TEST_"))
+
+
+def _parse(env: Mapping[str, str]) -> tuple[dict, list[str]]:
+    """The one parse of the RINGDP_* variables: {field: value} of the valid ones set, and the
+    errors of the invalid ones (each parser's ValueError names the variable and the rule)."""
+    values, errors = {}, []
+    for name, (field, parse) in _VARIABLES.items():
+        raw = env.get(name)
+        if raw is None or raw.strip() == "":
+            continue
+        try:
+            values[field] = parse(name, raw.strip())
+        except ValueError as e:
+            errors.append(str(e))
+    return values, errors
 
 
 def _warn_unknown(env: Mapping[str, str]) -> None:

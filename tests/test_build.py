@@ -125,33 +125,35 @@ def test_python_m_ringdp_reports_the_install_and_the_settings():
 
 
 def test_report_of_a_cuda_build_with_an_invalid_setting(monkeypatch):
-    """A CUDA build's report (faked: WITH_CUDA and the NCCL query) names an invalid setting
-    and the NCCL that RINGDP_NCCL_LIBRARY chose: build_info read the settings itself, and
-    `python -m ringdp` ended in the parser's traceback (the CUDA build against torch
-    2.13+cu130 and 2.11+cu130, 2026-12-07)."""
+    """A CUDA build's report (faked: WITH_CUDA and the NCCL query) names every invalid setting
+    and applies the valid ones, RINGDP_NCCL_LIBRARY's choice of NCCL among them: build_info
+    read the settings itself, and `python -m ringdp` ended in the parser's traceback (the
+    CUDA build against torch 2.13+cu130 and 2.11+cu130, 2026-12-07). build_info called bare
+    takes the valid settings too, and never raises."""
     import types
 
-    from ringdp import __main__ as main, comm
+    from ringdp import __main__ as main, comm, config
 
     asked = []
     fake = types.SimpleNamespace(**{k: getattr(comm._C, k) for k in dir(comm._C) if not k.startswith("__")})
     fake.WITH_CUDA = True
-    fake.cuda_nccl_info = lambda lib: (asked.append(lib), (lib, 2, 28))[1]
+    fake.cuda_nccl_info = lambda lib: (asked.append(lib), (True, 22803, ""))[1]  # (ok, version, why)
     monkeypatch.setattr(comm, "_C", fake)
+    for name in ("RINGDP_SLOT_BYTES", "RINGDP_ONESHOT_BYTES"):  # (the reserve below: their defaults)
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("RINGDP_NCCL_LIBRARY", "/opt/libnccl.so.2")
     monkeypatch.setenv("RINGDP_TIMEOUT_S", "abc")
     rep = main.report()
     assert rep["settings_error"] == "RINGDP_TIMEOUT_S='abc': not a number", rep
-    assert rep["ringdp"]["cuda"] and rep["ringdp"]["nccl"] == ("/opt/libnccl.so.2", 2, 28), rep["ringdp"]
-    monkeypatch.setenv("RINGDP_SPIN_US", "-5")  # (every invalid setting is named; the valid ones apply)
+    assert rep["ringdp"]["cuda"] and rep["ringdp"]["nccl"] == (True, 22803, ""), rep["ringdp"]
+    monkeypatch.setenv("RINGDP_SPIN_US", "-5")
     monkeypatch.setenv("RINGDP_FIFO_SLOTS", "4")
     rep = main.report()
     assert rep["settings_error"].count("RINGDP_") == 2 and "RINGDP_SPIN_US='-5'" in rep["settings_error"], rep
-    assert rep["dev_shm"]["rank_reserves_bytes"] < 4 << 20, rep["dev_shm"]  # (4 slots, not 8)
-    assert asked == ["/opt/libnccl.so.2"] * 2, asked
-    with pytest.raises(ValueError, match="RINGDP_TIMEOUT_S"):  # (called bare: the settings' error)
-        monkeypatch.setenv("RINGDP_TIMEOUT_S", "abc")
-        comm.build_info()
+    d = config.Config()
+    assert rep["dev_shm"]["rank_reserves_bytes"] == comm._C.shm_reserved_bytes(4, d.slot_bytes, d.oneshot_bytes)
+    assert comm.build_info()["nccl"] == (True, 22803, "")
+    assert asked == ["/opt/libnccl.so.2"] * 3, asked
 
 
 def test_python_m_ringdp_check_under_torchrun(monkeypatch, capsys):

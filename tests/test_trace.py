@@ -58,7 +58,8 @@ def test_trace_path_names_global_rank_and_group():
 
 @pytest.mark.parametrize("bad, field", [("/x/{run}/t.json", "{run}"), ("/x/{}/t.json", "{}"),
                                         ("/x/{rank.real}.json", "{rank.real}"), ("/x/{/t.json", "lone brace"),
-                                        ("/x/}.json", "lone brace")])
+                                        ("/x/}.json", "lone brace"), ("/x/{rank:{x}}.json", "'x'"),
+                                        ("/x/{rank:{0}}.json", "index 0")])
 def test_trace_path_unknown_field_is_a_value_error(bad, field):
     """{rank} is the only field: anything else is a ValueError naming RINGDP_TRACE and the
     field, when the variable is read and when a path is made from it (RingDDP(trace=))."""
