@@ -269,6 +269,8 @@ EOF
   step nccl_loadable 60 "$PY" -c 'from ringdp import _C; ok = bool(_C.cuda_nccl_available()); print("libnccl loadable:", ok); raise SystemExit(0 if ok else 1)' || true
   step protocol_sim 120 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py::test_protocol_simulation \
     --junitxml="$WORK/test_protocol_simulation.xml" || true
+  step nccl_library 60 "$PY" -m pytest -q -rA -p no:cacheprovider tests/test_cuda.py::test_nccl_library_named_is_the_one \
+    --junitxml="$WORK/test_nccl_library_named_is_the_one.xml" || true
   ;;
 # ------------------------------------------------------------------ priority
 priority)

@@ -419,6 +419,55 @@ def test_nccl_world2(config):
     _assert_matrix(res)
 
 
+
+_NCCL_LIBRARY_SCRIPT = r"""
+import json, os, sys
+import ringdp
+from ringdp import _native, config, cuda_comm
+C, link, libc = _native._C, sys.argv[1], sys.argv[2]
+out = {"named_not_nccl": ringdp.build_info()["nccl"],  # (RINGDP_NCCL_LIBRARY=libc)
+       "named_missing": C.cuda_nccl_info(link + ".missing")}
+wheel = cuda_comm.nccl_library(config.Config(nccl_library=""))
+if wheel:
+    out["wheel"] = C.cuda_nccl_info(wheel)
+    os.symlink(wheel, link)
+    out["symlink_to_it"] = C.cuda_nccl_info(link)
+    out["any"] = C.cuda_nccl_info("")
+    out["another"] = C.cuda_nccl_info(libc)
+print(json.dumps(out))
+"""
+
+
+def test_nccl_library_named_is_the_one(tmp_path):
+    """A RINGDP_NCCL_LIBRARY that cannot be loaded (missing, or not NCCL) is an error naming
+    it: it fell back quietly to the libnccl.so.2 on the loader's path (found 2026-12-07).
+    Once one NCCL is loaded, naming it again (or a symlink to it) is that one, and naming
+    another is an error saying one NCCL per process: the second name was ignored. Needs a
+    CUDA build of ringdp (the NCCL query needs no GPU: runs on a CUDA build without one)."""
+    import json
+
+    from ringdp import _C
+
+    if not _C.WITH_CUDA:
+        _skip("ringdp was built without CUDA (rebuild with RINGDP_BUILD_CUDA=1)")
+    libc = next(p for p in ("/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/libc.so.6", "/lib64/libc.so.6")
+                if os.path.exists(p))
+    env = {**os.environ, "RINGDP_NCCL_LIBRARY": libc}
+    r = subprocess.run([sys.executable, "-c", _NCCL_LIBRARY_SCRIPT, str(tmp_path / "libnccl.so.2"), libc],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout.splitlines()[-1])
+    ok, version, why = out["named_not_nccl"]
+    assert not ok and f"{libc}: loaded, but lacks ncclSend" in why and "RINGDP_NCCL_LIBRARY" in why, why
+    assert why.count("\n  ") == 1, why  # (that library alone was tried)
+    ok, _, why = out["named_missing"]
+    assert not ok and "libnccl.so.2.missing" in why and why.count("\n  ") == 1, why
+    if "wheel" not in out:
+        _skip("no nvidia-nccl wheel here: the checks after a load need it")
+    assert out["wheel"][0] and out["wheel"][1] >= 20700, out
+    assert out["symlink_to_it"] == out["wheel"] and out["any"] == out["wheel"], out
+    ok, _, why = out["another"]
+    assert not ok and "one NCCL per process" in why and libc in why and "nvidia/nccl" in why, why
 # ============================================================== the halves and broadcast
 # per rank: empty, one element, whole 16-byte blocks (the one-shot kernel's vector path), a
 # prime (not divisible by any world)

@@ -108,21 +108,43 @@ bool try_open(const std::string& path, int flags, Api& api, std::string& tried) 
   return true;
 }
 
+// Whether `library` names the NCCL this process has loaded (g_api): the loader resolves the
+// name to the object it already holds (by file, so a symlink or the wheel's path of the
+// libnccl.so.2 that torch loaded is the same one), RTLD_NOLOAD loads nothing new.
+bool is_loaded(const std::string& library) {
+  void* h = dlopen(library.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return false;
+  bool same = h == g_api.handle;
+  dlclose(h);
+  return same;
+}
+
 }  // namespace
 
 const Api& load(const std::string& library) {
   std::lock_guard<std::mutex> lk(g_load_mu);
-  if (g_loaded) return g_api;
+  if (g_loaded) {
+    if (!library.empty() && !is_loaded(library))
+      throw RingError(cat("ringdp nccl: this process has loaded NCCL from ", g_api.path,
+                          "; it cannot also use ", library,
+                          ": one NCCL per process, chosen by ringdp's first CUDA call (set "
+                          "RINGDP_NCCL_LIBRARY before it, the same in the whole process)"));
+    return g_api;
+  }
   Api api;
   std::string tried;
-  bool ok = (!library.empty() && try_open(library, RTLD_NOW | RTLD_LOCAL, api, tried)) ||
-            try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD, api, tried) ||
-            try_open("libnccl.so.2", RTLD_NOW | RTLD_LOCAL, api, tried) ||
-            try_open("libnccl.so", RTLD_NOW | RTLD_LOCAL, api, tried);
+  // A library named (RINGDP_NCCL_LIBRARY, else the nvidia-nccl wheel's) is the one, or an
+  // error: a silent fallback would run another NCCL than the one asked for.
+  bool ok = library.empty() ? (try_open("libnccl.so.2", RTLD_NOW | RTLD_NOLOAD, api, tried) ||
+                               try_open("libnccl.so.2", RTLD_NOW | RTLD_LOCAL, api, tried) ||
+                               try_open("libnccl.so", RTLD_NOW | RTLD_LOCAL, api, tried))
+                            : try_open(library, RTLD_NOW | RTLD_LOCAL, api, tried);
   if (!ok)
     throw RingError(cat("ringdp nccl: cannot load NCCL. Tried:", tried,
-                        "\nInstall the nvidia-nccl wheel that CUDA builds of torch depend on, or point "
-                        "RINGDP_NCCL_LIBRARY at libnccl.so.2"));
+                        library.empty() ? "\nInstall the nvidia-nccl wheel that CUDA builds of torch depend on, or "
+                                          "point RINGDP_NCCL_LIBRARY at libnccl.so.2"
+                                        : "\nPoint RINGDP_NCCL_LIBRARY at a libnccl.so.2 (>= 2.7), or unset it "
+                                          "for the nvidia-nccl wheel's"));
   g_api = api;
   g_loaded = true;
   std::atexit([] { g_exiting = true; });

@@ -52,8 +52,10 @@ struct Api {
 };
 
 // Load NCCL once per process: `library` if given (Options::nccl_library; ringdp/cuda_comm.py
-// passes $RINGDP_NCCL_LIBRARY, else the nvidia-nccl wheel's), else the libnccl.so.2 already
-// loaded (by torch), else the loader's search path. Throws RingError listing what was tried.
+// passes $RINGDP_NCCL_LIBRARY, else the nvidia-nccl wheel's) and nothing else, else the
+// libnccl.so.2 already loaded (by torch), else the loader's search path. Throws RingError
+// listing what was tried, or, once loaded, when `library` names another NCCL than the
+// process's.
 const Api& load(const std::string& library);
 
 std::shared_ptr<Comm> make_comm(const Options& opts);
