@@ -1,8 +1,10 @@
 """Mapping between torch's ReduceOps and the codes the native code uses
 (csrc/common/types.h; never renumber). Dtypes need no mapping: the extension takes
-torch.dtype and lists what it supports (_C.supported_dtypes())."""
+torch.dtype and lists what it supports (_C.supported_dtypes()). And how Python writes a
+caller's tensor (below_autograd)."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 SUM, AVG, MIN, MAX = 0, 1, 2, 3
@@ -43,4 +45,15 @@ def op_code(op) -> int:
     if name not in _OP_NAMES:
         raise ValueError(f"ringdp.all_reduce supports ReduceOp SUM, AVG, MIN and MAX, not {op!r}")
     return _OP_NAMES[name]
+
+
+def below_autograd():
+    """The context in which ringdp's Python writes into a caller's tensors (the backend's
+    copies back and PREMUL_SUM's scaling, the steps across hosts: hosts.py), as the C++
+    transports and gloo write them, below autograd: the tensor may be a Parameter (a leaf
+    that requires grad), a view of one, or an inference tensor, whose in-place writes
+    autograd refuses outside inference mode (dist.broadcast of a transposed Parameter raised
+    on cpu:ringdp, 2026-12-07). Inference mode, not no_grad: no_grad still refuses an
+    inference tensor. Version counters still count the writes."""
+    return torch.inference_mode()
 

@@ -95,7 +95,7 @@ from torch.distributed.distributed_c10d import ProcessGroupGloo
 from . import _types, inflight, policy
 from ._eager import eager, eager_methods
 from ._native import _C
-from .comm import Communicator, RingError
+from .comm import Communicator, RingError, overlaps_apart_from_block
 from .rendezvous import Rendezvous
 from .work import HelpingFuture, _completed, fail_future, set_outputs
 
@@ -578,7 +578,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
     def _all_reduce(self, t, reduce_op, timeout=None, async_op=True, adopt=True):
         kind, factor = _op_of(reduce_op)
         if factor is not None:
-            t.mul_(factor)  # (before see(): a move it queues must not race this write)
+            _scale(t, factor)  # (before see(): a move it queues must not race this write)
             code = _types.SUM
         else:
             code = _NATIVE_OPS[kind]
@@ -587,10 +587,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=async_op, timeout=timeout)
 
     def _all_reduce_each(self, tensors, reduce_op, opts):
-        """Each of `tensors` all-reduced on its own (non-contiguous ones through a copy)."""
-        run, copy_back = _staged(tensors)
+        """Each of `tensors` all-reduced on its own (non-contiguous ones through a copy; a
+        repeat of one through a copy whose result is dropped: _repeats_copied)."""
+        each = _repeats_copied(tensors)
+        run, copy_back = _staged(each)
         timeout, async_op = _timeout_s(opts), _async(opts)
-        return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t) for r, t in zip(run, tensors)],
+        return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t and r is u)
+                         for r, t, u in zip(run, each, tensors)],
                         tensors, copy_back, cuda_devices=_devices(tensors))
 
     def allreduce(self, tensors, opts=None):
@@ -630,13 +633,13 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                                 cuda_devices=devices)
             out = torch.empty_like(output, memory_format=torch.contiguous_format)
             return RingWork([native(out, flat, op=op, async_op=async_op, timeout=timeout)], shown,
-                            lambda: output.copy_(out), cuda_devices=devices)
+                            lambda: _copy_into(output, out), cuda_devices=devices)
         # composition: all-reduce the whole input, keep this rank's chunk
         buf = flat.clone() if keep else flat
         n = output.numel()
         r = self._rank_
         return RingWork([self._all_reduce(buf, reduce_op, timeout, async_op)], shown,
-                        lambda: output.copy_(buf[r * n:(r + 1) * n].view_as(output)), cuda_devices=devices)
+                        lambda: _copy_into(output, buf[r * n:(r + 1) * n].view_as(output)), cuda_devices=devices)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         if opts is None:
@@ -647,15 +650,18 @@ class ProcessGroupRingdp(dist.ProcessGroup):
                 input = input.clone()
             return self._delegated("_reduce_scatter_base", output, input,
                                    _premultiplied([input], opts, ReduceScatterOptions))
-        # a contiguous input: a view of it (kept: copied before a PREMUL_SUM's multiply); another: a copy
-        keep = i.is_contiguous()
-        flat = i.reshape(-1) if keep else i.contiguous().view(-1)
+        # a contiguous input: a view of it (kept: copied before a PREMUL_SUM's multiply); another,
+        # or one the output overlaps other than as this rank's block (gloo reads the input
+        # before it writes the output: i[0:n] as the output works there), a copy
+        keep = i.is_contiguous() and not overlaps_apart_from_block(o, i, self._rank_)
+        flat = i.reshape(-1) if keep else i.clone(memory_format=torch.contiguous_format).view(-1)
         return self._reduce_scatter_flat(o, flat, opts.reduceOp, keep=keep, timeout=_timeout_s(opts),
                                          async_op=_async(opts), shown=[output])
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
             opts = ReduceScatterOptions()
+        _same_length("reduce_scatter_tensor_coalesced", outputs, inputs)
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return _chain(works, outputs)
 
@@ -698,12 +704,16 @@ class ProcessGroupRingdp(dist.ProcessGroup):
             # gloo's future holds the input; torch's contract (and ringdp's): the output
             return self._delegated("_allgather_base", output, input, opts, outputs=[output])
         (out,), copy_back = _staged([output])
-        return RingWork([native(out, input.contiguous(), async_op=_async(opts), timeout=_timeout_s(opts))], [output],
+        src = input.contiguous()
+        if overlaps_apart_from_block(src, out, self._rank_):  # (gloo reads the input first: a copy)
+            src = src.clone()
+        return RingWork([native(out, src, async_op=_async(opts), timeout=_timeout_s(opts))], [output],
                         copy_back, cuda_devices=_devices([output]))
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         if opts is None:
             opts = AllgatherOptions()
+        _same_length("allgather_into_tensor_coalesced", outputs, inputs)
         return _chain([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -722,7 +732,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
 
         def copy_out():
             for r, o in enumerate(outs):
-                o.copy_(flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+                _copy_into(o, flat[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
 
         return RingWork([native(flat, inp.contiguous().view(-1), async_op=_async(opts), timeout=_timeout_s(opts))],
                         output_tensors, copy_out, cuda_devices=_devices([inp]))
@@ -762,7 +772,7 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         t = torch.zeros(1)
         w = self._comm.all_reduce(t, async_op=_async(opts))
         g = _GlooWork(self._gloo.barrier(opts), self._gloo, "barrier", [])
-        return _chain([RingWork([w], [t]), g], [t])
+        return _chain([RingWork([w], [t]), g], [])  # (its future's value: [], as gloo's)
 
 
 _OP_NAMES = {_types.SUM: dist.ReduceOp.SUM, _types.AVG: dist.ReduceOp.AVG, _types.MIN: dist.ReduceOp.MIN,
@@ -793,12 +803,40 @@ def _premultiplied(tensors, opts, options_type):
     kind, factor = _op_of(opts.reduceOp)
     if factor is None or any(t.is_cuda for t in tensors):
         return opts
-    for t in tensors:
-        t.mul_(factor)
+    for t, repeat in zip(tensors, _repeats(tensors)):  # (the same tensor twice in a list is scaled once)
+        if not repeat:
+            _scale(t, factor)
     new = options_type()
     new.reduceOp = dist.ReduceOp.SUM
     new.timeout = opts.timeout
     return new
+
+
+def _repeats(tensors) -> list[bool]:
+    """For each of `tensors`, whether an earlier one is the same (memory, shape, strides and
+    dtype: a tensor passed twice, two equal views of it; never an empty one)."""
+    seen, out = set(), []
+    for t in tensors:
+        key = (t.data_ptr(), t.device, tuple(t.shape), t.stride(), t.dtype)
+        out.append(t.numel() > 0 and key in seen)
+        seen.add(key)
+    return out
+
+
+def _repeats_copied(tensors) -> list:
+    """`tensors` with each repeat of one (_repeats) replaced by a copy of it made now, whose
+    result is dropped: every entry is reduced once, as gloo's coalesced all-reduce does
+    (reduced twice in place, a tensor passed twice came out world x world times its
+    value), and every rank makes one collective per entry whatever its tensors' aliasing."""
+    return [t.clone() if repeat else t for t, repeat in zip(tensors, _repeats(tensors))]
+
+
+def _same_length(what, outputs, inputs) -> None:
+    """A coalesced call's lists pair up one to one (gloo refuses others; zip() dropped the
+    extra entries, leaving those outputs unwritten)."""
+    if len(outputs) != len(inputs):
+        raise ValueError(f"ringdp {what}: {len(outputs)} outputs for {len(inputs)} inputs; the lists must have "
+                         f"the same length")
 
 
 def _devices(tensors):
@@ -821,7 +859,19 @@ def _staged(tensors):
             back.append((t, c))
     if not back:
         return run, None
-    return run, lambda: [t.copy_(c) for t, c in back]
+    return run, lambda: [_copy_into(t, c) for t, c in back]
+
+
+def _copy_into(dst, src) -> None:
+    """dst.copy_(src) into a caller's tensor (below autograd: _types.below_autograd)."""
+    with _types.below_autograd():
+        dst.copy_(src)
+
+
+def _scale(t, factor) -> None:
+    """t.mul_(factor) of a caller's tensor (below autograd: _types.below_autograd)."""
+    with _types.below_autograd():
+        t.mul_(factor)
 
 
 @contextlib.contextmanager
@@ -851,16 +901,20 @@ class _Chain(dist.Work):
         return _waiting_for(self._works, timeout)
 
     def wait(self, timeout=timedelta(0)):
-        """Each part in turn; once one failed, the others are waited for at most
-        policy.GLOO_DRAIN_S each (none left in flight: policy.py), then the first failure
-        is raised."""
+        """Each part in turn, within `timeout` for them all (each part gets what is left of
+        it); once one failed, the others are waited for at most policy.GLOO_DRAIN_S each
+        (none left in flight: policy.py), then the first failure is raised."""
         failure = None
+        secs = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout or 0)
+        deadline = time.monotonic() + secs if secs > 0 else None
         for w in self._works:
             try:
                 if failure is not None:
                     w.wait(timedelta(seconds=policy.GLOO_DRAIN_S))
-                else:
-                    w.wait(timeout) if timeout else w.wait()
+                elif deadline is None:
+                    w.wait()
+                else:  # (at least 1 ms: a zero timedelta is "no timeout" to torch's Works)
+                    w.wait(timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
             except BaseException as e:  # noqa: BLE001 -- the first is raised, after the drain
                 failure = failure if failure is not None else e
         if failure is not None:
@@ -937,7 +991,7 @@ class _CopyBack:
         with self._lock:
             if not self._done:
                 for t, c in self.pairs:
-                    t.copy_(c)
+                    _copy_into(t, c)
                 self._done = True
 
 

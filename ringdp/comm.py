@@ -150,6 +150,18 @@ def _live_group(group):
     return group
 
 
+def overlaps_apart_from_block(small, large, rank: int) -> bool:
+    """Whether `small` (a reduce-scatter's output, an all-gather's input) shares bytes with
+    `large` other than as exactly its block `rank` (world blocks of small's size), which
+    the transports cannot run in place (Communicator._check_pair)."""
+    nbytes = small.numel() * small.element_size()
+    if not nbytes:
+        return False
+    start, end = small.data_ptr(), small.data_ptr() + nbytes
+    lo, hi = large.data_ptr(), large.data_ptr() + large.numel() * large.element_size()
+    return start < hi and lo < end and start != lo + rank * nbytes
+
+
 class Communicator:
     """ringdp's state for one process group in this process. Created by ringdp.init() or
     lazily by the first collective; every rank of the group must create it (collectively).
@@ -993,17 +1005,16 @@ class Communicator:
         # The smaller tensor is either this rank's block of the larger one (in place) or
         # apart from it: peers read the other blocks while the call runs (the direct path
         # reads them where they lie), so a partial overlap would race with them.
+        # (The backend runs such a call on a copy of the smaller tensor, as gloo allows it.)
         small, large = (output, input) if what == "reduce_scatter_tensor" else (input, output)
-        nbytes = small.numel() * small.element_size()
-        if nbytes:
-            start, end = small.data_ptr(), small.data_ptr() + nbytes
-            lo, hi = large.data_ptr(), large.data_ptr() + large.numel() * large.element_size()
-            if start < hi and lo < end and start != lo + self.rank * nbytes:
-                names = ("output", "input") if small is output else ("input", "output")
-                raise ValueError(
-                    f"ringdp.{what} on rank {self.rank}: the {names[0]} overlaps the {names[1]} other than as "
-                    f"its block {self.rank} (bytes {start - lo}..{end - lo} of it, block {self.rank} is "
-                    f"{self.rank * nbytes}..{(self.rank + 1) * nbytes}); pass a separate tensor or exactly that block")
+        if overlaps_apart_from_block(small, large, self.rank):
+            nbytes = small.numel() * small.element_size()
+            start, end, lo = small.data_ptr(), small.data_ptr() + nbytes, large.data_ptr()
+            names = ("output", "input") if small is output else ("input", "output")
+            raise ValueError(
+                f"ringdp.{what} on rank {self.rank}: the {names[0]} overlaps the {names[1]} other than as "
+                f"its block {self.rank} (bytes {start - lo}..{end - lo} of it, block {self.rank} is "
+                f"{self.rank * nbytes}..{(self.rank + 1) * nbytes}); pass a separate tensor or exactly that block")
         return code
 
     def _cpu_path(self) -> None:

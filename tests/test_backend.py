@@ -2106,6 +2106,107 @@ def case_non_contiguous_delegated(rank, world):
     return out
 
 
+def case_what_gloo_accepts(rank, world):
+    """Calls that gloo (C++, below autograd) runs and cpu:ringdp refused or got wrong (a
+    helper's review, 2026-12-07), each on a gloo group and a ringdp group, twice, against
+    closed forms: a transposed Parameter broadcast, a channels_last Parameter all-reduced
+    (async too), an inference tensor (made in
+    inference mode, reduced outside it), PREMUL_SUM of a Parameter (ringdp's alone: gloo has
+    no PREMUL_SUM), the same tensor twice in a PREMUL_SUM list scaled once and in a coalesced
+    all-reduce reduced once (it was reduced twice: world x world times), a reduce-scatter
+    whose output is the start of its input and an all-gather whose input is the start of its
+    output. Also: coalesced lists of different lengths refused (ringdp wrote the first
+    pairs and left the rest), the barrier's future value [] as gloo's, and a chain of Works
+    that waits within one timeout."""
+    import ringdp  # noqa: F401 -- registers the backend
+
+    out = {}
+    n = 12
+    for backend in ("gloo", "cpu:ringdp"):
+        g = dist.new_group(backend=backend, timeout=timedelta(seconds=10))
+        gr = lambda r: dist.get_global_rank(g, r)  # noqa: E731
+        for k in range(2):
+            key = lambda name: (backend, k, name)  # noqa: E731
+            base = torch.arange(n, dtype=torch.float32)
+            p = nn.Parameter((base.reshape(4, 3) + 100 * rank).t())
+            dist.broadcast(p, gr(world - 1), group=g)
+            out[key("broadcast transposed Parameter")] = (p.detach().clone(), (base.reshape(4, 3) + 100 * (world - 1)).t())
+            for async_op in (False, True):
+                w = nn.Parameter((base.reshape(1, 3, 2, 2) * (rank + 1)).contiguous(memory_format=torch.channels_last))
+                work = dist.all_reduce(w, group=g, async_op=async_op)
+                if async_op:
+                    work.wait()
+                out[key(f"all_reduce channels_last Parameter async={async_op}")] = (
+                    w.detach().clone(), base.reshape(1, 3, 2, 2) * (world * (world + 1) // 2))
+            with torch.inference_mode():
+                inf = (base.reshape(4, 3) + rank).t()
+            dist.all_reduce(inf, group=g)
+            out[key("all_reduce inference tensor")] = (inf.clone(), (base.reshape(4, 3) * world + world * (world - 1) // 2).t())
+            i = base[:2 * world] + 10 * rank
+            dist.reduce_scatter_tensor(i[:2], i, group=g)
+            out[key("reduce_scatter output i[:2] of input i")] = (
+                i[:2].clone(), base[2 * rank:2 * rank + 2] * world + 10 * (world * (world - 1) // 2))
+            a = base[:2 * world] + 10 * rank
+            dist.all_gather_into_tensor(a, a[:2], group=g)
+            out[key("all_gather input a[:2] of output a")] = (
+                a.clone(), torch.cat([base[:2] + 10 * q for q in range(world)]))
+            t = torch.full((3,), rank + 1.0)
+            _pg_of(g).allreduce_coalesced([t, t], dist.AllreduceCoalescedOptions()).wait()
+            out[key("allreduce_coalesced of [t, t]")] = (t, torch.full((3,), world * (world + 1) / 2))
+            if backend == "cpu:ringdp":
+                pm = nn.Parameter(torch.full((5,), rank + 1.0))
+                dist.all_reduce(pm, op=dist._make_nccl_premul_sum(0.5), group=g)
+                out[key("all_reduce PREMUL_SUM Parameter")] = (pm.detach().clone(), torch.full((5,), world * (world + 1) / 4))
+                t = torch.full((3,), rank + 1.0)
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = dist._make_nccl_premul_sum(0.5)
+                _pg_of(g).allreduce([t, t], opts).wait()  # (c10d's multi-tensor form: every entry of every rank)
+                out[key("PREMUL_SUM of [t, t]")] = (t, torch.full((3,), 0.5 * 2 * world * (world + 1) / 2))
+        pg = _pg_of(g)
+        refused = {}
+        for what, call in [
+                ("allgather_into_tensor_coalesced",
+                 lambda: pg.allgather_into_tensor_coalesced([torch.zeros(world), torch.zeros(world)], [torch.ones(1)])),
+                ("reduce_scatter_tensor_coalesced",
+                 lambda: pg.reduce_scatter_tensor_coalesced([torch.zeros(1), torch.zeros(1)], [torch.ones(world)]))]:
+            try:
+                call().wait()
+                refused[what] = None
+            except Exception as e:  # noqa: BLE001 -- which error is the point
+                refused[what] = f"{type(e).__name__}: {e}"
+        out[(backend, "refused")] = refused
+        out[(backend, "barrier value")] = dist.barrier(group=g, async_op=True).get_future().wait()
+        dist.destroy_process_group(g)
+    from ringdp.backend import _Chain
+
+    deadlines = []
+
+    class Part(dist.Work):  # a part that records its timeout and takes 0.3 s
+        def wait(self, timeout=timedelta(0)):
+            deadlines.append(timeout.total_seconds())
+            time.sleep(0.3)
+            return True
+
+    _Chain([Part(), Part(), Part()], []).wait(timedelta(seconds=1.0))
+    out["chain deadlines"] = deadlines
+    return out
+
+
+def test_what_gloo_accepts(pool):
+    for r, out in enumerate(pool.run(case_what_gloo_accepts)):
+        for key, val in out.items():
+            if isinstance(val, tuple) and len(val) == 2 and isinstance(val[0], torch.Tensor):
+                torch.testing.assert_close(val[0], val[1], rtol=0, atol=0, msg=lambda m: f"rank {r} {key}: {m}")
+        for backend in ("gloo", "cpu:ringdp"):
+            assert out[(backend, "barrier value")] == [], (backend, out[(backend, "barrier value")])
+            for what, e in out[(backend, "refused")].items():
+                assert e is not None, f"rank {r} {backend} {what}: lists of different lengths accepted"
+        assert all("2 outputs for 1 inputs" in e for e in out[("cpu:ringdp", "refused")].values()), out
+        # each part got what was left of the one timeout: 1.0, then ~0.7, then ~0.4
+        d = out["chain deadlines"]
+        assert d[0] <= 1.0 and d[1] <= 0.75 and d[2] <= 0.45 and d[2] > 0, d
+
+
 def test_non_contiguous_tensors_delegated_through_copies(pool):
     for r, out in enumerate(pool.run(case_non_contiguous_delegated)):
         assert len(out) == 2 * (6 + 2 + 1) + (3 if r == 1 else 0), (r, sorted(out))  # (reduce on 0, recv on 1)
