@@ -121,12 +121,29 @@ def _by_host(comm) -> list[list[int]]:
     return [[r for r, h in enumerate(comm.hosts) if h == k] for k in comm.host_order]
 
 
-def _gloo_opts(cls, **fields):
-    """c10d options for a call on a cross-host gloo group: `cls()` with `fields` set."""
+def _gloo_opts(cls, timeout_s: float, **fields):
+    """c10d options for a step of a call of timeout `timeout_s` on a cross-host gloo group:
+    `cls()` with `fields` set and gloo's timeout the step's (policy.cross_host_timeout; the
+    group's default is the communicator's, and a call's longer timeout= failed at it)."""
     opts = cls()
+    opts.timeout = timedelta(seconds=policy.cross_host_timeout(timeout_s))
     for k, v in fields.items():
         setattr(opts, k, v)
     return opts
+
+
+def _below_autograd(collective):
+    """A collective whose steps write the caller's tensors with torch ops (copies, AVG's
+    division), run below autograd as on one host, where the C++ transports write them
+    (_types.below_autograd: a Parameter, a view of one, an inference tensor; they raised
+    across hosts, 2026-12-07). Every step of a call runs inside it, so the scratch buffers
+    it makes (_scratch) are only ever written there."""
+    @functools.wraps(collective)
+    def run(*args, **kwargs):
+        with _types.below_autograd():
+            return collective(*args, **kwargs)
+
+    return run
 
 
 class CrossHost:
@@ -206,8 +223,12 @@ class CrossHost:
         cross, lookup = None, LookupStore(comm._store)
         if members:
             store = dist.PrefixStore(f"{comm.rendezvous._prefix}cross-{name}/", lookup)
-            cross = ProcessGroupGloo(store, members.index(comm.rank), len(members),
-                                     timeout=timedelta(seconds=policy.cross_host_timeout(comm.timeout)))
+            try:
+                cross = ProcessGroupGloo(store, members.index(comm.rank), len(members),
+                                         timeout=timedelta(seconds=policy.cross_host_timeout(comm.timeout)))
+            except Exception as e:  # (a peer that never came: the store's wait; gloo's own errors)
+                raise RingError(f"rank {comm.rank}: setting up the gloo group across hosts (ranks {members}, "
+                                f"{path} path) failed: {type(e).__name__}: {e}") from e
         made = cls(comm, path, inhost, cross, members if members else [])
         made._lookup = lookup  # (the Python object must live as long as the group: torch calls its methods)
         return made
@@ -336,6 +357,7 @@ class CrossHost:
             caller.wait_stream(self.stream)
 
     # ---- all_reduce ------------------------------------------------------------------------
+    @_below_autograd
     def all_reduce(self, tensor, code, forced, t, tag) -> None:
         """All-reduce `tensor` across hosts on this communicator's path (module doc)."""
         n = tensor.numel()
@@ -496,6 +518,7 @@ class CrossHost:
     # host ends in an in-host step after the leader's gloo step, so that a leader's failed
     # check or gloo step reaches its host's ranks in the same call.
     # FLAT: gloo on the group of every rank (`whole`).
+    @_below_autograd
     def reduce_scatter(self, output, input, code, forced, t, tag) -> None:
         """reduce_scatter_tensor across hosts. TWO_LEVEL: the input's blocks reordered by local
         rank then host, reduce-scattered inside the host (H blocks each: this local rank's
@@ -505,7 +528,7 @@ class CrossHost:
         segments, each host's segment broadcast inside the host. AVG: SUM, then / world size.
         A cross-host step whose input fits the call check's rows goes with them (_begin)."""
         red = _types.SUM if code == _types.AVG else code
-        opts = _gloo_opts(ReduceScatterOptions, reduceOp=_GLOO_OPS[red])
+        opts = _gloo_opts(ReduceScatterOptions, t, reduceOp=_GLOO_OPS[red])
         n, out = output.numel(), output.view(-1)  # (contiguous: Communicator._check)
         blocks = input.reshape(self.world, n)
 
@@ -520,7 +543,7 @@ class CrossHost:
                 self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, tell, tag,
                              ranks)
                 self._across("reduce_scatter", lambda: group._reduce_scatter_base(every, nan.mask, _gloo_opts(
-                    ReduceScatterOptions, reduceOp=dist.ReduceOp.MIN)), t, tell, tag, ranks)
+                    ReduceScatterOptions, t, reduceOp=dist.ReduceOp.MIN)), t, tell, tag, ranks)
                 result.masked_fill_(every.view(result.shape).bool(), float("nan"))
             elif n:
                 self._across("reduce_scatter", lambda: group._reduce_scatter_base(result, send, opts), t, tell, tag,
@@ -559,6 +582,7 @@ class CrossHost:
         if code == _types.AVG:
             out.div_(self.world)
 
+    @_below_autograd
     def all_gather(self, output, input, forced, t, tag) -> None:
         """all_gather_into_tensor across hosts. TWO_LEVEL: this rank's input all-gathered
         across hosts by the gloo group of its local rank (one block per host), those H blocks
@@ -567,7 +591,7 @@ class CrossHost:
         by the leaders and put in rank order, the result broadcast inside the host. A
         cross-host step whose input fits the call check's rows goes with them (_begin)."""
         n = input.numel()
-        mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions)
+        mine, out, opts = input.reshape(-1), output.view(-1), _gloo_opts(AllgatherOptions, t)
 
         def gather(group, result, send, ranks=None, tell=None):
             """The cross-host step: `result` = every member's `send`, in member order."""
@@ -612,6 +636,7 @@ class CrossHost:
         self.inhost.all_gather(full, across, self._host_algo(across, forced), t, tag)
         out.view(self.world, n).index_copy_(0, self._by_local_then_host, full.view(self.world, n))
 
+    @_below_autograd
     def broadcast(self, tensor, src, forced, t, tag) -> None:
         """broadcast across hosts. TWO_LEVEL: the gloo group of src's local rank broadcasts
         from src's host to the rank with that local rank on every host, then each host
@@ -626,7 +651,7 @@ class CrossHost:
             if rows is not None:
                 flat.copy_(rows[src])
             elif flat.numel():
-                opts = _gloo_opts(BroadcastOptions, rootRank=src)
+                opts = _gloo_opts(BroadcastOptions, t, rootRank=src)
                 self._across("broadcast", lambda: self.whole.broadcast([flat], opts), t, ranks=self.every_rank)
             return
         k_src = self.host_order.index(self.hosts[src])
@@ -638,7 +663,7 @@ class CrossHost:
                 if self.host_index != k_src:
                     flat.copy_(rows[k_src])
             elif flat.numel():
-                opts = _gloo_opts(BroadcastOptions, rootRank=k_src)
+                opts = _gloo_opts(BroadcastOptions, t, rootRank=k_src)
                 self._across("broadcast", lambda: self.cross.broadcast([flat], opts), t, self.inhost, tag)
 
         if self.path == policy.LEADERS:
@@ -754,7 +779,12 @@ class CrossHost:
             check = self._check(what, tensor, code, root, t, tag, group, ranks,
                                 None if failure is None else str(failure), payload if self.fuse else None,
                                 piece=piece)
-            check.wait()
+            try:
+                check.wait()
+            except RingError:
+                if failure is None:
+                    raise
+                raise failure  # (this rank's own step failed first: the cause, as _begin_overlapped)
             rows = check.payloads(payload)
         if failure is not None:
             raise failure
@@ -959,7 +989,7 @@ class CrossHost:
         # all-gather is a ring of 2(H-1) steps of half a row (docs/hierarchy.md "The call check")
         tiled = mine.repeat(len(ranks))
         check.work = self._start(check.what, lambda: group.alltoall_base(every, tiled, [], [],
-                                                                         _gloo_opts(AllToAllOptions)),
+                                                                         _gloo_opts(AllToAllOptions, t)),
                                  t, tell, tag, ranks, net="gloo")
         return check
 
@@ -1006,12 +1036,12 @@ class CrossHost:
         """Start the gloo all-reduce of `tensor` across hosts (wait: _gloo_wait). MIN and MAX
         of a floating tensor on gloo (_NanAware) follow the kernels' rule, a NaN ignored
         unless every member has one, which gloo's min and max do not."""
-        opts = _gloo_opts(dist.AllreduceOptions, reduceOp=dop)
+        opts = _gloo_opts(dist.AllreduceOptions, timeout_s, reduceOp=dop)
         nan = _NanAware(tensor, dop) if self._nan_rule(dop, tensor) else None  # (its NaNs go as the identity)
         work = self._start("all-reduce", lambda: self.cross.allreduce([tensor], opts), timeout_s, tell, tag)
         if nan is None:
             return work
-        every = _gloo_opts(dist.AllreduceOptions, reduceOp=dist.ReduceOp.MIN)
+        every = _gloo_opts(dist.AllreduceOptions, timeout_s, reduceOp=dist.ReduceOp.MIN)
         return nan.then(work, self._start("all-reduce", lambda: self.cross.allreduce([nan.mask], every),
                                           timeout_s, tell, tag))
 
@@ -1171,7 +1201,7 @@ class _NanAware:
 
     def wait(self, timeout=None) -> None:
         for w in self.works:
-            w.wait(timeout=timeout)
+            _wait(w, timeout)
         self.tensor.masked_fill_(self.mask.bool(), float("nan"))
 
     def is_completed(self) -> bool:
@@ -1191,7 +1221,7 @@ class _Folded:
         return (1, 0) if red == _types.MIN else (0, 1)
 
     def wait(self, timeout=None) -> None:
-        self.work.wait(timeout=timeout)
+        _wait(self.work, timeout)
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -1252,6 +1282,16 @@ class _Check:
         nbytes = payload.numel() * payload.element_size()
         rows = self.every.view(len(self.ranks), -1)[:, _HEADER:]
         return [rows[k].view(torch.uint8)[:nbytes].view(payload.dtype) for k in range(len(self.ranks))]
+
+
+def _wait(work, timeout) -> None:
+    """A gloo Work's wait() for a wrapper's wait(timeout=None): c10d's Work.wait takes a
+    timedelta or nothing, never None (a TypeError that replaced the call's outcome when
+    CrossHost._await re-waited a work done just after its slice, 2026-12-07)."""
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout=timeout)
 
 
 def _said_by(rank: int, reason: str) -> str:

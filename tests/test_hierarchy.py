@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -315,11 +316,57 @@ def case_one_element_views(rank, world, hosts):
     return out
 
 
-@pytest.mark.parametrize("hosts", ["aabb", "ab"])
-def test_one_element_views_across_hosts(hosts):
-    for r, out in enumerate(values(run_ranks(case_one_element_views, len(hosts), list(hosts), timeout=120))):
+def _assert_each_exact(case, hosts):
+    """Run `case` on simulated `hosts`; every rank's {name: (got, want)} bitwise equal."""
+    for r, out in enumerate(values(run_ranks(case, len(hosts), list(hosts), timeout=120))):
         for name, (got, want) in out.items():
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "ab"])
+def test_one_element_views_across_hosts(hosts):
+    _assert_each_exact(case_one_element_views, hosts)
+
+
+def case_tensors_autograd_guards(rank, world, hosts):
+    """Parameters (leaves that require grad) and inference tensors, which one host's C++
+    transports write below autograd, across hosts too, where the steps are torch ops: every
+    collective, AVG's division included, twice (each raised "a view of a leaf Variable that
+    requires grad is being used in an in-place operation" or "Inplace update to inference
+    tensor outside InferenceMode", 2026-12-07). Their versions count the writes; a Parameter
+    still trains."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    n = 4099
+    out = {}
+    for _ in range(2):
+        p = torch.nn.Parameter(value(rank, n, world=world))
+        v0 = p._version
+        ringdp.all_reduce(p, op=dist.ReduceOp.AVG)
+        out["all_reduce AVG Parameter"] = (p.detach().clone(), expected("AVG", world, n, torch.float32))
+        out["version counts the write"] = (torch.tensor(p._version > v0), torch.tensor(True))
+        with torch.inference_mode():
+            t = value(rank, n, world=world)
+        ringdp.all_reduce(t)
+        out["all_reduce inference tensor"] = (t, expected("SUM", world, n, torch.float32))
+        o = torch.nn.Parameter(torch.zeros(7))
+        ringdp.reduce_scatter_tensor(o, value(rank, 7 * world, world=world))
+        out["reduce_scatter Parameter"] = (o.detach().clone(), expected("SUM", world, 7 * world, torch.float32)[rank * 7:(rank + 1) * 7])
+        g = torch.nn.Parameter(torch.zeros(5 * world))
+        ringdp.all_gather_into_tensor(g, value(rank, 5, world=world))
+        out["all_gather Parameter"] = (g.detach().clone(), torch.cat([value(q, 5, world=world) for q in range(world)]))
+        b = torch.nn.Parameter(value(rank, n, world=world))
+        ringdp.broadcast(b, world - 1)
+        out["broadcast Parameter"] = (b.detach().clone(), value(world - 1, n, world=world))
+    (b * b).sum().backward()  # (still a leaf that trains)
+    out["grad"] = (b.grad, 2 * value(world - 1, n, world=world))
+    return out
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "aab"])
+def test_parameters_and_inference_tensors_across_hosts(hosts):
+    _assert_each_exact(case_tensors_autograd_guards, hosts)
 
 
 def case_collectives(rank, world, hosts, hierarchy=None):
@@ -1274,3 +1321,132 @@ def test_cross_host_wait_in_slices():
     with pytest.raises(RuntimeError):
         h._await(w, 0.5)
     assert w.waits <= 0.5 / (poll / 2) + 2, w.waits
+
+
+def test_wrapped_gloo_works_wait_without_timeout():
+    """_Folded and _NanAware wrap gloo Works; their wait() without a timeout waits as a gloo
+    Work's does: it passed timeout=None, which c10d's Work.wait refuses (a TypeError), and
+    CrossHost._await re-waits a work done just after its slice exactly so, so a good call
+    failed with that TypeError now and then and a gloo failure came out as one (a helper's
+    review, 2026-12-07). Also through _await, a work whose slice ended a moment before it
+    was done."""
+    from torch.distributed.distributed_c10d import ProcessGroupGloo
+
+    from ringdp import hosts
+
+    pg = ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    t = torch.ones(4)
+    w = pg.allreduce([t])
+    w.wait()
+    for wrapped in (hosts._Folded(w, t, 2, 1, 0), hosts._NanAware(t, dist.ReduceOp.MIN).then(w, w)):
+        wrapped.wait()
+        wrapped.wait(timedelta(seconds=1))
+
+    class Late:  # done, but its first (sliced) wait raised "timed out"
+        def __init__(self, inner):
+            self.inner, self.n = inner, 0
+
+        def wait(self, timeout=None):
+            self.n += 1
+            if self.n == 1:
+                raise RuntimeError("Operation timed out!")
+            return self.inner.wait(timeout=timeout)
+
+        def is_completed(self):
+            return True
+
+    late = Late(hosts._Folded(w, t, 2, 1, 0))
+    _waiter(_FakeStore())._await(late, 5.0)
+    assert late.n == 2
+
+
+def case_call_timeout_longer(rank, world, hosts, late):
+    """A call's timeout= above the communicator's, one rank `late` s late (more than the
+    communicator's timeout, less than the call's): every rank's call ends well."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=3)
+    n = 4099
+    got = []
+    for call in ("all_reduce", "broadcast"):
+        t = value(rank, n, world=world)
+        ringdp.all_reduce(t.clone())  # (everyone set up)
+        if rank == world - 1:
+            time.sleep(late)
+        t0 = time.monotonic()
+        if call == "all_reduce":
+            ringdp.all_reduce(t, timeout=30)
+            want = expected("SUM", world, n, torch.float32)
+        else:
+            ringdp.broadcast(t, 0, timeout=30)
+            want = value(0, n, world=world)
+        got.append((call, torch.equal(t, want), time.monotonic() - t0))
+    return got
+
+
+def test_call_timeout_longer_than_the_communicators_across_hosts():
+    """The gloo steps across hosts take the call's timeout (policy.cross_host_timeout of it):
+    they took the communicator's, so a call with a longer timeout= failed across hosts at
+    0.9 x the communicator's ("its limit 27 s" after 2.7 s) where on one host it waited (a
+    helper's review, 2026-12-07)."""
+    late = 5.0
+    for r, got in enumerate(values(run_ranks(case_call_timeout_longer, 4, list("aabb"), late, timeout=120))):
+        for call, ok, took in got:
+            assert ok, (r, call)
+            if r != 3:  # (the late rank's own call did not wait)
+                assert took >= late - 1.0, (r, call, took)
+
+
+def case_own_step_failure(rank, world, hosts, stuck_s):
+    """Rank 1 (host a) alive but stuck past the timeout in its second call: rank 0, its host
+    peer, fails its in-host step naming rank 1; its call check then fails too (host b's
+    ranks gave up on it meanwhile). The error rank 0 raises is its own step's."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=3)
+    ringdp.all_reduce(torch.ones(1000))
+    if rank == 1:
+        time.sleep(stuck_s)
+        return None
+    try:
+        ringdp.all_reduce(torch.ones(1000))
+    except ringdp.RingError as e:
+        time.sleep(2)  # (rank 1 may still be asleep; leave together)
+        return str(e)
+    return "no error"
+
+
+def test_own_step_failure_is_the_error_raised():
+    """_begin: a rank whose first in-host step failed raises that error even when its call
+    check fails after it (it raised the check's instead, "Connection closed by peer", and no
+    rank's error named the stuck rank: a helper's review, 2026-12-07), as _begin_overlapped
+    does."""
+    res = values(run_ranks(case_own_step_failure, 4, list("aabb"), 8.0, timeout=120))
+    assert res[1] is None
+    assert res[0].startswith("rank 0: reduce_scatter") and "waiting for rank 1" in res[0], res[0]
+    assert all(isinstance(m, str) and m != "no error" for m in (res[0], res[2], res[3])), res
+
+
+def case_cross_group_set_up_fails(rank, world, hosts):
+    """Rank 3's gloo group across hosts cannot be made (its constructor raises here):
+    rank 3 and its group's peer, rank 1 (left waiting for it in the store), raise a
+    RingError naming the group's ranks, not torch's bare errors."""
+    from ringdp import hosts as hosts_mod
+
+    if rank == 3:
+        def refuse(*args, **kwargs):
+            raise RuntimeError("no route to the other host (injected)")
+
+        hosts_mod.ProcessGroupGloo = refuse
+    try:
+        _as_host(rank, hosts, timeout=3)
+    except Exception as e:  # noqa: BLE001 -- its type is the point
+        return f"{type(e).__name__}: {e}"
+    return "set up"
+
+
+def test_cross_group_set_up_failure_is_a_ring_error():
+    res = values(run_ranks(case_cross_group_set_up_fails, 4, list("aabb"), timeout=120))
+    for r in (1, 3):
+        assert res[r].startswith(f"RingError: rank {r}: setting up the gloo group across hosts (ranks [1, 3]"), res[r]
+    assert "injected" in res[3], res[3]
