@@ -587,13 +587,14 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         return self._comm.all_reduce(t, op=_OP_NAMES[code], async_op=async_op, timeout=timeout)
 
     def _all_reduce_each(self, tensors, reduce_op, opts):
-        """Each of `tensors` all-reduced on its own (non-contiguous ones through a copy; a
-        repeat of one through a copy whose result is dropped: _repeats_copied)."""
-        each = _repeats_copied(tensors)
-        run, copy_back = _staged(each)
+        """Each of `tensors` all-reduced on its own, non-contiguous ones and those sharing
+        memory with an earlier one (_aliasing) through a copy made now, copied back in order:
+        every entry is reduced from the values before the call, once, as gloo's coalesced
+        all-reduce does (in place, a tensor passed twice came out world x world times its
+        value), and every rank makes one collective per entry whatever its tensors' aliasing."""
+        run, copy_back = _staged(tensors, copied=[how is not None for how in _aliasing(tensors)])
         timeout, async_op = _timeout_s(opts), _async(opts)
-        return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t and r is u)
-                         for r, t, u in zip(run, each, tensors)],
+        return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t) for r, t in zip(run, tensors)],
                         tensors, copy_back, cuda_devices=_devices(tensors))
 
     def allreduce(self, tensors, opts=None):
@@ -803,8 +804,12 @@ def _premultiplied(tensors, opts, options_type):
     kind, factor = _op_of(opts.reduceOp)
     if factor is None or any(t.is_cuda for t in tensors):
         return opts
-    for t, repeat in zip(tensors, _repeats(tensors)):  # (the same tensor twice in a list is scaled once)
-        if not repeat:
+    aliasing = _aliasing(tensors)
+    if "partly" in aliasing:
+        raise ValueError(f"ringdp: PREMUL_SUM of a list whose tensors partly overlap (entry {aliasing.index('partly')}): "
+                         f"their shared elements cannot be scaled once each; scale them and use SUM")
+    for t, how in zip(tensors, aliasing):  # (each element once: a tensor again, or a view inside one, is not)
+        if how is None:
             _scale(t, factor)
     new = options_type()
     new.reduceOp = dist.ReduceOp.SUM
@@ -812,23 +817,33 @@ def _premultiplied(tensors, opts, options_type):
     return new
 
 
-def _repeats(tensors) -> list[bool]:
-    """For each of `tensors`, whether an earlier one is the same (memory, shape, strides and
-    dtype: a tensor passed twice, two equal views of it; never an empty one)."""
-    seen, out = set(), []
+def _span(t):
+    """(storage, first byte, end byte) of the memory that `t`'s elements lie in; None when empty."""
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    lo = t.storage_offset() * size
+    return t.untyped_storage().data_ptr(), lo, lo + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * size
+
+
+def _aliasing(tensors) -> list:
+    """For each of `tensors`, how it shares memory with an earlier one: None (it does not,
+    or it is empty), "within" (every element of it lies in one earlier contiguous tensor:
+    that tensor again, another view or a slice of it) or "partly"."""
+    spans, out = [], []
     for t in tensors:
-        key = (t.data_ptr(), t.device, tuple(t.shape), t.stride(), t.dtype)
-        out.append(t.numel() > 0 and key in seen)
-        seen.add(key)
+        sp = _span(t)
+        how = None
+        if sp is not None:
+            for (ptr, lo, hi), contiguous in spans:
+                if ptr == sp[0] and lo < sp[2] and sp[1] < hi:
+                    if contiguous and lo <= sp[1] and sp[2] <= hi:
+                        how = "within"
+                        break
+                    how = "partly"
+            spans.append((sp, t.is_contiguous()))
+        out.append(how)
     return out
-
-
-def _repeats_copied(tensors) -> list:
-    """`tensors` with each repeat of one (_repeats) replaced by a copy of it made now, whose
-    result is dropped: every entry is reduced once, as gloo's coalesced all-reduce does
-    (reduced twice in place, a tensor passed twice came out world x world times its
-    value), and every rank makes one collective per entry whatever its tensors' aliasing."""
-    return [t.clone() if repeat else t for t, repeat in zip(tensors, _repeats(tensors))]
 
 
 def _same_length(what, outputs, inputs) -> None:
@@ -844,17 +859,18 @@ def _devices(tensors):
     return devs or None
 
 
-def _staged(tensors):
+def _staged(tensors, copied=None):
     """(the tensors a collective runs on, the copy-out or None): a non-contiguous CPU tensor
-    runs through a contiguous copy of it, copied back when the collective ends (RingWork's
-    finalize); the others as they are. So the ranks' routing never depends on their layouts,
-    and no layout reaches gloo, which mishandles some (a strided broadcast)."""
+    (and each one that `copied` flags) runs through a contiguous copy of it, copied back
+    when the collective ends (RingWork's finalize), in order; the others as they are. So the
+    ranks' routing never depends on their layouts, and no layout reaches gloo, which
+    mishandles some (a strided broadcast)."""
     run, back = [], []
-    for t in tensors:
-        if t.is_contiguous() or t.is_cuda:
+    for k, t in enumerate(tensors):
+        if (t.is_contiguous() or t.is_cuda) and not (copied and copied[k]):
             run.append(t)
         else:
-            c = t.contiguous()
+            c = t.clone(memory_format=torch.contiguous_format)
             run.append(c)
             back.append((t, c))
     if not back:

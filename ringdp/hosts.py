@@ -136,8 +136,10 @@ def _below_autograd(collective):
     """A collective whose steps write the caller's tensors with torch ops (copies, AVG's
     division), run below autograd as on one host, where the C++ transports write them
     (_types.below_autograd: a Parameter, a view of one, an inference tensor; they raised
-    across hosts, 2026-12-07). Every step of a call runs inside it, so the scratch buffers
-    it makes (_scratch) are only ever written there."""
+    across hosts, 2026-12-07). Every step of a call runs inside it, and so does every wait
+    for a gloo work (_await, _drain): the temporaries a call makes are inference tensors,
+    which gloo may write in its wait() (a reduce-scatter's output). The lasting scratch
+    buffers (_scratch) are made as normal tensors."""
     @functools.wraps(collective)
     def run(*args, **kwargs):
         with _types.below_autograd():
@@ -227,6 +229,7 @@ class CrossHost:
                 cross = ProcessGroupGloo(store, members.index(comm.rank), len(members),
                                          timeout=timedelta(seconds=policy.cross_host_timeout(comm.timeout)))
             except Exception as e:  # (a peer that never came: the store's wait; gloo's own errors)
+                inhost = None  # (its segment let go now, not when the traceback that holds this frame goes)
                 raise RingError(f"rank {comm.rank}: setting up the gloo group across hosts (ranks {members}, "
                                 f"{path} path) failed: {type(e).__name__}: {e}") from e
         made = cls(comm, path, inhost, cross, members if members else [])
@@ -708,7 +711,8 @@ class CrossHost:
         nbytes = numel * dtype.itemsize
         buf = self._buffers.get(role)
         if buf is None or buf.numel() < nbytes:
-            buf = self._buffers[role] = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # (a normal tensor, though made inside _below_autograd)
+                buf = self._buffers[role] = torch.empty(max(nbytes, 64), dtype=torch.uint8, device=self.device)
         return buf[:nbytes].view(dtype)
 
     def _segment_elements(self, n: int) -> int:

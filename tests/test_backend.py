@@ -2112,8 +2112,10 @@ def case_what_gloo_accepts(rank, world):
     closed forms: a transposed Parameter broadcast, a channels_last Parameter all-reduced
     (async too), an inference tensor (made in
     inference mode, reduced outside it), PREMUL_SUM of a Parameter (ringdp's alone: gloo has
-    no PREMUL_SUM), the same tensor twice in a PREMUL_SUM list scaled once and in a coalesced
-    all-reduce reduced once (it was reduced twice: world x world times), a reduce-scatter
+    no PREMUL_SUM), the same tensor twice in a PREMUL_SUM list scaled once (one that partly
+    overlaps another refused) and tensors sharing memory in a coalesced all-reduce (the same
+    one twice, a view, a slice) each reduced once, from the values before the call (the same
+    tensor twice came out world x world times its value), a reduce-scatter
     whose output is the start of its input and an all-gather whose input is the start of its
     output. Also: coalesced lists of different lengths refused (ringdp wrote the first
     pairs and left the rest), the barrier's future value [] as gloo's, and a chain of Works
@@ -2150,9 +2152,11 @@ def case_what_gloo_accepts(rank, world):
             dist.all_gather_into_tensor(a, a[:2], group=g)
             out[key("all_gather input a[:2] of output a")] = (
                 a.clone(), torch.cat([base[:2] + 10 * q for q in range(world)]))
-            t = torch.full((3,), rank + 1.0)
-            _pg_of(g).allreduce_coalesced([t, t], dist.AllreduceCoalescedOptions()).wait()
-            out[key("allreduce_coalesced of [t, t]")] = (t, torch.full((3,), world * (world + 1) / 2))
+            for name, entries in [("[t, t]", lambda t: [t, t]), ("[t, t.view(2, 2)]", lambda t: [t, t.view(2, 2)]),
+                                  ("[t, t[:2]]", lambda t: [t, t[:2]]), ("[t[1:], t]", lambda t: [t[1:], t])]:
+                t = torch.arange(4.0) + rank + 1
+                _pg_of(g).allreduce_coalesced(entries(t), dist.AllreduceCoalescedOptions()).wait()
+                out[key(f"allreduce_coalesced of {name}")] = (t, torch.arange(4.0) * world + world * (world + 1) / 2)
             if backend == "cpu:ringdp":
                 pm = nn.Parameter(torch.full((5,), rank + 1.0))
                 dist.all_reduce(pm, op=dist._make_nccl_premul_sum(0.5), group=g)
@@ -2162,6 +2166,12 @@ def case_what_gloo_accepts(rank, world):
                 opts.reduceOp = dist._make_nccl_premul_sum(0.5)
                 _pg_of(g).allreduce([t, t], opts).wait()  # (c10d's multi-tensor form: every entry of every rank)
                 out[key("PREMUL_SUM of [t, t]")] = (t, torch.full((3,), 0.5 * 2 * world * (world + 1) / 2))
+                t = torch.ones(4)
+                try:
+                    _pg_of(g).allreduce([t[:2], t[1:3]], opts).wait()
+                    out[("refused", k)] = None
+                except ValueError as e:
+                    out[("refused", k)] = str(e)
         pg = _pg_of(g)
         refused = {}
         for what, call in [
@@ -2202,6 +2212,8 @@ def test_what_gloo_accepts(pool):
             for what, e in out[(backend, "refused")].items():
                 assert e is not None, f"rank {r} {backend} {what}: lists of different lengths accepted"
         assert all("2 outputs for 1 inputs" in e for e in out[("cpu:ringdp", "refused")].values()), out
+        for k in range(2):  # (PREMUL_SUM of partly overlapping entries: no way to scale each element once)
+            assert "partly overlap (entry 1)" in out[("refused", k)], out[("refused", k)]
         # each part got what was left of the one timeout: 1.0, then ~0.7, then ~0.4
         d = out["chain deadlines"]
         assert d[0] <= 1.0 and d[1] <= 0.75 and d[2] <= 0.45 and d[2] > 0, d

@@ -331,6 +331,67 @@ def test_one_element_views_across_hosts(hosts):
 def case_tensors_autograd_guards(rank, world, hosts):
     """Parameters (leaves that require grad) and inference tensors, which one host's C++
     transports write below autograd, across hosts too, where the steps are torch ops: every
+    collective, AVG's division included, at a size that goes with the call check and one
+    whose data goes through gloo's steps, twice (each raised "a view of a leaf Variable that
+    requires grad is being used in an in-place operation" or "Inplace update to inference
+    tensor outside InferenceMode", 2026-12-07). Their versions count the writes; a Parameter
+    still trains."""
+    import ringdp
+
+    _as_host(rank, hosts, timeout=20)
+    out = {}
+
+    def inference(t):
+        with torch.inference_mode():
+            return t.clone()
+
+    for n in (4099, 300_007):
+        for k in range(2):
+            key = lambda name: f"{name} n={n} #{k}"  # noqa: E731
+            p = torch.nn.Parameter(value(rank, n, world=world))
+            v0 = p._version
+            ringdp.all_reduce(p, op=dist.ReduceOp.AVG)
+            out[key("all_reduce AVG Parameter")] = (p.detach().clone(), expected("AVG", world, n, torch.float32))
+            out[key("version counts the write")] = (torch.tensor(p._version > v0), torch.tensor(True))
+            t = inference(value(rank, n, world=world))
+            ringdp.all_reduce(t)
+            out[key("all_reduce inference tensor")] = (t, expected("SUM", world, n, torch.float32))
+            m = n // world + 1
+            want = expected("SUM", world, m * world, torch.float32)[rank * m:(rank + 1) * m]
+            for kind, o in (("Parameter", torch.nn.Parameter(torch.zeros(m))), ("inference", inference(torch.zeros(m)))):
+                ringdp.reduce_scatter_tensor(o, value(rank, m * world, world=world))
+                out[key(f"reduce_scatter into {kind}")] = (o.detach().clone(), want)
+            gathered = torch.cat([value(q, m, world=world) for q in range(world)])
+            for kind, o in (("Parameter", torch.nn.Parameter(torch.zeros(m * world))),
+                            ("inference", inference(torch.zeros(m * world)))):
+                ringdp.all_gather_into_tensor(o, value(rank, m, world=world))
+                out[key(f"all_gather into {kind}")] = (o.detach().clone(), gathered)
+            for kind, b in (("Parameter", torch.nn.Parameter(value(rank, n, world=world))),
+                            ("inference", inference(value(rank, n, world=world)))):
+                ringdp.broadcast(b, world - 1)
+                out[key(f"broadcast {kind}")] = (b.detach().clone(), value(world - 1, n, world=world))
+    p = torch.nn.Parameter(value(rank, 7, world=world))
+    ringdp.broadcast(p, world - 1)
+    (p * p).sum().backward()  # (still a leaf that trains)
+    out["grad"] = (p.grad, 2 * value(world - 1, 7, world=world))
+    return out
+
+
+def _assert_each_exact(case, hosts):
+    """Run `case` on simulated `hosts`; every rank's {name: (got, want)} bitwise equal."""
+    for r, out in enumerate(values(run_ranks(case, len(hosts), list(hosts), timeout=120))):
+        for name, (got, want) in out.items():
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=lambda m: f"rank {r} {name}: {m}")
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "ab"])
+def test_one_element_views_across_hosts(hosts):
+    _assert_each_exact(case_one_element_views, hosts)
+
+
+def case_tensors_autograd_guards(rank, world, hosts):
+    """Parameters (leaves that require grad) and inference tensors, which one host's C++
+    transports write below autograd, across hosts too, where the steps are torch ops: every
     collective, AVG's division included, twice (each raised "a view of a leaf Variable that
     requires grad is being used in an in-place operation" or "Inplace update to inference
     tensor outside InferenceMode", 2026-12-07). Their versions count the writes; a Parameter
@@ -1366,31 +1427,41 @@ def case_call_timeout_longer(rank, world, hosts, late):
     import ringdp
 
     _as_host(rank, hosts, timeout=3)
-    n = 4099
     got = []
-    for call in ("all_reduce", "broadcast"):
-        t = value(rank, n, world=world)
-        ringdp.all_reduce(t.clone())  # (everyone set up)
-        if rank == world - 1:
-            time.sleep(late)
-        t0 = time.monotonic()
-        if call == "all_reduce":
-            ringdp.all_reduce(t, timeout=30)
-            want = expected("SUM", world, n, torch.float32)
-        else:
-            ringdp.broadcast(t, 0, timeout=30)
-            want = value(0, n, world=world)
-        got.append((call, torch.equal(t, want), time.monotonic() - t0))
+    for n in (4096, 300_000):  # (with the call check; through gloo's steps)
+        for call in ("all_reduce", "broadcast", "reduce_scatter", "all_gather"):
+            t = value(rank, n, world=world)
+            ringdp.all_reduce(t.clone())  # (everyone set up)
+            if rank == world - 1:
+                time.sleep(late)
+            t0 = time.monotonic()
+            m = n // world
+            if call == "all_reduce":
+                ringdp.all_reduce(t, timeout=30)
+                want = expected("SUM", world, n, torch.float32)
+            elif call == "broadcast":
+                ringdp.broadcast(t, 0, timeout=30)
+                want = value(0, n, world=world)
+            elif call == "reduce_scatter":
+                src, t = t, torch.empty(m)
+                ringdp.reduce_scatter_tensor(t, src, timeout=30)
+                want = expected("SUM", world, n, torch.float32)[rank * m:(rank + 1) * m]
+            else:
+                src, t = value(rank, m, world=world), torch.empty(n)
+                ringdp.all_gather_into_tensor(t, src, timeout=30)
+                want = torch.cat([value(q, m, world=world) for q in range(world)])
+            got.append((f"{call} n={n}", torch.equal(t, want), time.monotonic() - t0))
     return got
 
 
 def test_call_timeout_longer_than_the_communicators_across_hosts():
-    """The gloo steps across hosts take the call's timeout (policy.cross_host_timeout of it):
+    """Every collective, with the call check and through gloo's steps: the gloo steps
+    across hosts take the call's timeout (policy.cross_host_timeout of it):
     they took the communicator's, so a call with a longer timeout= failed across hosts at
     0.9 x the communicator's ("its limit 27 s" after 2.7 s) where on one host it waited (a
     helper's review, 2026-12-07)."""
-    late = 5.0
-    for r, got in enumerate(values(run_ranks(case_call_timeout_longer, 4, list("aabb"), late, timeout=120))):
+    late = 4.0
+    for r, got in enumerate(values(run_ranks(case_call_timeout_longer, 4, list("aabb"), late, timeout=200))):
         for call, ok, took in got:
             assert ok, (r, call)
             if r != 3:  # (the late rank's own call did not wait)
