@@ -114,6 +114,7 @@ _GLOO_OPS = {_types.SUM: dist.ReduceOp.SUM, _types.MIN: dist.ReduceOp.MIN, _type
 ABORT_POLL_S = 0.1  # a cross-host wait's slice: how soon it sees this rank's abort() (CrossHost._await)
 ABORT_STORE_POLL_S = 0.5  # how often a cross-host wait that lasts looks in the store for a peer's abort()
 ABORT_LOOK_S = 0.5  # how long a failed cross-host step waits for that look (_gloo_failed: was an abort the cause?)
+REASON_WAIT_S = 5.0  # how long a rank waits for a failed member's reason in the store (_reason)
 
 
 def _by_host(comm) -> list[list[int]]:
@@ -1007,9 +1008,14 @@ class CrossHost:
     def _reason(self, rank: int, number: int | str) -> str:
         """The reason rank `rank` left for its FAILED row number `number` (a key per failure:
         a rank may fail its next call before a peer reads this one's reason; "fold<n>": its
-        failed step in folded call n, _fold_start)."""
+        failed step in folded call n, _fold_start). Left before its FAILED row went out, so
+        there at once, unless leaving it failed (_leave_reason): then a wait of REASON_WAIT_S,
+        not the store's own timeout (torchrun's: 30 min)."""
+        key = f"{self._reasons}{rank}/{number}"
         try:
-            return self._store().get(f"{self._reasons}{rank}/{number}").decode(errors="replace")
+            store = self._store()
+            store.wait([key], timedelta(seconds=REASON_WAIT_S))
+            return store.get(key).decode(errors="replace")
         except Exception:  # noqa: BLE001
             return "(its reason could not be read from the store)"
 

@@ -1521,3 +1521,21 @@ def test_cross_group_set_up_failure_is_a_ring_error():
     for r in (1, 3):
         assert res[r].startswith(f"RingError: rank {r}: setting up the gloo group across hosts (ranks [1, 3]"), res[r]
     assert "injected" in res[3], res[3]
+
+
+def test_a_missing_reason_is_not_waited_for_at_the_stores_timeout(monkeypatch):
+    """A failed member's reason is read from the store with a bounded wait (REASON_WAIT_S):
+    a reason whose leaving failed was waited for at the store's own timeout (torchrun's
+    30 minutes) before the call's RingError came out."""
+    from ringdp import hosts
+
+    monkeypatch.setattr(hosts, "REASON_WAIT_S", 0.3)
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=60))
+    h = hosts.CrossHost.__new__(hosts.CrossHost)
+    h._store, h._reasons, h.rank = (lambda: store), "reasons/", 0
+    h._leave_reason(4, "rank 0: its in-host step failed")
+    assert h._reason(0, 4) == "rank 0: its in-host step failed"
+    t0 = time.monotonic()
+    assert "could not be read" in h._reason(1, 4)
+    assert time.monotonic() - t0 < 5
