@@ -592,7 +592,8 @@ class ProcessGroupRingdp(dist.ProcessGroup):
         every entry is reduced from the values before the call, once, as gloo's coalesced
         all-reduce does (in place, a tensor passed twice came out world x world times its
         value), and every rank makes one collective per entry whatever its tensors' aliasing."""
-        run, copy_back = _staged(tensors, copied=[how is not None for how in _aliasing(tensors)])
+        copied = [how is not None for how in _aliasing(tensors)] if len(tensors) > 1 else None
+        run, copy_back = _staged(tensors, copied=copied)
         timeout, async_op = _timeout_s(opts), _async(opts)
         return RingWork([self._all_reduce(r, reduce_op, timeout, async_op, adopt=r is t) for r, t in zip(run, tensors)],
                         tensors, copy_back, cuda_devices=_devices(tensors))
