@@ -157,6 +157,14 @@ class RingDDP(nn.Module, Joinable):
         devices = {p.device for _, p in named}
         if len(devices) > 1 and device_ids:
             raise ValueError(f"RingDDP: device_ids is for single-device modules; the module spans {sorted(map(str, devices))}")
+        if device_ids is not None and len(device_ids) == 0:
+            device_ids = None  # (as torch DDP: [] is no device)
+        in_backward = [n for n, p in named if getattr(p, "_in_backward_optimizers", None)]
+        if in_backward:
+            raise NotImplementedError(
+                f"RingDDP: {len(in_backward)} parameter(s) ({', '.join(in_backward[:3])}) carry an optimizer "
+                f"applied in backward (_apply_optimizer_in_backward): it would step on local gradients before "
+                f"they are averaged; run the optimizer after backward")
         if device_ids is not None:
             if len(device_ids) != 1:
                 raise ValueError("RingDDP supports single-device modules: device_ids must be None or [device]")
@@ -187,15 +195,50 @@ class RingDDP(nn.Module, Joinable):
         else:
             cap = first = max(1, int(bucket_cap_mb * _MiB))
         self.overlap = cfg.ddp_overlap if overlap is None else bool(overlap)
-        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], process_group, cap_bytes=cap,
-                               first_cap_bytes=first, in_grad_min_bytes=cfg.ddp_in_grad_min_bytes,
-                               gradient_as_bucket_view=gradient_as_bucket_view,
-                               find_unused=find_unused_parameters, static_graph=static_graph,
+        self._caps = (cap, first, cfg.ddp_in_grad_min_bytes)
+        self._make_reducer()
+        self._comm_hook: Callable | None = None
+        self._join_hook: _RingJoinHook | None = None
+
+    def _make_reducer(self) -> None:
+        """The Reducer of the module's parameters (at construction; again in a copy: __setstate__)."""
+        named = [(n, p) for n, p in self.module.named_parameters()
+                 if p.requires_grad and n not in self.parameters_to_ignore]
+        cap, first, in_grad = self._caps
+        self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, cap_bytes=cap,
+                               first_cap_bytes=first, in_grad_min_bytes=in_grad,
+                               gradient_as_bucket_view=self.gradient_as_bucket_view,
+                               find_unused=self.find_unused_parameters, static_graph=self.static_graph,
                                overlap=self.overlap, observer=self._trace,
                                sparse=[id(p) in self._sparse_ids for _, p in named])
         self._observer: Observer = self.reducer.observer
-        self._comm_hook: Callable | None = None
-        self._join_hook: _RingJoinHook | None = None
+
+    # ------------------------------------------------------------------ copies
+    def __getstate__(self):
+        """A copy (copy.deepcopy, pickle, torch.save of the wrapper) holds the module and the
+        settings; its Reducer is made anew (as torch DDP's), on the default group only."""
+        if not _is_world(self.process_group):
+            raise RuntimeError("RingDDP can be copied or pickled only when it uses the default process group "
+                               "(as torch's DistributedDataParallel); save model.module (or its state_dict) instead")
+        state = self.__dict__.copy()
+        for k in ("reducer", "_observer", "_trace", "_join_hook", "_comm_hook"):
+            state.pop(k, None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        super().__setstate__(state)
+        self._trace, self._join_hook, self._comm_hook = None, None, None
+        self._sparse_ids = _sparse_grad_params(self.module)
+        self._make_reducer()
+
+    def _set_static_graph(self) -> None:
+        """As torch DDP's: static_graph=True, set after construction, before the first backward."""
+        if self.static_graph:
+            warnings.warn("RingDDP: you've set static_graph to be True, no need to set it again", stacklevel=2)
+            return
+        if self.reducer.step > 0:
+            raise RuntimeError("RingDDP: _set_static_graph() must be called before the first backward")
+        self.static_graph = self.reducer.static_graph = True
 
     # ------------------------------------------------------------------ properties
     @property
@@ -367,16 +410,16 @@ class RingDDP(nn.Module, Joinable):
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """hook(state, bucket: GradBucket) -> torch.futures.Future of the reduced bucket (a
-        Work with get_future() also does); see ringdp.comm_hooks. Call before the first
-        backward, at most once. Parameters with sparse gradients are not given to the hook
+        Work with get_future() also does); see ringdp.comm_hooks. Call at most once, outside a
+        backward (from the next backward on). Parameters with sparse gradients are not given to the hook
         (torch DDP gives it each one as a bucket of its own): they are reduced as without a
         hook, divided by the world size (or join's divisor) and summed."""
         if self._comm_hook is not None:
             raise RuntimeError("RingDDP: register_comm_hook can only be called once")
         if not callable(hook):
             raise TypeError("RingDDP.register_comm_hook: hook must be callable")
-        if self.reducer.step > 0:
-            raise RuntimeError("RingDDP: register_comm_hook must be called before the first backward")
+        if self.reducer._in_backward:
+            raise RuntimeError("RingDDP: register_comm_hook cannot be called during a backward")
         self._comm_hook = hook
         self.reducer.set_comm_hook(state, hook)
 

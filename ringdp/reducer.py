@@ -50,6 +50,7 @@ what the Reducer does (ringdp.trace.DDPTrace writes the Chrome trace).
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import weakref
 from typing import Callable
@@ -194,7 +195,8 @@ class Reducer:
         self._next_launch = 0
         self._in_backward = False
         self._broken: str | None = None  # why this rank can no longer take part (unfinished step)
-        self._sync = False
+        self._sync = False  # a synchronising forward since the last backward
+        self._requeue = False  # finalize handed over by a reentrant backward's end (_finalize_callback)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
 
@@ -211,6 +213,7 @@ class Reducer:
         self._unused: list[int] = []  # locally unused since the last synchronised backward
         self._unused_now: list[int] = []  # not reached by the latest forward's graph (no hook fires)
         self._used_since_sync: set[int] = set()  # used by forwards under no_sync since then
+        self._carried: set[int] = set()  # those, at the synchronising forward (_unused_at_the_end)
         self._static_unused: set[int] | None = None  # globally unused, for static_graph
         self._static_unused_local: list[int] = []  # locally unused, for static_graph
         self._usage: torch.Tensor | None = None
@@ -377,13 +380,20 @@ class Reducer:
         backward's synchronisation off, silently."""
         if not torch.is_grad_enabled():
             return
-        self._sync = sync
+        armed = self._sync  # a synchronising forward since the last backward: it still syncs (as torch)
+        self._sync = armed or sync
         if self.tracks_unused:
-            now = self._find_unused(outputs)
-            if sync:  # a parameter used under no_sync since the last sync counts as used (as torch)
+            # static_graph's first backward learns what is used from the hooks themselves (those
+            # that never fire: finalize): the walk cannot see inside a reentrant checkpoint
+            now = [] if not self.find_unused else self._find_unused(outputs)
+            if armed:  # another forward before the backward: a parameter either used is used
+                now = set(now)
+                self._unused_now = [i for i in self._unused_now if i in now]
+                self._unused = [i for i in self._unused if i in now]
+            elif sync:  # a parameter used under no_sync since the last sync counts as used (as torch)
                 self._unused_now = now
                 self._unused = [i for i in now if i not in self._used_since_sync]
-                self._used_since_sync = set()
+                self._carried, self._used_since_sync = self._used_since_sync, set()
             else:
                 unused = set(now)
                 self._used_since_sync.update(i for i in range(len(self.params)) if i not in unused)
@@ -421,19 +431,42 @@ class Reducer:
         if not self.rebuilt:  # the order of the backward that rebuilds (not of one that failed)
             self.ready_order = []
         self._usage_future = None
-        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
+        self._queue_finalize()
         self.observer.on_backward(self.step, now_us())
         if self.tracks_unused:
-            if self._usage is None:
-                self._usage = self.alloc(len(self.params), torch.int32, self.device)
-            self._usage.fill_(1)
-            if self._unused:
-                self._usage[torch.tensor(self._unused, dtype=torch.long, device=self._usage.device)] = 0
-            if self.world > 1:
-                self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
             self._mark_unreached(self._unused_now)
         elif self._static_unused_local:
             self._mark_unreached(self._static_unused_local)
+
+    def _queue_finalize(self) -> None:
+        """finalize() at the end of the backward running now (an autograd callback). Queued by
+        the first hook, on its graph task: inside a reentrant checkpoint's backward that task
+        is the inner one, which ends first; its callback then hands over (_finalize_callback)
+        and the next hook queues it again, on the outer task."""
+        self._requeue = False
+        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
+
+    def all_ready(self) -> bool:
+        """Whether every bucket of this backward is complete."""
+        return all(b.pending == 0 for b in self.buckets)
+
+    def _unused_at_the_end(self) -> None:
+        """End of a backward that tracks unused parameters: those whose hook never fired (an
+        output the loss ignored: reachable, no gradient; on static_graph's first backward,
+        every unused one) are unused here, as in torch DDP; then the usage map is all-reduced,
+        after the buckets on every rank (shadow_backward too), as torch does."""
+        missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
+        self._mark_unreached(missing)
+        self._unused_now = sorted(set(self._unused_now) | set(missing))
+        unused = set(self._unused) | {i for i in missing if i not in self._carried}
+        if self._usage is None:
+            self._usage = self.alloc(len(self.params), torch.int32, self.device)
+        self._usage.fill_(1)
+        if unused:
+            self._usage[torch.tensor(sorted(unused), dtype=torch.long, device=self._usage.device)] = 0
+        self._launch_ready()
+        if self.world > 1:
+            self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
 
     def _mark_unreached(self, indices: list[int]) -> None:
         """Parameters whose hooks will not fire in this backward are ready at once, with the
@@ -448,10 +481,11 @@ class Reducer:
         if self._ready[i]:
             raise RuntimeError(
                 f"RingDDP: parameter {self.names[i]!r} received its gradient twice in one backward "
-                f"pass (reentrant backward, e.g. activation checkpointing with use_reentrant=True, or a "
-                f"parameter shared between several RingDDP models, or a backward run again after one "
-                f"died on this rank without a new forward); RingDDP supports one gradient per parameter "
-                f"per backward")
+                f"pass (a parameter used in two reentrant checkpoints, use_reentrant=True; one inside such a "
+                f"checkpoint with find_unused_parameters=True, whose walk of the graph cannot see into it "
+                f"(static_graph=True instead, or use_reentrant=False); a parameter shared between several "
+                f"RingDDP models; or a backward run again after one died on this rank without a new "
+                f"forward); RingDDP supports one gradient per parameter per backward")
         self._ready[i] = True
         if i in self._sparse:  # in no bucket: reduced at the end of backward
             self._sparse.check(i, None if param is None else param.grad)
@@ -552,6 +586,8 @@ class Reducer:
         being reduced); rebuild the buckets after the first synchronised backward."""
         t_bwd_end = now_us()
         try:
+            if self.tracks_unused:
+                self._unused_at_the_end()
             self._launch_ready()  # without overlap nothing was launched yet
             if self._next_launch < len(self.buckets):
                 missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
@@ -594,7 +630,7 @@ class Reducer:
             self.abandon()
             raise
         finally:
-            self._in_backward = False
+            self._in_backward = self._sync = False  # (the next backward syncs after a synchronising forward)
             self.step += 1
 
     def abandon(self) -> None:
@@ -652,16 +688,16 @@ class Reducer:
         step (the reductions' tags match those of the ranks that train)."""
         try:
             tracks = self.tracks_unused
-            if tracks:
+            for b in self.buckets:
+                b.reset()
+                b.buffer.zero_()
+                self._launch(b)
+            if tracks:  # (after the buckets, as the ranks that train: _unused_at_the_end)
                 if self._usage is None:
                     self._usage = self.alloc(len(self.params), torch.int32, self.device)
                 self._usage.zero_()
                 if self.world > 1:
                     self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map")).wait()
-            for b in self.buckets:
-                b.reset()
-                b.buffer.zero_()
-                self._launch(b)
             self._sparse.launch(self.divisor, shadow=True)
             for b in self.buckets:
                 self._wait(b)
@@ -701,6 +737,8 @@ def _grad_hook(selfref, i: int):
             return
         if not r._in_backward:
             r._begin_backward()
+        elif r._requeue:
+            r._queue_finalize()
         r.mark_ready(i, param)
 
     return hook
@@ -709,7 +747,27 @@ def _grad_hook(selfref, i: int):
 def _finalize_callback(selfref):
     def finalize():
         r = selfref()
-        if r is not None:
-            r.finalize()
+        if r is None or not r._in_backward:
+            return
+        if not r.all_ready() and _in_a_functions_backward():
+            # a reentrant backward (a checkpoint's, use_reentrant=True) ended inside the outer
+            # one, which has more gradients to come: the next hook queues finalize there
+            r._requeue = True
+            return
+        r.finalize()
 
     return finalize
+
+
+_BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def _in_a_functions_backward() -> bool:
+    """Whether this thread runs inside a custom autograd Function's backward (then inside a
+    backward that goes on after this one: a reentrant checkpoint's)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _BACKWARD_APPLY:
+            return True
+        f = f.f_back
+    return False
