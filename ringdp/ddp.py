@@ -221,13 +221,14 @@ class RingDDP(nn.Module, Joinable):
             raise RuntimeError("RingDDP can be copied or pickled only when it uses the default process group "
                                "(as torch's DistributedDataParallel); save model.module (or its state_dict) instead")
         state = self.__dict__.copy()
-        for k in ("reducer", "_observer", "_trace", "_join_hook", "_comm_hook"):
+        for k in ("reducer", "_observer", "_trace", "_join_hook", "_comm_hook", "process_group"):
             state.pop(k, None)
         return state
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
-        self._trace, self._join_hook, self._comm_hook = None, None, None
+        self._trace, self._join_hook, self._comm_hook, self.process_group = None, None, None, None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()  # (this process's: not the saver's)
         self._sparse_ids = _sparse_grad_params(self.module)
         self._make_reducer()
 

@@ -356,7 +356,17 @@ class Reducer:
         its remaining reductions, and this rank's next ones would be paired with theirs of
         the older step. Then this and every later forward raise, as torch DDP's "Expected to
         have finished reduction in the prior iteration"."""
-        if self._in_backward:
+        if self._requeue:  # (handed over by a reentrant backward's end, and no hook came after)
+            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
+            self.abandon()
+            self._requeue = False
+            self._broken = (
+                f"RingDDP on rank {self.rank}: the backward of step {self.step} ended inside a reentrant "
+                f"checkpoint's backward (torch.utils.checkpoint with use_reentrant=True) while {len(missing)} "
+                f"parameter(s) had received no gradient ({', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}), "
+                f"so RingDDP could not finish its reduction: the gradients of that step were not averaged. Use "
+                f"use_reentrant=False, or make every parameter take part in the loss")
+        elif self._in_backward:
             launched, usage = self._next_launch, self._usage_future is not None
             self.abandon()  # the started reductions complete: the peers made them too
             if launched or usage:
@@ -394,7 +404,7 @@ class Reducer:
                 self._unused_now = now
                 self._unused = [i for i in now if i not in self._used_since_sync]
                 self._carried, self._used_since_sync = self._used_since_sync, set()
-            else:
+            elif self.find_unused:  # (static_graph's first backward: its hooks say it, _grad_hook)
                 unused = set(now)
                 self._used_since_sync.update(i for i in range(len(self.params)) if i not in unused)
 
@@ -447,8 +457,8 @@ class Reducer:
         torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
 
     def all_ready(self) -> bool:
-        """Whether every bucket of this backward is complete."""
-        return all(b.pending == 0 for b in self.buckets)
+        """Whether every bucket of this backward is complete and every sparse gradient came."""
+        return all(b.pending == 0 for b in self.buckets) and all(self._ready[i] for i in self._sparse.indices)
 
     def _unused_at_the_end(self) -> None:
         """End of a backward that tracks unused parameters: those whose hook never fired (an
@@ -733,7 +743,11 @@ def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
 def _grad_hook(selfref, i: int):
     def hook(param):
         r = selfref()
-        if r is None or not r._sync:
+        if r is None:
+            return
+        if not r._sync:
+            if r.tracks_unused:  # (used under no_sync: the next synchronised backward counts it used)
+                r._used_since_sync.add(i)
             return
         if not r._in_backward:
             r._begin_backward()

@@ -5,6 +5,7 @@ that run one case per test, so each test pays for the case, not for importing to
 Cases are the module-level `case_*` functions, passed to `pool.run` by reference."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -534,7 +535,8 @@ USAGE_SCENARIOS = {  # name: (constructor arguments, checkpoint the head, what a
     "sync forward, then one under no_sync, one backward": ({}, False, "sync_then_nosync frozen"),
     "a second backward without a forward": ({"find_unused_parameters": True}, False, "twice"),
     "deepcopy": ({"find_unused_parameters": True}, False, "first deepcopy"),
-    "pickled and loaded": ({"find_unused_parameters": True}, False, "first pickle"),
+    "pickled on rank 0, loaded on every rank": ({"find_unused_parameters": True}, False, "first pickle"),
+    "deepcopy, process_group=WORLD": ({"find_unused_parameters": True}, False, "first deepcopy world"),
 }
 
 
@@ -557,7 +559,10 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
             net.unused.requires_grad_(False)
             net.aux.requires_grad_(False)
         as_torch = name == "torch" and "torch: find_unused" in scenario
-        m = cls(net, **({"find_unused_parameters": True} if as_torch else kwargs))
+        kw = dict({"find_unused_parameters": True} if as_torch else kwargs)
+        if "world" in how:
+            kw["process_group"] = dist.group.WORLD
+        m = cls(net, **kw)
         if "set_static" in how and not as_torch:
             m._set_static_graph()
         if "deepcopy" in how:
@@ -565,7 +570,9 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
         if "pickle" in how:
             buf = io.BytesIO()
             torch.save(m, buf)
-            m = torch.load(io.BytesIO(buf.getvalue()), weights_only=False)
+            saved = [buf.getvalue()]
+            dist.broadcast_object_list(saved, src=0)  # (rank 0's copy on every rank)
+            m = torch.load(io.BytesIO(saved[0]), weights_only=False)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         grads = []
         for step in range(steps):
@@ -585,7 +592,59 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
                 (a.square().sum() + (aux.sum() if "both" in how else 0)).backward()
             grads.append({n: None if p.grad is None else p.grad.clone() for n, p in m.module.named_parameters()})
             opt.step()
-        out[name] = {"grads": grads, "params": {n: p.detach().clone() for n, p in m.module.named_parameters()}}
+        out[name] = {"grads": grads, "params": {n: p.detach().clone() for n, p in m.module.named_parameters()},
+                     "rank": getattr(m, "rank", rank)}
+    return out
+
+
+class _CheckpointedBody(nn.Module):
+    def __init__(self, sparse=False):
+        super().__init__()
+        self.emb = nn.Embedding(10, 3, sparse=True) if sparse else None
+        self.l1, self.l2, self.unused = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = self.emb(x).sum(1) if self.emb is not None else x
+        return cp.checkpoint(lambda t: self.l2(torch.tanh(self.l1(t))), h, use_reentrant=True)
+
+
+def case_usage_edges(rank, world):
+    """(a) a sparse embedding before a reentrant checkpoint: averaged as by torch DDP; (b) a
+    backward that ends inside a reentrant checkpoint with a parameter that got no gradient:
+    the next forward raises naming it (RingDDP could not finish); (c) static_graph whose
+    first iteration runs under no_sync: a parameter never used keeps grad None."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ringdp import RingDDP
+
+    out = {}
+    for name, cls in (("ringdp", RingDDP), ("torch", DDP)):
+        torch.manual_seed(0)
+        net = _CheckpointedBody(sparse=True)
+        net.unused.requires_grad_(False)
+        m = cls(net)
+        m(torch.tensor([[rank, 3], [4 + rank, 9]])).square().sum().backward()
+        out[("sparse", name)] = [p.grad.to_dense().clone() if p.grad is not None else None
+                                 for p in m.module.parameters() if p.requires_grad][:3]
+    torch.manual_seed(0)
+    m = RingDDP(_CheckpointedBody())
+    x = torch.full((2, 3), float(rank), requires_grad=True)  # (a reentrant checkpoint needs one)
+    m(x).sum().backward()
+    try:
+        m(x).sum().backward()
+        out["unfinished"] = None
+    except RuntimeError as e:
+        out["unfinished"] = str(e)
+    torch.manual_seed(0)
+    m = RingDDP(_Usage(), static_graph=True)
+    for step in range(3):
+        ctx = m.no_sync() if step == 0 else contextlib.nullcontext()
+        with ctx:
+            a, aux = m(torch.ones(2, 3) * (rank + step))
+        (a.sum() + aux.sum()).backward()
+    out["static unused grad"] = [p.grad for p in m.module.unused.parameters()]
     return out
 
 
@@ -1275,9 +1334,20 @@ def test_usage_like_torch(pool, scenario):
                     torch.testing.assert_close(g[n], t[n], rtol=1e-6, atol=1e-7, msg=f"rank {r} step {step} {n}")
         for n, v in out["ringdp"]["params"].items():
             torch.testing.assert_close(v, out["torch"]["params"][n], rtol=1e-6, atol=1e-7)
+        assert out["ringdp"]["rank"] == r  # (a copy pickled on rank 0 is rank r's where loaded)
     if "second backward" not in scenario:  # (the local accumulation differs between ranks, as torch's)
         for n, v in res[0]["ringdp"]["params"].items():
             assert torch.equal(v, res[1]["ringdp"]["params"][n]), n
+
+
+def test_usage_edges(pool):
+    res = pool.run(case_usage_edges)
+    for r, out in enumerate(res):
+        for g, t in zip(out[("sparse", "ringdp")], out[("sparse", "torch")]):
+            torch.testing.assert_close(g, t, rtol=1e-6, atol=1e-7)
+        assert out["unfinished"] is not None and "reentrant checkpoint" in out["unfinished"], out["unfinished"]
+        assert "unused.weight" in out["unfinished"], out["unfinished"]
+        assert out["static unused grad"] == [None, None], out["static unused grad"]
 
 
 def _check_unused(res):
