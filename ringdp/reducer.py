@@ -574,7 +574,14 @@ class Reducer:
             op = dist.ReduceOp.AVG if self._use_avg else dist.ReduceOp.SUM
             b.future = self._all_reduce(b.target, op, tag) if self.world > 1 else as_future(None, b.target)
         observer = self.observer
-        b.future.add_done_callback(lambda _f: observer.on_done(step, b, now_us()))
+        if type(observer).on_done is not Observer.on_done:  # (a no-op's callback only opens a window)
+            # A torch future's done-callback swallows what it raises (torch logs it): a SIGINT
+            # landing in one run on the main thread (a future already done runs it there) was
+            # a lost KeyboardInterrupt. So: at once when done, else on the completing thread.
+            if b.future.done():
+                observer.on_done(step, b, now_us())
+            else:
+                b.future.add_done_callback(lambda _f: observer.on_done(step, b, now_us()))
 
     def _all_reduce(self, t: torch.Tensor, op, tag: str) -> torch.futures.Future:
         return get_communicator(self.group).all_reduce(t, op=op, async_op=True, tag=tag).get_future()
