@@ -147,8 +147,7 @@ class RingDDP(nn.Module, Joinable):
         # as torch DDP: names (named_parameters / named_buffers) that it leaves alone
         self.parameters_to_ignore: set[str] = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
-        named = [(n, p) for n, p in module.named_parameters()
-                 if p.requires_grad and n not in self.parameters_to_ignore]
+        named = self._reduced_parameters()
         if not named:
             raise RuntimeError("RingDDP: the module has no parameter that requires a gradient"
                                + (" (other than those in module._ddp_params_and_buffers_to_ignore)"
@@ -200,10 +199,14 @@ class RingDDP(nn.Module, Joinable):
         self._comm_hook: Callable | None = None
         self._join_hook: _RingJoinHook | None = None
 
+    def _reduced_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, parameter) of those RingDDP averages: requiring a gradient, not ignored."""
+        return [(n, p) for n, p in self.module.named_parameters()
+                if p.requires_grad and n not in self.parameters_to_ignore]
+
     def _make_reducer(self) -> None:
         """The Reducer of the module's parameters (at construction; again in a copy: __setstate__)."""
-        named = [(n, p) for n, p in self.module.named_parameters()
-                 if p.requires_grad and n not in self.parameters_to_ignore]
+        named = self._reduced_parameters()
         cap, first, in_grad = self._caps
         self.reducer = Reducer([p for _, p in named], [n for n, _ in named], self.process_group, cap_bytes=cap,
                                first_cap_bytes=first, in_grad_min_bytes=in_grad,

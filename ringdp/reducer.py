@@ -469,14 +469,18 @@ class Reducer:
         self._mark_unreached(missing)
         self._unused_now = sorted(set(self._unused_now) | set(missing))
         unused = set(self._unused) | {i for i in missing if i not in self._carried}
-        if self._usage is None:
-            self._usage = self.alloc(len(self.params), torch.int32, self.device)
-        self._usage.fill_(1)
+        self._usage_map().fill_(1)
         if unused:
             self._usage[torch.tensor(sorted(unused), dtype=torch.long, device=self._usage.device)] = 0
         self._launch_ready()
         if self.world > 1:
             self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
+
+    def _usage_map(self) -> torch.Tensor:
+        """This rank's parameter usage (1 used, 0 not), all-reduced at the end of backward."""
+        if self._usage is None:
+            self._usage = self.alloc(len(self.params), torch.int32, self.device)
+        return self._usage
 
     def _mark_unreached(self, indices: list[int]) -> None:
         """Parameters whose hooks will not fire in this backward are ready at once, with the
@@ -710,9 +714,7 @@ class Reducer:
                 b.buffer.zero_()
                 self._launch(b)
             if tracks:  # (after the buckets, as the ranks that train: _unused_at_the_end)
-                if self._usage is None:
-                    self._usage = self.alloc(len(self.params), torch.int32, self.device)
-                self._usage.zero_()
+                self._usage_map().zero_()
                 if self.world > 1:
                     self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map")).wait()
             self._sparse.launch(self.divisor, shadow=True)
