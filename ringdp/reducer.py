@@ -8,11 +8,12 @@ as torch's c10d Reducer does, through named lifecycle methods:
                                          started reductions and died before its end
     prepare_for_backward(outputs, sync)  after forward: will the next backward synchronise,
                                          and which parameters did this forward not use
-    mark_ready(i, param)                 per parameter, from its post-accumulate-grad hook:
+    mark_ready(i, param)                 per parameter, from its gradient accumulator's hook:
                                          its gradient is final; fills its bucket and, once a
                                          bucket is complete and every lower bucket started,
                                          starts that bucket's reduction
-    finalize()                           end of backward (an autograd callback): wait for
+    finalize()                           end of backward (an autograd callback, queued when
+                                         the backward reaches the forward's outputs): wait for
                                          the buckets in index order, write each one back as
                                          soon as it is done
     rebuild(src)                         once, after the first synchronised backward: adopt
@@ -50,7 +51,6 @@ what the Reducer does (ringdp.trace.DDPTrace writes the Chrome trace).
 from __future__ import annotations
 
 import contextlib
-import sys
 import warnings
 import weakref
 from typing import Callable
@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._autograd import enclosing_function_node, grad_accumulator, graph_task_id
 from ._outputs import output_tensors
 from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
                       now_us, stored, stored_dtype, stored_shape, stored_strides)
@@ -196,7 +197,9 @@ class Reducer:
         self._in_backward = False
         self._broken: str | None = None  # why this rank can no longer take part (unfinished step)
         self._sync = False  # a synchronising forward since the last backward
-        self._requeue = False  # finalize handed over by a reentrant backward's end (_finalize_callback)
+        self._queued = False  # a finalize callback is queued on a running backward (_finalize_pending)
+        self._queued_task = -1  # on that graph task
+        self._output_hooks: list = []  # on the synchronising forwards' outputs' autograd nodes (_watch_outputs)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
 
@@ -215,13 +218,20 @@ class Reducer:
         self._used_since_sync: set[int] = set()  # used by forwards under no_sync since then
         self._carried: set[int] = set()  # those, at the synchronising forward (_unused_at_the_end)
         self._static_unused: set[int] | None = None  # globally unused, for static_graph
+        self._fires = [0] * len(params)  # each parameter's hook calls in this backward
+        self._expected_fires: list[int] | None = None  # static_graph: those of its first backward
+        self._fire_order: list[int] = []  # static_graph's first backward: the hooks' calls, in order
         self._static_unused_local: list[int] = []  # locally unused, for static_graph
         self._usage: torch.Tensor | None = None
         self._usage_future: torch.futures.Future | None = None
 
-        selfref = weakref.ref(self)
-        self._hook_handles = [p.register_post_accumulate_grad_hook(_grad_hook(selfref, i))
-                              for i, p in enumerate(params)]
+        # each parameter's hook on its gradient accumulator (the autograd node that writes .grad),
+        # as torch's reducer: it runs after the node, so after every post-accumulate-grad hook,
+        # those added after wrapping included. torch keeps the node only weakly: held here.
+        self._accumulators: list = [None] * len(params)
+        self._hook_handles: list = [None] * len(params)
+        for i in range(len(params)):
+            self._hook_accumulator(i, grad_accumulator(params[i]))
 
     # ------------------------------------------------------------------ settings
     @property
@@ -258,8 +268,12 @@ class Reducer:
 
     @property
     def tracks_unused(self) -> bool:
-        """Whether this iteration finds and all-reduces parameter usage."""
-        return self.find_unused or (self.static_graph and self._static_unused is None)
+        """Whether this iteration finds and all-reduces parameter usage (under static_graph its
+        first backward only, find_unused_parameters or not, as torch's DDP: the walk of the
+        graph cannot see into a reentrant checkpoint, the hooks can)."""
+        if self.static_graph:
+            return self._static_unused is None
+        return self.find_unused
 
     # ------------------------------------------------------------------ storage
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -356,17 +370,8 @@ class Reducer:
         its remaining reductions, and this rank's next ones would be paired with theirs of
         the older step. Then this and every later forward raise, as torch DDP's "Expected to
         have finished reduction in the prior iteration"."""
-        if self._requeue:  # (handed over by a reentrant backward's end, and no hook came after)
-            missing = [self.names[i] for i in range(len(self.params)) if not self._ready[i]]
-            self.abandon()
-            self._requeue = False
-            self._broken = (
-                f"RingDDP on rank {self.rank}: the backward of step {self.step} ended inside a reentrant "
-                f"checkpoint's backward (torch.utils.checkpoint with use_reentrant=True) while {len(missing)} "
-                f"parameter(s) had received no gradient ({', '.join(missing[:10])}{' ...' if len(missing) > 10 else ''}), "
-                f"so RingDDP could not finish its reduction: the gradients of that step were not averaged. Use "
-                f"use_reentrant=False, or make every parameter take part in the loss")
-        elif self._in_backward:
+        self._queued = False  # (one queued on a backward that died is never called)
+        if self._in_backward:
             launched, usage = self._next_launch, self._usage_future is not None
             self.abandon()  # the started reductions complete: the peers made them too
             if launched or usage:
@@ -390,12 +395,16 @@ class Reducer:
         backward's synchronisation off, silently."""
         if not torch.is_grad_enabled():
             return
+        if self.params and grad_accumulator(self.params[0]) not in (None, self._accumulators[0]):
+            self.refresh_hooks(range(len(self.params)))  # (the whole model converted, say; a part: finalize)
         armed = self._sync  # a synchronising forward since the last backward: it still syncs (as torch)
         self._sync = armed or sync
+        if self._sync:
+            self._watch_outputs(outputs, keep=armed)
         if self.tracks_unused:
             # static_graph's first backward learns what is used from the hooks themselves (those
             # that never fire: finalize): the walk cannot see inside a reentrant checkpoint
-            now = [] if not self.find_unused else self._find_unused(outputs)
+            now = [] if not self.find_unused or self.static_graph else self._find_unused(outputs)
             if armed:  # another forward before the backward: a parameter either used is used
                 now = set(now)
                 self._unused_now = [i for i in self._unused_now if i in now]
@@ -404,7 +413,7 @@ class Reducer:
                 self._unused_now = now
                 self._unused = [i for i in now if i not in self._used_since_sync]
                 self._carried, self._used_since_sync = self._used_since_sync, set()
-            elif self.find_unused:  # (static_graph's first backward: its hooks say it, _grad_hook)
+            elif self.find_unused and not self.static_graph:  # (static_graph's first backward: its hooks say it, _grad_hook)
                 unused = set(now)
                 self._used_since_sync.update(i for i in range(len(self.params)) if i not in unused)
 
@@ -438,23 +447,74 @@ class Reducer:
         for b in self.buckets:
             b.reset()
         self._ready = [False] * len(self.params)
+        self._fires = [0] * len(self.params)
+        self._fire_order = []
         if not self.rebuilt:  # the order of the backward that rebuilds (not of one that failed)
             self.ready_order = []
         self._usage_future = None
-        self._queue_finalize()
+        if not self._finalize_pending():  # (queued by _watch_outputs' hook: the usual case)
+            self._queue_finalize(from_outputs=False)
         self.observer.on_backward(self.step, now_us())
         if self.tracks_unused:
             self._mark_unreached(self._unused_now)
         elif self._static_unused_local:
             self._mark_unreached(self._static_unused_local)
 
-    def _queue_finalize(self) -> None:
-        """finalize() at the end of the backward running now (an autograd callback). Queued by
-        the first hook, on its graph task: inside a reentrant checkpoint's backward that task
-        is the inner one, which ends first; its callback then hands over (_finalize_callback)
-        and the next hook queues it again, on the outer task."""
-        self._requeue = False
-        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
+    def _queue_finalize(self, from_outputs: bool) -> None:
+        """finalize() at the end of the backward running now (an autograd callback). Queued
+        when the backward reaches the autograd node of an output of a synchronising forward
+        (_watch_outputs): that graph task computes every gradient that comes from the outputs,
+        and ends after them. Otherwise (a loss not made from the outputs) by the first gradient
+        hook, on its graph task: inside a reentrant checkpoint's backward that is an inner one,
+        which ends first; its callback then hands over to the outer one (_finalize_callback)."""
+        self._queued, self._queued_task = True, graph_task_id()
+        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self), from_outputs))
+
+    def _finalize_pending(self) -> bool:
+        """Whether a finalize callback is queued on the backward running now: on its graph task,
+        or on an outer one (this runs inside a reentrant checkpoint's backward). One queued on a
+        backward that failed (before any gradient hook) is not: a retry queues its own."""
+        return self._queued and (self._queued_task == graph_task_id() or enclosing_function_node() is not None)
+
+    def _watch_outputs(self, outputs, keep: bool) -> None:
+        """A pre-hook on the autograd node of each output of a synchronising forward: the
+        backward reaches those first, on its outermost graph task, where it queues finalize
+        (one that computes no parameter's gradient, torch.autograd.grad of a penalty say, then
+        finalizes nothing). `keep`: those of an earlier forward of this step stay."""
+        if not keep:
+            self._unwatch_outputs()
+        else:  # (forwards without a backward, a loop of evaluations with autograd on: keep those alive)
+            self._output_hooks = [h for h in self._output_hooks if h.hooks_dict_ref() is not None]
+        selfref = weakref.ref(self)
+        for t in output_tensors(outputs):
+            if t.grad_fn is not None:
+                self._output_hooks.append(t.grad_fn.register_prehook(_output_hook(selfref)))
+
+    def _unwatch_outputs(self) -> None:
+        for h in self._output_hooks:
+            h.remove()
+        self._output_hooks = []
+
+    @property
+    def _learning_fires(self) -> bool:
+        """static_graph's first synchronised backward: it counts each parameter's hook calls."""
+        return self.static_graph and self._static_unused is None
+
+    def fired(self, i: int) -> bool:
+        """Parameter i's hook was called in a synchronised backward: whether its gradient is
+        final. Under static_graph it may come in several parts (a parameter used in several
+        reentrant checkpoints, use_reentrant=True: each one's backward accumulates its part),
+        as torch's DDP allows: the first backward counts the parts and reduces every bucket at
+        its end (torch's delayed all-reduce); later ones take the last part as final."""
+        self._fires[i] += 1
+        if self._expected_fires is not None:
+            if self._fires[i] > self._expected_fires[i]:
+                raise RuntimeError(self._graph_changed_message([i]))
+            return self._fires[i] >= self._expected_fires[i]
+        if self._learning_fires:
+            self._fire_order.append(i)
+            return False
+        return True
 
     def all_ready(self) -> bool:
         """Whether every bucket of this backward is complete and every sparse gradient came."""
@@ -495,11 +555,11 @@ class Reducer:
         if self._ready[i]:
             raise RuntimeError(
                 f"RingDDP: parameter {self.names[i]!r} received its gradient twice in one backward "
-                f"pass (a parameter used in two reentrant checkpoints, use_reentrant=True; one inside such a "
-                f"checkpoint with find_unused_parameters=True, whose walk of the graph cannot see into it "
-                f"(static_graph=True instead, or use_reentrant=False); a parameter shared between several "
-                f"RingDDP models; or a backward run again after one died on this rank without a new "
-                f"forward); RingDDP supports one gradient per parameter per backward")
+                f"pass (a parameter used in two reentrant checkpoints, use_reentrant=True, or inside one with "
+                f"find_unused_parameters=True, whose walk of the graph cannot see into it: static_graph=True "
+                f"allows both, as torch's DDP, or use use_reentrant=False; under static_graph, more parts than "
+                f"in its first backward: the graph changed; a parameter shared between several RingDDP models; "
+                f"or a backward run again after one died on this rank without a new forward)")
         self._ready[i] = True
         if i in self._sparse:  # in no bucket: reduced at the end of backward
             self._sparse.check(i, None if param is None else param.grad)
@@ -516,12 +576,7 @@ class Reducer:
                 f"nn.EmbeddingBag modules built with sparse=True are expected to have sparse gradients (as in "
                 f"torch's DistributedDataParallel): do the lookup through such a module, or make it dense")
         if grad is not None and (grad.dtype != dtype or grad.device != device):
-            raise RuntimeError(
-                f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient of {grad.dtype} on "
-                f"{grad.device}, but it was {dtype} on {device} when RingDDP wrapped it (its bucket was made for "
-                f"that): the model's parameters changed dtype or device after it was wrapped (model.double(), "
-                f".half(), .to(...)). Convert the model first, then wrap it in RingDDP (as torch's "
-                f"DistributedDataParallel expects)")
+            raise RuntimeError(self._changed_message([i], f"received a gradient of {grad.dtype} on {grad.device}"))
         if grad is not None and grad.is_conj():  # (autograd may keep a complex gradient as a lazy conjugate)
             param.grad = grad = grad.resolve_conj()
         if grad is not None:
@@ -607,6 +662,18 @@ class Reducer:
         being reduced); rebuild the buckets after the first synchronised backward."""
         t_bwd_end = now_us()
         try:
+            learning = self._learning_fires
+            if learning:  # static_graph's first backward: every gradient is final now
+                for i in list(dict.fromkeys(reversed(self._fire_order)))[::-1]:  # (in order of their last parts)
+                    self.mark_ready(i, self.params[i])
+            if not self.all_ready():  # (a hook on a replaced accumulator is silent: not unused, not missing)
+                unready = [i for i in range(len(self.params)) if not self._ready[i]]
+                for i in self.refresh_hooks(unready):  # (its gradient of this backward is in .grad)
+                    self.mark_ready(i, self.params[i])
+                if self._expected_fires is not None:
+                    short = [i for i in unready if 0 < self._fires[i] < self._expected_fires[i]]
+                    if short:
+                        raise RuntimeError(self._graph_changed_message(short))
             if self.tracks_unused:
                 self._unused_at_the_end()
             self._launch_ready()  # without overlap nothing was launched yet
@@ -638,9 +705,10 @@ class Reducer:
             t0 = now_us()
             self._sparse.finish()
             sparse_us = now_us() - t0
-            if self.static_graph and self._static_unused is None:
+            if learning:
                 self._static_unused = globally_unused
                 self._static_unused_local = list(self._unused_now)
+                self._expected_fires = list(self._fires)
             self.last_exposed_comm_ms = (wait_us + sparse_us) / 1e3
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:
@@ -652,6 +720,7 @@ class Reducer:
             raise
         finally:
             self._in_backward = self._sync = False  # (the next backward syncs after a synchronising forward)
+            self._unwatch_outputs()
             self.step += 1
 
     def abandon(self) -> None:
@@ -684,6 +753,48 @@ class Reducer:
                 p.grad = as_grad_of(view.clone(), p)
             else:
                 p.grad.copy_(as_grad_of(view, p))
+
+    def _hook_accumulator(self, i: int, acc) -> None:
+        if self._hook_handles[i] is not None:
+            self._hook_handles[i].remove()
+        self._accumulators[i] = acc
+        self._hook_handles[i] = acc.register_hook(_grad_hook(weakref.ref(self), i, self.params[i]))
+
+    def refresh_hooks(self, indices) -> list[int]:
+        """Parameters (of `indices`) whose gradient accumulator torch replaced since they were
+        hooked: it does so when a parameter's data changes dtype or device (model.double(),
+        .to(...); back again too) or is set anew (p.set_(), a parametrization). The hook on the
+        old accumulator never fires again: hook the new one, and return those. A parameter whose
+        dtype or device is not its bucket's any more raises, now and at every later forward."""
+        changed = [i for i in indices if (self.params[i].dtype, self.params[i].device) != self._keys[i]]
+        if changed:
+            p = self.params[changed[0]]
+            self._broken = self._changed_message(changed, f"is {p.dtype} on {p.device}")
+            raise RuntimeError(self._broken)
+        moved = []
+        for i in indices:
+            acc = grad_accumulator(self.params[i])
+            if acc is not None and acc is not self._accumulators[i]:
+                self._hook_accumulator(i, acc)
+                moved.append(i)
+        return moved
+
+    def _graph_changed_message(self, changed: list[int]) -> str:
+        i = changed[0]
+        more = f" (and {len(changed) - 1} more parameter(s))" if len(changed) > 1 else ""
+        return (f"RingDDP on rank {self.rank}: static_graph=True, but parameter {self.names[i]!r}{more} received "
+                f"{self._fires[i]} gradient part(s) in this backward, and {self._expected_fires[i]} in the first one "
+                f"(a parameter's gradient comes in parts when it is used in several reentrant checkpoints): the "
+                f"training graph changed, which static_graph does not allow (as torch's DDP). Drop static_graph")
+
+    def _changed_message(self, changed: list[int], now: str) -> str:
+        i = changed[0]
+        dtype, device = self._keys[i]
+        more = f" (and {len(changed) - 1} more parameter(s))" if len(changed) > 1 else ""
+        return (f"RingDDP on rank {self.rank}: parameter {self.names[i]!r}{more} {now}, but it was {dtype} on "
+                f"{device} when RingDDP wrapped it (its bucket and gradient hook were made for that): the model's "
+                f"parameters changed dtype or device after it was wrapped (model.double(), .half(), .to(...)). "
+                f"Convert the model first, then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
 
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self.names[i] for i in missing[:20])
@@ -731,8 +842,11 @@ class Reducer:
     # ------------------------------------------------------------------ teardown
     def remove_hooks(self) -> None:
         for h in self._hook_handles:
-            h.remove()
+            if h is not None:
+                h.remove()
         self._hook_handles = []
+        self._unwatch_outputs()
+        self._accumulators = []
 
     def __del__(self):
         with contextlib.suppress(Exception):
@@ -749,8 +863,8 @@ def _is_view_of(grad: torch.Tensor, view: torch.Tensor) -> bool:
     return not grad.is_conj() and _same_view(stored(grad), view)
 
 
-def _grad_hook(selfref, i: int):
-    def hook(param):
+def _grad_hook(selfref, i: int, param: torch.Tensor):
+    def hook(grad_inputs, grad_outputs):  # (a post hook of param's AccumulateGrad node)
         r = selfref()
         if r is None:
             return
@@ -760,37 +874,48 @@ def _grad_hook(selfref, i: int):
             return
         if not r._in_backward:
             r._begin_backward()
-        elif r._requeue:
-            r._queue_finalize()
-        r.mark_ready(i, param)
+        if r.fired(i):
+            r.mark_ready(i, param)
 
     return hook
 
 
-def _finalize_callback(selfref):
+def _output_hook(selfref):
+    def prehook(grad_outputs):  # (a pre-hook of the autograd node of an output: _watch_outputs)
+        r = selfref()
+        if r is not None and r._sync and not r._finalize_pending():
+            r._queue_finalize(from_outputs=True)
+
+    return prehook
+
+
+def _finalize_callback(selfref, from_outputs: bool):
     def finalize():
         r = selfref()
-        if r is None or not r._in_backward:
+        if r is None:
             return
-        if not r.all_ready() and _in_a_functions_backward():
-            # a reentrant backward (a checkpoint's, use_reentrant=True) ended inside the outer
-            # one, which has more gradients to come: the next hook queues finalize there
-            r._requeue = True
+        r._queued = False
+        if not r._in_backward:
+            return
+        node = None if from_outputs or r.all_ready() else enclosing_function_node()
+        if node is not None:
+            # a reentrant backward (a checkpoint's, use_reentrant=True) ended inside an outer
+            # one, which has more gradients to come: finalize is queued there again when
+            # that checkpoint's node is done (its post hook runs on the outer graph task)
+            node.register_hook(_hand_over(selfref))
             return
         r.finalize()
 
     return finalize
 
 
-_BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__
+def _hand_over(selfref):
+    done = []
 
+    def post(grad_inputs, grad_outputs):
+        r = selfref()
+        if not done and r is not None and r._in_backward and not r._finalize_pending():
+            done.append(True)
+            r._queue_finalize(from_outputs=False)
 
-def _in_a_functions_backward() -> bool:
-    """Whether this thread runs inside a custom autograd Function's backward (then inside a
-    backward that goes on after this one: a reentrant checkpoint's)."""
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code is _BACKWARD_APPLY:
-            return True
-        f = f.f_back
-    return False
+    return post

@@ -454,23 +454,67 @@ def case_freed_without_gc(rank, world):
         gc.enable()
 
 
+class _CastsBetween(nn.Module):
+    """Two layers; the second may be converted alone (its input is cast to its dtype)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.b(self.a(x).to(self.b.weight.dtype)).float()
+
+
 def case_dtype_changed_after_wrapping(rank, world):
-    """The model converted to float64 after it was wrapped: a clear error on every rank (its
-    gradients were rounded through the float32 buckets, silently); the same model converted
-    before wrapping trains."""
+    """torch gives a parameter a new gradient accumulator when its data changes dtype or device
+    or is set anew: RingDDP's hook on the old one would be silent, the gradient never averaged.
+    A model converted after wrapping raises a clear error on every rank, at the forward when
+    the whole model was converted (through the wrapper or not), at the end of backward when a
+    part was, and at every later forward. One converted and back, or whose parameters were
+    set anew (p.set_(), same dtype and device), trains as if untouched: the gradients of each
+    step as those of a model wrapped as it is."""
     from ringdp.ddp import RingDDP
 
+    errors = {}
+
+    def attempt(key, fn):
+        try:
+            fn()
+            errors[key] = None
+        except RuntimeError as e:
+            errors[key] = str(e)
+
+    x, y = batch(0, world * 4, dtype=torch.float64)
+    xs, ys = shard(x, rank, world), shard(y, rank, world)
     ddp = RingDDP(build(MLP, 0))
     ddp.double()
-    x, y = batch(0, world * 4, dtype=torch.float64)
-    try:
-        ((ddp(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
-        err = None
-    except RuntimeError as e:
-        err = str(e)
+    attempt("wrapper", lambda: ddp(xs))
+    attempt("wrapper, again", lambda: ddp(xs))
+    ddp = RingDDP(build(MLP, 0))
+    ddp.module.double()
+    attempt("inner module", lambda: ddp(xs))
+    torch.manual_seed(0)
+    ddp = RingDDP(_CastsBetween())
+    ddp.module.b.double()
+    attempt("a part", lambda: ddp(torch.ones(2, 3)).sum().backward())
+    attempt("a part, then forward", lambda: ddp(torch.ones(2, 3)))
+
+    def grads(m, ys=ys):
+        m.zero_grad()
+        ((m(xs.float()) - ys.float()) ** 2).mean().backward()
+        return [p.grad.clone() for p in m.parameters()]
+
+    untouched = grads(RingDDP(build(MLP, 0)))
+    there_and_back = RingDDP(build(MLP, 0))
+    there_and_back.module.double().float()
+    set_anew = RingDDP(build(MLP, 0))
+    with torch.no_grad():
+        for p in list(set_anew.parameters())[1:]:  # (all but the first: found at the end of backward)
+            p.set_(p.detach().clone())
     ok = RingDDP(build(MLP, 0).double())
-    ((ok(shard(x, rank, world)) - shard(y, rank, world)) ** 2).mean().backward()
-    return err, [p.grad.clone() for p in ok.parameters()]
+    ((ok(xs) - ys) ** 2).mean().backward()
+    return (errors, [p.grad.clone() for p in ok.parameters()], untouched,
+            [grads(there_and_back), grads(there_and_back)], [grads(set_anew), grads(set_anew)])
 
 
 class _TwoHeads(nn.Module):
@@ -523,6 +567,24 @@ class _Usage(nn.Module):
         return out, self.aux(h)
 
 
+class _SharedBlock(nn.Module):
+    """One block applied three times (ALBERT's sharing), each time in a reentrant checkpoint:
+    its parameters' gradients come in three parts; the head optionally in one too."""
+
+    def __init__(self, checkpoint_head=False):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.checkpoint_head = checkpoint_head
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = self.inp(x)
+        for _ in range(3):
+            h = cp.checkpoint(lambda t: torch.tanh(self.block(t)), h, use_reentrant=True)
+        return (cp.checkpoint(self.head, h, use_reentrant=True) if self.checkpoint_head else self.head(h)), h
+
+
 # torch 2.13's DDP with static_graph fails the second step of a model with an ignored output
 # ("Expected to have finished reduction in the prior iteration"): those scenarios are compared
 # with torch's find_unused_parameters, which means the same for them ("torch:" in the name).
@@ -537,6 +599,12 @@ USAGE_SCENARIOS = {  # name: (constructor arguments, checkpoint the head, what a
     "deepcopy": ({"find_unused_parameters": True}, False, "first deepcopy"),
     "pickled on rank 0, loaded on every rank": ({"find_unused_parameters": True}, False, "first pickle"),
     "deepcopy, process_group=WORLD": ({"find_unused_parameters": True}, False, "first deepcopy world"),
+    "a post-accumulate-grad hook added after wrapping": ({"find_unused_parameters": True}, False, "first posthook"),
+    "one block in three reentrant checkpoints, static_graph": ({"static_graph": True}, False, "first shared"),
+    "and the head in one, static_graph": ({"static_graph": True}, True, "first shared"),
+    "one block in three, static_graph and find_unused": ({"static_graph": True, "find_unused_parameters": True},
+                                                         False, "first shared"),
+    "a gradient penalty through the outputs": ({"find_unused_parameters": True}, False, "penalty"),
 }
 
 
@@ -554,7 +622,7 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
     out = {}
     for name, cls in (("ringdp", RingDDP), ("torch", DDP)):
         torch.manual_seed(0)
-        net = _Usage(ckpt)
+        net = _SharedBlock(ckpt) if "shared" in how else _Usage(ckpt)
         if "frozen" in how:  # (the head's checkpoint then runs first in backward)
             net.unused.requires_grad_(False)
             net.aux.requires_grad_(False)
@@ -573,6 +641,13 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
             saved = [buf.getvalue()]
             dist.broadcast_object_list(saved, src=0)  # (rank 0's copy on every rank)
             m = torch.load(io.BytesIO(saved[0]), weights_only=False)
+        if "posthook" in how:  # (scales the local gradient, before the reduction: torch's reducer runs last)
+            def scale(t, f=rank + 2.0):
+                if t.grad is not None:  # (torch's DDP runs it for an ignored output's parameters too)
+                    t.grad.mul_(f)
+
+            for p in m.module.parameters():
+                p.register_post_accumulate_grad_hook(scale)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         grads = []
         for step in range(steps):
@@ -583,6 +658,11 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
                 with m.no_sync():
                     b, aux_b = m(x + 1)
                 (a.square().sum() + aux.sum() + b.sum() + aux_b.sum()).backward()
+            elif "penalty" in how:  # (torch.autograd.grad through the outputs first: WGAN-GP)
+                x.requires_grad_()
+                a, _ = m(x)
+                g, = torch.autograd.grad(a.sum(), x, create_graph=True)
+                (a.square().sum() + (g.norm(dim=1) - 1).square().sum()).backward()
             elif "twice" in how:
                 a, _ = m(x)
                 a.square().sum().backward()
@@ -598,22 +678,29 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
 
 
 class _CheckpointedBody(nn.Module):
-    def __init__(self, sparse=False):
+    def __init__(self, sparse=False, keep=False):
         super().__init__()
         self.emb = nn.Embedding(10, 3, sparse=True) if sparse else None
         self.l1, self.l2, self.unused = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(2, 2)
+        self.keep, self.kept = keep, None
 
     def forward(self, x):
         import torch.utils.checkpoint as cp
 
         h = self.emb(x).sum(1) if self.emb is not None else x
-        return cp.checkpoint(lambda t: self.l2(torch.tanh(self.l1(t))), h, use_reentrant=True)
+        out = cp.checkpoint(lambda t: self.l2(torch.tanh(self.l1(t))), h, use_reentrant=True)
+        if self.keep:  # (the result kept in an attribute, none returned)
+            self.kept = out
+            return None
+        return out
 
 
 def case_usage_edges(rank, world):
     """(a) a sparse embedding before a reentrant checkpoint: averaged as by torch DDP; (b) a
-    backward that ends inside a reentrant checkpoint with a parameter that got no gradient:
-    the next forward raises naming it (RingDDP could not finish); (c) static_graph whose
+    backward that ends inside a reentrant checkpoint with a parameter that got no gradient: it
+    raises naming it, as without a checkpoint, also when the loss is not made from the forward's
+    outputs (RingDDP cannot see where that backward begins: the checkpoint hands the end over to
+    the outer backward); (c) static_graph whose
     first iteration runs under no_sync: a parameter never used keeps grad None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -628,15 +715,22 @@ def case_usage_edges(rank, world):
         m(torch.tensor([[rank, 3], [4 + rank, 9]])).square().sum().backward()
         out[("sparse", name)] = [p.grad.to_dense().clone() if p.grad is not None else None
                                  for p in m.module.parameters() if p.requires_grad][:3]
+    x = torch.full((2, 3), float(rank), requires_grad=True)  # (a reentrant checkpoint needs one)
     torch.manual_seed(0)
     m = RingDDP(_CheckpointedBody())
-    x = torch.full((2, 3), float(rank), requires_grad=True)  # (a reentrant checkpoint needs one)
-    m(x).sum().backward()
     try:
         m(x).sum().backward()
-        out["unfinished"] = None
+        out["no gradient"] = None
     except RuntimeError as e:
-        out["unfinished"] = str(e)
+        out["no gradient"] = str(e)
+    torch.manual_seed(0)
+    m = RingDDP(_CheckpointedBody(keep=True))
+    m(x)
+    try:
+        m.module.kept.sum().backward()
+        out["not from the outputs"] = None
+    except RuntimeError as e:
+        out["not from the outputs"] = str(e)
     torch.manual_seed(0)
     m = RingDDP(_Usage(), static_graph=True)
     for step in range(3):
@@ -1256,9 +1350,17 @@ def test_freed_without_the_cyclic_gc(pool):
 
 def test_dtype_changed_after_wrapping_is_clear(pool):
     res = pool.run(case_dtype_changed_after_wrapping)
-    for r, (err, _) in enumerate(res):
-        assert err is not None and f"rank {r}" in err and "after it was wrapped" in err, err
+    for r, (errors, _, untouched, there_and_back, set_anew) in enumerate(res):
+        assert len(errors) == 5
+        for key, err in errors.items():
+            assert err is not None and f"rank {r}" in err and "after it was wrapped" in err, (key, err)
+        assert "'b.weight'" in errors["a part"] and "torch.float64" in errors["a part"], errors["a part"]
+        for step in there_and_back + set_anew:
+            for g, u in zip(step, untouched):
+                assert torch.equal(g, u)
     for a, b in zip(res[0][1], res[1][1]):
+        assert torch.equal(a, b)
+    for a, b in zip(res[0][2], res[1][2]):  # (averaged: the same on every rank)
         assert torch.equal(a, b)
 
 
@@ -1323,7 +1425,9 @@ def test_usage_like_torch(pool, scenario):
     reentrant checkpoint around the last layer (finalize ran at the inner backward's end);
     static_graph with one (its first backward learns usage from the hooks); a synchronising
     forward followed by one under no_sync syncs the backward; a backward with no forward
-    before it accumulates locally; a deep copy and a pickled wrapper reduce (a new Reducer)."""
+    before it accumulates locally; a deep copy and a pickled wrapper reduce (a new Reducer); a
+    post-accumulate-grad hook added after wrapping runs before the reduction; static_graph takes
+    a gradient in parts (a block used in several reentrant checkpoints)."""
     res = pool.run(case_usage_like_torch, scenario=scenario)
     for r, out in enumerate(res):
         for step, (g, t) in enumerate(zip(out["ringdp"]["grads"], out["torch"]["grads"])):
@@ -1345,8 +1449,9 @@ def test_usage_edges(pool):
     for r, out in enumerate(res):
         for g, t in zip(out[("sparse", "ringdp")], out[("sparse", "torch")]):
             torch.testing.assert_close(g, t, rtol=1e-6, atol=1e-7)
-        assert out["unfinished"] is not None and "reentrant checkpoint" in out["unfinished"], out["unfinished"]
-        assert "unused.weight" in out["unfinished"], out["unfinished"]
+        for key in ("no gradient", "not from the outputs"):
+            assert out[key] is not None and "received no gradient" in out[key], out[key]
+            assert "unused.weight" in out[key] and "l1.weight" not in out[key], out[key]
         assert out["static unused grad"] == [None, None], out["static unused grad"]
 
 

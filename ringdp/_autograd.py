@@ -1,0 +1,36 @@
+"""Where RingDDP meets torch's autograd engine: a parameter's gradient accumulator (the node
+RingDDP hooks, as torch's reducer does), the custom Function whose backward this thread runs
+inside (a reentrant checkpoint's), and the graph task running now."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+
+def grad_accumulator(p: torch.Tensor):
+    """p's AccumulateGrad node (the autograd node that writes p.grad); None while p requires
+    no gradient (frozen: its hook stays on the node it had)."""
+    if not p.requires_grad:
+        return None
+    with torch.inference_mode(False), torch.enable_grad():
+        return p.view_as(p).grad_fn.next_functions[0][0]
+
+
+_BACKWARD_APPLY = torch.autograd.function.BackwardCFunction.apply.__code__
+
+
+def enclosing_function_node():
+    """The autograd node of the custom Function whose backward this thread runs inside (a
+    reentrant checkpoint's: a backward that goes on after this one), or None."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _BACKWARD_APPLY:
+            return f.f_locals.get("self")
+        f = f.f_back
+    return None
+
+
+def graph_task_id() -> int:
+    """The autograd engine's id of the graph task running on this thread (-1: none)."""
+    return torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else -1
