@@ -485,10 +485,9 @@ class Reducer:
             self._unwatch_outputs()
         else:  # (forwards without a backward, a loop of evaluations with autograd on: keep those alive)
             self._output_hooks = [h for h in self._output_hooks if h.hooks_dict_ref() is not None]
-        selfref = weakref.ref(self)
-        for t in output_tensors(outputs):
-            if t.grad_fn is not None:
-                self._output_hooks.append(t.grad_fn.register_prehook(_output_hook(selfref)))
+        hook = _output_hook(weakref.ref(self))
+        nodes = {id(t.grad_fn): t.grad_fn for t in output_tensors(outputs) if t.grad_fn is not None}
+        self._output_hooks += [node.register_prehook(hook) for node in nodes.values()]
 
     def _unwatch_outputs(self) -> None:
         for h in self._output_hooks:
@@ -529,18 +528,36 @@ class Reducer:
         self._mark_unreached(missing)
         self._unused_now = sorted(set(self._unused_now) | set(missing))
         unused = set(self._unused) | {i for i in missing if i not in self._carried}
+        n = len(self.params)
         self._usage_map().fill_(1)
         if unused:
             self._usage[torch.tensor(sorted(unused), dtype=torch.long, device=self._usage.device)] = 0
+        if self.static_graph:  # (its first backward: each gradient's parts too, and whether it had any)
+            fires = torch.tensor(self._fires, dtype=torch.int32)
+            self._usage[n:].copy_(torch.cat([fires, (fires > 0).int()]))
         self._launch_ready()
         if self.world > 1:
             self._usage_future = self._all_reduce(self._usage, dist.ReduceOp.SUM, self._tag("unused map"))
 
     def _usage_map(self) -> torch.Tensor:
-        """This rank's parameter usage (1 used, 0 not), all-reduced at the end of backward."""
+        """This rank's parameter usage (1 used, 0 not), all-reduced at the end of backward; under
+        static_graph followed by each parameter's gradient parts and a 1 where it had any (a
+        join shadow sends zeros), so that a rank joined in the first backward learns the parts
+        of the others (_read_usage)."""
         if self._usage is None:
-            self._usage = self.alloc(len(self.params), torch.int32, self.device)
+            n = len(self.params)
+            self._usage = self.alloc(n * (3 if self.static_graph else 1), torch.int32, self.device)
         return self._usage
+
+    def _read_usage(self) -> tuple[set[int], list[int] | None]:
+        """The all-reduced usage map: the globally unused parameters, and under static_graph
+        each parameter's gradient parts on the ranks that had any (the graph is the same there)."""
+        n = len(self.params)
+        vals = self._usage.tolist()
+        unused = {i for i, v in enumerate(vals[:n]) if v == 0}
+        if not self.static_graph:
+            return unused, None
+        return unused, [round(total / had) if had else 0 for total, had in zip(vals[n:2 * n], vals[2 * n:])]
 
     def _mark_unreached(self, indices: list[int]) -> None:
         """Parameters whose hooks will not fire in this backward are ready at once, with the
@@ -690,7 +707,7 @@ class Reducer:
                     self._usage_future.wait()
                     wait_us += now_us() - t0
                     self._usage_future = None
-                globally_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
+                globally_unused, _ = self._read_usage()
             elif self._static_unused:
                 globally_unused = self._static_unused
             for b in self.buckets:
@@ -708,7 +725,7 @@ class Reducer:
             if learning:
                 self._static_unused = globally_unused
                 self._static_unused_local = list(self._unused_now)
-                self._expected_fires = list(self._fires)
+                self._expected_fires = list(self._fires)  # (this rank's own: a parameter some ranks do not use)
             self.last_exposed_comm_ms = (wait_us + sparse_us) / 1e3
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:
@@ -833,7 +850,9 @@ class Reducer:
                 self._wait(b)
             self._sparse.finish()
             if tracks and self.static_graph and self._static_unused is None:
-                self._static_unused = {i for i, v in enumerate(self._usage.tolist()) if v == 0}
+                # (the graph is the same on every rank: its unused parameters and parts are the others')
+                self._static_unused, self._expected_fires = self._read_usage()
+                self._static_unused_local = sorted(self._static_unused)
             if not self.rebuilt:
                 self.rebuild(self.auth_rank)
         finally:

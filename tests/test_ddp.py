@@ -695,6 +695,52 @@ class _CheckpointedBody(nn.Module):
         return out
 
 
+class _PartsBlock(nn.Module):
+    """A layer whose weight is used again inside a reentrant checkpoint: its gradient comes in
+    two parts (static_graph), and a layer after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        import torch.utils.checkpoint as cp
+
+        h = torch.tanh(self.a(x))
+        h = cp.checkpoint(lambda t: torch.tanh(t + (t @ self.a.weight).sum(1, keepdim=True)), h, use_reentrant=True)
+        return self.b(h)
+
+
+def case_static_parts_join(rank, world):
+    """static_graph whose first iteration a rank spends joined (no data): it learns the other
+    ranks' gradient parts and unused parameters from the usage map, so the steps after are
+    averaged (its own first backward would otherwise take a gradient's first part as final)."""
+    import copy
+
+    from ringdp import RingDDP
+
+    torch.manual_seed(0)
+    local = _PartsBlock()
+    m = RingDDP(copy.deepcopy(local), static_graph=True)
+    with m.join():
+        for s in range(2 if rank == 0 else 0):
+            m(torch.full((2, 3), 1.0 + s)).square().sum().backward()
+    got, want = [], []
+    for step in range(2):
+        x = torch.full((2, 3), rank + 1.0 + step) + torch.arange(3.0)
+        m.zero_grad()
+        m(x).square().sum().backward()
+        got.append([p.grad.clone() for p in m.parameters()])
+        local.zero_grad()
+        local(x).square().sum().backward()
+        mine = [p.grad.clone() for p in local.parameters()]
+        for g in mine:
+            dist.all_reduce(g)
+            g /= world
+        want.append(mine)
+    return got, want
+
+
 def case_usage_edges(rank, world):
     """(a) a sparse embedding before a reentrant checkpoint: averaged as by torch DDP; (b) a
     backward that ends inside a reentrant checkpoint with a parameter that got no gradient: it
@@ -1442,6 +1488,13 @@ def test_usage_like_torch(pool, scenario):
     if "second backward" not in scenario:  # (the local accumulation differs between ranks, as torch's)
         for n, v in res[0]["ringdp"]["params"].items():
             assert torch.equal(v, res[1]["ringdp"]["params"][n]), n
+
+
+def test_static_graph_parts_learned_through_join(pool):
+    for got, want in pool.run(case_static_parts_join):
+        for g_step, w_step in zip(got, want):
+            for g, w in zip(g_step, w_step):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
 
 
 def test_usage_edges(pool):
