@@ -271,9 +271,7 @@ class Reducer:
         """Whether this iteration finds and all-reduces parameter usage (under static_graph its
         first backward only, find_unused_parameters or not, as torch's DDP: the walk of the
         graph cannot see into a reentrant checkpoint, the hooks can)."""
-        if self.static_graph:
-            return self._static_unused is None
-        return self.find_unused
+        return self._learning_fires if self.static_graph else self.find_unused
 
     # ------------------------------------------------------------------ storage
     def alloc(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -404,7 +402,7 @@ class Reducer:
         if self.tracks_unused:
             # static_graph's first backward learns what is used from the hooks themselves (those
             # that never fire: finalize): the walk cannot see inside a reentrant checkpoint
-            now = [] if not self.find_unused or self.static_graph else self._find_unused(outputs)
+            now = [] if self.static_graph else self._find_unused(outputs)  # (else find_unused: tracks_unused)
             if armed:  # another forward before the backward: a parameter either used is used
                 now = set(now)
                 self._unused_now = [i for i in self._unused_now if i in now]
@@ -413,7 +411,7 @@ class Reducer:
                 self._unused_now = now
                 self._unused = [i for i in now if i not in self._used_since_sync]
                 self._carried, self._used_since_sync = self._used_since_sync, set()
-            elif self.find_unused and not self.static_graph:  # (static_graph's first backward: its hooks say it, _grad_hook)
+            elif not self.static_graph:  # (static_graph's first backward: its hooks say it, _grad_hook)
                 unused = set(now)
                 self._used_since_sync.update(i for i in range(len(self.params)) if i not in unused)
 
@@ -574,9 +572,8 @@ class Reducer:
                 f"RingDDP: parameter {self.names[i]!r} received its gradient twice in one backward "
                 f"pass (a parameter used in two reentrant checkpoints, use_reentrant=True, or inside one with "
                 f"find_unused_parameters=True, whose walk of the graph cannot see into it: static_graph=True "
-                f"allows both, as torch's DDP, or use use_reentrant=False; under static_graph, more parts than "
-                f"in its first backward: the graph changed; a parameter shared between several RingDDP models; "
-                f"or a backward run again after one died on this rank without a new forward)")
+                f"allows both, as torch's DDP, or use use_reentrant=False; a parameter shared between several RingDDP "
+                f"models; or a backward run again after one died on this rank without a new forward)")
         self._ready[i] = True
         if i in self._sparse:  # in no bucket: reduced at the end of backward
             self._sparse.check(i, None if param is None else param.grad)
