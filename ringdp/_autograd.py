@@ -1,6 +1,7 @@
 """Where RingDDP meets torch's autograd engine: a parameter's gradient accumulator (the node
 RingDDP hooks, as torch's reducer does), the custom Function whose backward this thread runs
-inside (a reentrant checkpoint's), and the graph task running now."""
+inside (a reentrant checkpoint's), whether a backward ending now is nested in another, and the
+graph task running now."""
 from __future__ import annotations
 
 import sys
@@ -29,6 +30,15 @@ def enclosing_function_node():
             return f.f_locals.get("self")
         f = f.f_back
     return None
+
+
+def nested_in_a_backward() -> bool:
+    """In an autograd callback (the end of a backward): whether this backward ran inside
+    another one, started from a node of it (a hook's or a custom Function's backward), whose
+    gradients are still to come. The engine's node being evaluated on this thread is then
+    that outer node (None at the end of an outermost backward)."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return current is not None and current() is not None
 
 
 def graph_task_id() -> int:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._autograd import enclosing_function_node, grad_accumulator, graph_task_id
+from ._autograd import enclosing_function_node, grad_accumulator, graph_task_id, nested_in_a_backward
 from ._outputs import output_tensors
 from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
                       now_us, stored, stored_dtype, stored_shape, stored_strides)
@@ -199,6 +199,7 @@ class Reducer:
         self._sync = False  # a synchronising forward since the last backward
         self._queued = False  # a finalize callback is queued on a running backward (_finalize_pending)
         self._queued_task = -1  # on that graph task
+        self._handed_to_hooks = False  # a nested backward ended: the next gradient hook queues finalize
         self._output_hooks: list = []  # on the synchronising forwards' outputs' autograd nodes (_watch_outputs)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
@@ -369,6 +370,13 @@ class Reducer:
         the older step. Then this and every later forward raise, as torch DDP's "Expected to
         have finished reduction in the prior iteration"."""
         self._queued = False  # (one queued on a backward that died is never called)
+        if self._in_backward and self._handed_to_hooks:  # (_finalize_callback: no gradient hook came after)
+            missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
+            self.abandon()
+            self._handed_to_hooks = self._sync = False
+            self._unwatch_outputs()
+            self.step += 1
+            raise RuntimeError(self._unused_message(missing))
         if self._in_backward:
             launched, usage = self._next_launch, self._usage_future is not None
             self.abandon()  # the started reductions complete: the peers made them too
@@ -450,6 +458,7 @@ class Reducer:
         if not self.rebuilt:  # the order of the backward that rebuilds (not of one that failed)
             self.ready_order = []
         self._usage_future = None
+        self._handed_to_hooks = False
         if not self._finalize_pending():  # (queued by _watch_outputs' hook: the usual case)
             self._queue_finalize(from_outputs=False)
         self.observer.on_backward(self.step, now_us())
@@ -890,6 +899,9 @@ def _grad_hook(selfref, i: int, param: torch.Tensor):
             return
         if not r._in_backward:
             r._begin_backward()
+        elif r._handed_to_hooks:  # (_finalize_callback: a nested backward ended inside this one)
+            r._handed_to_hooks = False
+            r._queue_finalize(from_outputs=False)
         if r.fired(i):
             r.mark_ready(i, param)
 
@@ -913,14 +925,24 @@ def _finalize_callback(selfref, from_outputs: bool):
         r._queued = False
         if not r._in_backward:
             return
-        node = None if from_outputs or r.all_ready() else enclosing_function_node()
+        if from_outputs or r.all_ready():
+            r.finalize()
+            return
+        node = enclosing_function_node()
         if node is not None:
             # a reentrant backward (a checkpoint's, use_reentrant=True) ended inside an outer
             # one, which has more gradients to come: finalize is queued there again when
             # that checkpoint's node is done (its post hook runs on the outer graph task)
             node.register_hook(_hand_over(selfref))
-            return
-        r.finalize()
+        elif nested_in_a_backward():
+            # one started from a hook (a tensor's, a module's) ended inside an outer one: no
+            # node of ours to hand over to (a hook may be running that node's post hooks,
+            # which must not change under it), so the next gradient hook queues finalize on
+            # its graph task; if none comes, the next forward says which parameters got no
+            # gradient (prepare_for_forward)
+            r._handed_to_hooks = True
+        else:
+            r.finalize()
 
     return finalize
 

@@ -585,6 +585,35 @@ class _SharedBlock(nn.Module):
         return (cp.checkpoint(self.head, h, use_reentrant=True) if self.checkpoint_head else self.head(h)), h
 
 
+class _NestedHook(nn.Module):
+    """A hook on the output (a tensor hook, or the head's backward pre-hook: module) runs a
+    nested backward (a side loss, through a layer the output does not use) before any
+    gradient of the main path: the first gradient hooks fire on that inner backward, which
+    ends first. keep: the loss is not made from the outputs (the output kept in an attribute,
+    none returned)."""
+
+    def __init__(self, keep=False, module=False):
+        super().__init__()
+        self.trunk, self.head, self.side = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(3, 1)
+        self.keep, self.kept, self.module, self.x = keep, None, module, None
+        if module:
+            self.head.register_full_backward_pre_hook(lambda *args: self._side_loss())
+
+    def _side_loss(self, *args):
+        with torch.enable_grad():
+            self.side(self.x).square().sum().backward()
+
+    def forward(self, x):
+        self.x = x.detach()
+        out = self.head(torch.tanh(self.trunk(x)))
+        if out.requires_grad and not self.module:
+            out.register_hook(self._side_loss)
+        if self.keep:
+            self.kept = out
+            return None
+        return out
+
+
 # torch 2.13's DDP with static_graph fails the second step of a model with an ignored output
 # ("Expected to have finished reduction in the prior iteration"): those scenarios are compared
 # with torch's find_unused_parameters, which means the same for them ("torch:" in the name).
@@ -605,6 +634,9 @@ USAGE_SCENARIOS = {  # name: (constructor arguments, checkpoint the head, what a
     "one block in three, static_graph and find_unused": ({"static_graph": True, "find_unused_parameters": True},
                                                          False, "first shared"),
     "a gradient penalty through the outputs": ({"find_unused_parameters": True}, False, "penalty"),
+    "a nested backward from a hook on the output": ({}, False, "nested"),
+    "and the loss not made from the outputs": ({}, False, "nested kept"),
+    "a nested backward from a module's backward pre-hook": ({}, False, "nested module"),
 }
 
 
@@ -622,7 +654,8 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
     out = {}
     for name, cls in (("ringdp", RingDDP), ("torch", DDP)):
         torch.manual_seed(0)
-        net = _SharedBlock(ckpt) if "shared" in how else _Usage(ckpt)
+        net = (_SharedBlock(ckpt) if "shared" in how else _NestedHook("kept" in how, "module" in how) if "nested" in how
+               else _Usage(ckpt))
         if "frozen" in how:  # (the head's checkpoint then runs first in backward)
             net.unused.requires_grad_(False)
             net.aux.requires_grad_(False)
@@ -663,6 +696,9 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
                 a, _ = m(x)
                 g, = torch.autograd.grad(a.sum(), x, create_graph=True)
                 (a.square().sum() + (g.norm(dim=1) - 1).square().sum()).backward()
+            elif "nested" in how:
+                a = m(x)
+                (m.module.kept if "kept" in how else a).square().sum().backward()
             elif "twice" in how:
                 a, _ = m(x)
                 a.square().sum().backward()
@@ -746,8 +782,11 @@ def case_usage_edges(rank, world):
     backward that ends inside a reentrant checkpoint with a parameter that got no gradient: it
     raises naming it, as without a checkpoint, also when the loss is not made from the forward's
     outputs (RingDDP cannot see where that backward begins: the checkpoint hands the end over to
-    the outer backward); (c) static_graph whose
-    first iteration runs under no_sync: a parameter never used keeps grad None."""
+    the outer backward); (c) a nested backward started from a tensor hook, with the loss not
+    made from the outputs, whose gradients are the only ones: its end hands over to the next
+    gradient hook, and none comes, so the next forward raises naming the parameter that got
+    no gradient (and the one after goes on); (d) static_graph whose first iteration runs under
+    no_sync: a parameter never used keeps grad None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ringdp import RingDDP
@@ -777,6 +816,22 @@ def case_usage_edges(rank, world):
         out["not from the outputs"] = None
     except RuntimeError as e:
         out["not from the outputs"] = str(e)
+    torch.manual_seed(0)
+    net = _NestedHook(keep=True)
+    net.trunk.requires_grad_(False)
+    net.head.requires_grad_(False)
+    net.unused = nn.Linear(2, 2)
+    m = RingDDP(net)
+    said = []
+    for step in range(3):
+        try:
+            m(x)
+        except RuntimeError as e:
+            said.append(f"step {step} forward: {e}")
+            continue
+        net.kept.sum().backward()
+        said.append(f"step {step} backward: done")
+    out["nested, nothing after"] = said
     torch.manual_seed(0)
     m = RingDDP(_Usage(), static_graph=True)
     for step in range(3):
@@ -1473,7 +1528,9 @@ def test_usage_like_torch(pool, scenario):
     forward followed by one under no_sync syncs the backward; a backward with no forward
     before it accumulates locally; a deep copy and a pickled wrapper reduce (a new Reducer); a
     post-accumulate-grad hook added after wrapping runs before the reduction; static_graph takes
-    a gradient in parts (a block used in several reentrant checkpoints)."""
+    a gradient in parts (a block used in several reentrant checkpoints); a nested backward
+    started from a tensor hook or a module's backward pre-hook, where the first gradients
+    come (finalize ran at its end)."""
     res = pool.run(case_usage_like_torch, scenario=scenario)
     for r, out in enumerate(res):
         for step, (g, t) in enumerate(zip(out["ringdp"]["grads"], out["torch"]["grads"])):
@@ -1505,6 +1562,10 @@ def test_usage_edges(pool):
         for key in ("no gradient", "not from the outputs"):
             assert out[key] is not None and "received no gradient" in out[key], out[key]
             assert "unused.weight" in out[key] and "l1.weight" not in out[key], out[key]
+        said = out["nested, nothing after"]
+        assert said[0] == "step 0 backward: done" and said[2] == "step 2 backward: done", said
+        assert said[1].startswith("step 1 forward: ") and "received no gradient" in said[1], said
+        assert "unused.weight" in said[1] and "side.weight" not in said[1], said
         assert out["static unused grad"] == [None, None], out["static unused grad"]
 
 
