@@ -1,6 +1,6 @@
 """Where RingDDP meets torch's autograd engine: a parameter's gradient accumulator (the node
 RingDDP hooks, as torch's reducer does), the custom Function whose backward this thread runs
-inside (a reentrant checkpoint's), whether a backward ending now is nested in another, and the
+inside (a reentrant checkpoint's), the outer node a backward ending now ran inside, and the
 graph task running now."""
 from __future__ import annotations
 
@@ -32,13 +32,14 @@ def enclosing_function_node():
     return None
 
 
-def nested_in_a_backward() -> bool:
-    """In an autograd callback (the end of a backward): whether this backward ran inside
-    another one, started from a node of it (a hook's or a custom Function's backward), whose
-    gradients are still to come. The engine's node being evaluated on this thread is then
-    that outer node (None at the end of an outermost backward)."""
+def outer_node():
+    """In an autograd callback (the end of a backward): the node that an outer backward was
+    evaluating on this thread when this one ran inside it (a reentrant checkpoint's Function
+    node, or the node whose hook started a nested backward), whose gradients are still to
+    come; None at the end of an outermost backward. (The engine's node being evaluated on
+    this thread; where torch does not say it, the enclosing Function's node.)"""
     current = getattr(torch._C, "_current_autograd_node", None)
-    return current is not None and current() is not None
+    return current() if current is not None else enclosing_function_node()
 
 
 def graph_task_id() -> int:

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ._autograd import enclosing_function_node, grad_accumulator, graph_task_id, nested_in_a_backward
+from ._autograd import enclosing_function_node, grad_accumulator, graph_task_id, outer_node
 from ._outputs import output_tensors
 from .buckets import (ALIGN_BYTES, Bucket, GradBucket, Observer, as_future, as_grad_of, assign_buckets, future_tensor,
                       now_us, stored, stored_dtype, stored_shape, stored_strides)
@@ -199,7 +199,7 @@ class Reducer:
         self._sync = False  # a synchronising forward since the last backward
         self._queued = False  # a finalize callback is queued on a running backward (_finalize_pending)
         self._queued_task = -1  # on that graph task
-        self._handed_to_hooks = False  # a nested backward ended: the next gradient hook queues finalize
+        self._handed_to_hooks = False  # a nested backward ended: the next gradient hook may queue finalize
         self._output_hooks: list = []  # on the synchronising forwards' outputs' autograd nodes (_watch_outputs)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
@@ -368,15 +368,24 @@ class Reducer:
         when it had started no reduction. One that had cannot be: the other ranks wait for
         its remaining reductions, and this rank's next ones would be paired with theirs of
         the older step. Then this and every later forward raise, as torch DDP's "Expected to
-        have finished reduction in the prior iteration"."""
+        have finished reduction in the prior iteration". So do they after a backward whose end
+        was handed over from a nested backward and never taken up (_finalize_callback): its
+        gradients may have been used unaveraged, and nothing says whether it died."""
         self._queued = False  # (one queued on a backward that died is never called)
-        if self._in_backward and self._handed_to_hooks:  # (_finalize_callback: no gradient hook came after)
+        if self._in_backward and self._handed_to_hooks:  # (_finalize_callback: nothing queued it after)
             missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
+            names = ", ".join(self.names[i] for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
             self.abandon()
-            self._handed_to_hooks = self._sync = False
-            self._unwatch_outputs()
-            self.step += 1
-            raise RuntimeError(self._unused_message(missing))
+            self._broken = (
+                f"RingDDP on rank {self.rank}: expected to have finished reduction in the prior iteration before "
+                f"starting a new one. In the backward of step {self.step}, a nested backward (one started from a "
+                f"hook) ended inside it, and RingDDP handed the end of backward over to the backward around it, "
+                f"which never reached the point that takes it up (the end of the hook's node, or a later gradient "
+                f"hook), so its gradients were not averaged. Either that backward stopped with an exception, or "
+                f"no gradient came after the nested one, and these parameter(s) received none: {names or 'none'}. "
+                f"As under torch's DistributedDataParallel, this rank cannot go on: restart from a checkpoint. "
+                f"(A nested backward started from a module's backward hook can hand over only to a later gradient "
+                f"hook: start it from a tensor hook, tensor.register_hook, instead.)")
         if self._in_backward:
             launched, usage = self._next_launch, self._usage_future is not None
             self.abandon()  # the started reductions complete: the peers made them too
@@ -928,21 +937,18 @@ def _finalize_callback(selfref, from_outputs: bool):
         if from_outputs or r.all_ready():
             r.finalize()
             return
-        node = enclosing_function_node()
-        if node is not None:
-            # a reentrant backward (a checkpoint's, use_reentrant=True) ended inside an outer
-            # one, which has more gradients to come: finalize is queued there again when
-            # that checkpoint's node is done (its post hook runs on the outer graph task)
-            node.register_hook(_hand_over(selfref))
-        elif nested_in_a_backward():
-            # one started from a hook (a tensor's, a module's) ended inside an outer one: no
-            # node of ours to hand over to (a hook may be running that node's post hooks,
-            # which must not change under it), so the next gradient hook queues finalize on
-            # its graph task; if none comes, the next forward says which parameters got no
-            # gradient (prepare_for_forward)
-            r._handed_to_hooks = True
-        else:
+        node = outer_node()
+        if node is None:  # (the outermost backward)
             r.finalize()
+            return
+        # this backward ran inside an outer one, which has more gradients to come: a
+        # reentrant checkpoint's (use_reentrant=True), or one started from a hook. The end
+        # goes over to the outer one: finalize is queued there when that node is done (its
+        # post hook runs on the outer graph task), or by the next gradient hook, whichever
+        # comes first: a post hook added while the node runs its own post hooks (a module's
+        # backward hooks are those) is not called this time
+        node.register_hook(_hand_over(selfref))
+        r._handed_to_hooks = True
 
     return finalize
 
@@ -952,8 +958,9 @@ def _hand_over(selfref):
 
     def post(grad_inputs, grad_outputs):
         r = selfref()
-        if not done and r is not None and r._in_backward and not r._finalize_pending():
+        if not done and r is not None and r._in_backward and r._handed_to_hooks:
             done.append(True)
+            r._handed_to_hooks = False
             r._queue_finalize(from_outputs=False)
 
     return post

@@ -782,11 +782,14 @@ def case_usage_edges(rank, world):
     backward that ends inside a reentrant checkpoint with a parameter that got no gradient: it
     raises naming it, as without a checkpoint, also when the loss is not made from the forward's
     outputs (RingDDP cannot see where that backward begins: the checkpoint hands the end over to
-    the outer backward); (c) a nested backward started from a tensor hook, with the loss not
-    made from the outputs, whose gradients are the only ones: its end hands over to the next
-    gradient hook, and none comes, so the next forward raises naming the parameter that got
-    no gradient (and the one after goes on); (d) static_graph whose first iteration runs under
-    no_sync: a parameter never used keeps grad None."""
+    the outer backward); (c) a nested backward whose gradients are the only ones, the loss not
+    made from the outputs, a parameter unused: started from a tensor hook, its end hands over
+    to the end of the hook's node, so the backward raises naming the parameter; started from
+    a module's backward pre-hook (a post hook of a node) it can hand over only to a later
+    gradient hook, and none comes, so the next forward raises, and every later one, as torch
+    DDP's "expected to have finished reduction"; under static_graph (the unused parameter
+    learnt) every step averages; (d) static_graph whose first iteration runs under no_sync: a
+    parameter never used keeps grad None."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ringdp import RingDDP
@@ -816,22 +819,33 @@ def case_usage_edges(rank, world):
         out["not from the outputs"] = None
     except RuntimeError as e:
         out["not from the outputs"] = str(e)
-    torch.manual_seed(0)
-    net = _NestedHook(keep=True)
-    net.trunk.requires_grad_(False)
-    net.head.requires_grad_(False)
-    net.unused = nn.Linear(2, 2)
-    m = RingDDP(net)
-    said = []
-    for step in range(3):
-        try:
-            m(x)
-        except RuntimeError as e:
-            said.append(f"step {step} forward: {e}")
-            continue
-        net.kept.sum().backward()
-        said.append(f"step {step} backward: done")
-    out["nested, nothing after"] = said
+    for via in ("tensor", "module", "static"):
+        torch.manual_seed(0)
+        net = _NestedHook(keep=True, module=via == "module")
+        net.trunk.requires_grad_(False)
+        net.head.requires_grad_(False)
+        net.unused = nn.Linear(2, 2)
+        m = RingDDP(net, static_graph=via == "static")
+        said = []
+        for step in range(3):
+            try:
+                m(x)
+            except RuntimeError as e:
+                said.append(f"forward: {e}")
+                continue
+            try:
+                net.kept.sum().backward()
+                side = [p.grad for p in net.side.parameters()]
+                w, b = (p.detach().clone().requires_grad_() for p in net.side.parameters())
+                want = torch.autograd.grad(nn.functional.linear(net.x, w, b).square().sum(), (w, b))
+                for g in want:  # (the reference: this rank's own side gradient, averaged)
+                    dist.all_reduce(g)
+                    g /= world
+                said.append(f"backward: averaged {all(torch.allclose(a, b) for a, b in zip(side, want))}")
+            except RuntimeError as e:
+                said.append(f"backward: {e}")
+            m.zero_grad()
+        out[f"nested, nothing after, {via}"] = said
     torch.manual_seed(0)
     m = RingDDP(_Usage(), static_graph=True)
     for step in range(3):
@@ -1562,10 +1576,14 @@ def test_usage_edges(pool):
         for key in ("no gradient", "not from the outputs"):
             assert out[key] is not None and "received no gradient" in out[key], out[key]
             assert "unused.weight" in out[key] and "l1.weight" not in out[key], out[key]
-        said = out["nested, nothing after"]
-        assert said[0] == "step 0 backward: done" and said[2] == "step 2 backward: done", said
-        assert said[1].startswith("step 1 forward: ") and "received no gradient" in said[1], said
-        assert "unused.weight" in said[1] and "side.weight" not in said[1], said
+        said = out["nested, nothing after, tensor"]
+        assert all(w.startswith("backward: ") and "received no gradient" in w for w in said), said
+        assert all("unused.weight" in w and "side.weight" not in w for w in said), said
+        said = out["nested, nothing after, module"]
+        assert said[0] == "backward: averaged False", said  # (the end never came)
+        assert all(w.startswith("forward: ") and "expected to have finished reduction" in w for w in said[1:]), said
+        assert all("unused.weight" in w and "side.weight" not in w for w in said[1:]), said
+        assert out["nested, nothing after, static"] == ["backward: averaged True"] * 3, out
         assert out["static unused grad"] == [None, None], out["static unused grad"]
 
 
