@@ -200,6 +200,7 @@ class Reducer:
         self._queued = False  # a finalize callback is queued on a running backward (_finalize_pending)
         self._queued_task = -1  # on that graph task
         self._handed_to_hooks = False  # a nested backward ended: the next gradient hook may queue finalize
+        self._handovers: list = []  # its post hooks on the outer backward's nodes (_finalize_callback)
         self._output_hooks: list = []  # on the synchronising forwards' outputs' autograd nodes (_watch_outputs)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
@@ -506,9 +507,11 @@ class Reducer:
         self._output_hooks += [node.register_prehook(hook) for node in nodes.values()]
 
     def _unwatch_outputs(self) -> None:
-        for h in self._output_hooks:
+        """Drop the output pre-hooks and the hand-over post hooks (at the end of a backward: a
+        node may outlive it, a parameter's gradient accumulator does)."""
+        for h in self._output_hooks + self._handovers:
             h.remove()
-        self._output_hooks = []
+        self._output_hooks, self._handovers = [], []
 
     @property
     def _learning_fires(self) -> bool:
@@ -947,19 +950,16 @@ def _finalize_callback(selfref, from_outputs: bool):
         # post hook runs on the outer graph task), or by the next gradient hook, whichever
         # comes first: a post hook added while the node runs its own post hooks (a module's
         # backward hooks are those) is not called this time
-        node.register_hook(_hand_over(selfref))
+        r._handovers.append(node.register_hook(_hand_over(selfref)))
         r._handed_to_hooks = True
 
     return finalize
 
 
 def _hand_over(selfref):
-    done = []
-
     def post(grad_inputs, grad_outputs):
         r = selfref()
-        if not done and r is not None and r._in_backward and r._handed_to_hooks:
-            done.append(True)
+        if r is not None and r._in_backward and r._handed_to_hooks:
             r._handed_to_hooks = False
             r._queue_finalize(from_outputs=False)
 
