@@ -1,6 +1,7 @@
 """Helpers shared by the benchmarks: machine facts, result files, local launching."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import datetime as _dt
 import json
@@ -15,6 +16,44 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO / "bench" / "results"  # the committed results (README)
 OUT_DIR = REPO / "bench" / "out"  # default output of every script (git-ignored)
+
+
+def count(low: int = 1):
+    """An argparse type: a whole number >= low (ranks, steps, rounds), so that a bad value is
+    a usage error naming the option, not a traceback (or a silent run of nothing) later."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is less than {low}")
+        return value
+
+    parse.__name__ = f"whole number >= {low}"
+    return parse
+
+
+def positive(text: str) -> float:
+    """An argparse type: a number > 0 (seconds, megabytes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not above 0")
+    return value
+
+
+def counts(text: str, low: int = 1) -> list[int]:
+    """A comma list of whole numbers >= low (hidden sizes, world sizes), or ValueError."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < low:
+        raise ValueError(f"{text!r}: a comma list of whole numbers >= {low}")
+    return out
 
 
 def checkout_fallback() -> None:

@@ -160,7 +160,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import checkout_fallback  # noqa: E402
+from _common import checkout_fallback, count, positive  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -938,14 +938,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-b", "--min-bytes", type=parse_size, default=parse_size("4K"))
     ap.add_argument("-e", "--max-bytes", type=parse_size, default=parse_size("256M"))
     ap.add_argument("-f", "--factor", type=float, default=4.0, help="size multiplier per step (default 4)")
-    ap.add_argument("-n", "--iters", type=int, default=None,
+    ap.add_argument("-n", "--iters", type=count(1), default=None,
                     help="timed calls per size and series (default: adapt to --target-time)")
-    ap.add_argument("-w", "--warmup", type=int, default=None,
+    ap.add_argument("-w", "--warmup", type=count(0), default=None,
                     help="untimed calls first (default 5, 2 from 16 MiB)")
-    ap.add_argument("--target-time", type=float, default=0.25,
+    ap.add_argument("--target-time", type=positive, default=0.25,
                     help="seconds per timed batch when --iters is not given (default 0.25)")
-    ap.add_argument("--min-iters", type=int, default=3)
-    ap.add_argument("--max-iters", type=int, default=2000)
+    ap.add_argument("--min-iters", type=count(1), default=3)
+    ap.add_argument("--max-iters", type=count(1), default=2000)
     ap.add_argument("-d", "--dtype", choices=sorted(DTYPE_NAMES), default="float32")
     ap.add_argument("-o", "--op", choices=list(OPS), default="sum")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -955,11 +955,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "per algorithm")
     ap.add_argument("--coll", default="all_reduce",
                     help=f"comma list of {', '.join(COLLS)} (default all_reduce): one sweep and one JSON each")
-    ap.add_argument("--world", type=int, default=None,
+    ap.add_argument("--world", type=count(1), default=None,
                     help="local ranks to start when not under torchrun (default 2, with --hosts H: 2H)")
-    ap.add_argument("--hosts", type=int, default=1,
+    ap.add_argument("--hosts", type=count(1), default=1,
                     help="simulate H hosts on this machine (module doc 'Across hosts'): rank r on host r*H // world")
-    ap.add_argument("--busy", type=int, default=0,
+    ap.add_argument("--busy", type=count(0), default=0,
                     help="start N busy processes (a pure-Python loop each) beside the ranks for the whole "
                          "sweep: collectives while other work competes for the cores (module doc 'Contention')")
     ap.add_argument("--baseline", choices=("auto", "gloo", "nccl"), default="auto",
@@ -973,15 +973,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "bench/results holds the committed ones)")
     ap.add_argument("--plot", action="store_true", help="also write a PNG of busbw and time against size")
     ap.add_argument("--name", default=None, help="suffix of the result file name")
-    ap.add_argument("--timeout", type=float, default=900.0, help="process group timeout, seconds")
+    ap.add_argument("--timeout", type=positive, default=900.0, help="process group timeout, seconds")
     return ap
 
 
 def parse_args(argv: list[str] | None = None):
     ap = build_parser()
     args = ap.parse_args(argv)
-    if args.hosts < 1:
-        ap.error("--hosts must be >= 1")
+    if args.min_iters > args.max_iters:
+        ap.error(f"--min-iters {args.min_iters} is above --max-iters {args.max_iters}")
     if args.world is None:
         args.world = 2 * args.hosts
     if args.series is None:

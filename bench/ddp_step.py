@@ -59,7 +59,7 @@ from unittest import mock
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import checkout_fallback, Console, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, Console, count, counts, positive, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -70,24 +70,27 @@ ADOPT_MIN_BYTES = 1 << 20  # the *_adopt modes: RINGDP_BACKEND_ADOPT_MIN_BYTES o
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--world", type=count(1), default=2, help="ranks to start when not under torchrun")
     p.add_argument("--hidden", default="1024,2560", help="comma-separated hidden sizes H")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=count(1), default=4)
     p.add_argument("--batchnorm", action="store_true", help="a BatchNorm1d(H) after each Linear (buffers)")
-    p.add_argument("--batch", type=int, default=8, help="samples per rank")
+    p.add_argument("--batch", type=count(1), default=8, help="samples per rank")
     p.add_argument("--modes", default="none,torch,ring,ring_view")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=5)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--warmup-rounds", type=int, default=1, help="untimed rounds first (first touch of memory)")
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--warmup", type=count(0), default=3)
+    p.add_argument("--iters", type=count(1), default=5)
+    p.add_argument("--rounds", type=count(1), default=5)
+    p.add_argument("--warmup-rounds", type=count(0), default=1, help="untimed rounds first (first touch of memory)")
+    p.add_argument("--threads", type=count(1), default=1, help="intra-op threads per rank")
+    p.add_argument("--bucket-cap-mb", type=positive, default=None)
     p.add_argument("--name", default="", help="suffix of the result file name")
     p.add_argument("--out-dir", default=str(OUT_DIR),
                    help="where the JSON/PNG go (default bench/out, ignored by git)")
     p.add_argument("--plot", action="store_true")
     a = p.parse_args(argv)
-    a.hidden = [int(h) for h in a.hidden.split(",") if h]
+    try:
+        a.hidden = counts(a.hidden)
+    except ValueError as e:
+        p.error(f"--hidden {e}")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in ALL_MODES]
     if bad:

@@ -35,7 +35,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import checkout_fallback, Console, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
+from _common import checkout_fallback, Console, count, OUT_DIR, launch, machine_info, save_json, training_group  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -44,20 +44,23 @@ MODES = ("gloo", "ringdp", "alone")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--world", type=int, default=2, help="ranks to start when not under torchrun")
-    p.add_argument("--d-model", type=int, default=512)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--batch", type=int, default=4, help="sequences per rank")
-    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--world", type=count(1), default=2, help="ranks to start when not under torchrun")
+    p.add_argument("--d-model", type=count(8), default=512)
+    p.add_argument("--layers", type=count(1), default=4)
+    p.add_argument("--batch", type=count(1), default=4, help="sequences per rank")
+    p.add_argument("--seq", type=count(1), default=64)
     p.add_argument("--mixed", action="store_true", help="bf16 parameters, fp32 reduction")
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=4)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--warmup-rounds", type=int, default=1)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    p.add_argument("--warmup", type=count(0), default=2)
+    p.add_argument("--iters", type=count(1), default=4)
+    p.add_argument("--rounds", type=count(1), default=3)
+    p.add_argument("--warmup-rounds", type=count(0), default=1)
+    p.add_argument("--threads", type=count(1), default=1, help="intra-op threads per rank")
     p.add_argument("--name", default="")
     p.add_argument("--out-dir", default=str(OUT_DIR))
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.d_model % 8:
+        p.error(f"--d-model {a.d_model}: a multiple of 8 (the layers' attention heads)")
+    return a
 
 
 def build(args, group):

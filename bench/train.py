@@ -68,7 +68,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import checkout_fallback, OUT_DIR, launch, training_group  # noqa: E402
+from _common import checkout_fallback, count, counts, positive, OUT_DIR, launch, training_group  # noqa: E402
 
 checkout_fallback()  # last on sys.path: PYTHONPATH's or the installed ringdp wins
 
@@ -77,46 +77,51 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("command", nargs="?", default="train", choices=["train", "plot", "scaling"])
     p.add_argument("--ddp", default="ring", choices=["ring", "torch", "both"])
-    p.add_argument("--world", type=int, default=2,
+    p.add_argument("--world", type=count(1), default=2,
                    help="ranks to start when not under torchrun (plot: whose logs to draw)")
-    p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--train-size", type=int, default=4096)
-    p.add_argument("--val-size", type=int, default=1024)
-    p.add_argument("--batch", type=int, default=32, help="micro-batch per rank")
-    p.add_argument("--accum", type=int, default=2, help="micro-batches per optimizer step")
-    p.add_argument("--lr", type=float, default=3e-3, help="base learning rate (of one rank, see --scale-lr)")
+    p.add_argument("--epochs", type=count(1), default=4)
+    p.add_argument("--train-size", type=count(1), default=4096)
+    p.add_argument("--val-size", type=count(1), default=1024)
+    p.add_argument("--batch", type=count(1), default=32, help="micro-batch per rank")
+    p.add_argument("--accum", type=count(1), default=2, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=positive, default=3e-3, help="base learning rate (of one rank, see --scale-lr)")
     p.add_argument("--scale-lr", action="store_true",
                    help="linear scaling rule: learning rate = --lr x world size")
-    p.add_argument("--warmup-steps", type=int, default=0,
+    p.add_argument("--warmup-steps", type=count(0), default=0,
                    help="ramp the learning rate linearly over this many optimizer steps before the cosine")
     p.add_argument("--sync-bn", action="store_true",
                    help="BatchNorm statistics over the global batch (SyncBatchNorm; on CPU train.CpuSyncBatchNorm)")
     p.add_argument("--amp", default="none", choices=["none", "bf16", "fp16"],
                    help="torch.autocast on the model's device; fp16 adds a GradScaler")
-    p.add_argument("--scaler-growth-interval", type=int, default=2000,
+    p.add_argument("--scaler-growth-interval", type=count(1), default=2000,
                    help="GradScaler growth_interval (--amp fp16)")
     p.add_argument("--dropout", type=float, default=0.0, help="dropout before the classifier")
     p.add_argument("--weight-decay", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0, help="model init and sampler seed")
     p.add_argument("--data-seed", type=int, default=1234)
-    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
-    p.add_argument("--workers", type=int, default=0, help="DataLoader worker processes per loader and rank")
+    p.add_argument("--threads", type=count(1), default=1, help="intra-op threads per rank")
+    p.add_argument("--workers", type=count(0), default=0, help="DataLoader worker processes per loader and rank")
     p.add_argument("--loader-start", default=None, choices=["fork", "spawn", "forkserver"],
                    help="how the DataLoader starts its workers (default: this process's start method)")
-    p.add_argument("--log-every", type=int, default=4)
-    p.add_argument("--ckpt-every", type=int, default=16)
-    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps in total")
+    p.add_argument("--log-every", type=count(1), default=4)
+    p.add_argument("--ckpt-every", type=count(1), default=16)
+    p.add_argument("--max-steps", type=count(1), default=None, help="stop after this many optimizer steps in total")
     p.add_argument("--resume", nargs="?", const="auto", default=None,
                    help="continue from OUT/train_ckpt_<ddp>_cpu_w<n>.pt (or the given path)")
     p.add_argument("--out-dir", default=str(OUT_DIR), help="default bench/out (ignored by git)")
     p.add_argument("--gradient-as-bucket-view", action="store_true")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--worlds", default="1,2,4", help="scaling: world sizes to measure")
-    p.add_argument("--scaling-steps", type=int, default=40, help="scaling: timed optimizer steps per run")
-    p.add_argument("--scaling-warmup", type=int, default=5, help="scaling: untimed steps before the clock starts")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--scaling-steps", type=count(1), default=40, help="scaling: timed optimizer steps per run")
+    p.add_argument("--scaling-warmup", type=count(0), default=5, help="scaling: untimed steps before the clock starts")
+    p.add_argument("--repeats", type=count(1), default=3,
                    help="scaling: timed blocks of --scaling-steps per run; the best block counts")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    try:
+        counts(a.worlds)
+    except ValueError as e:
+        p.error(f"--worlds {e}")
+    return a
 
 
 # ------------------------------------------------------------------ data and model
@@ -651,7 +656,7 @@ def scaling(args) -> dict:
     if under_torchrun():
         raise SystemExit("train.py scaling starts its own ranks for each world size: run it with python, "
                          "not torchrun")
-    worlds = [int(w) for w in args.worlds.split(",")]
+    worlds = counts(args.worlds)
     kinds = ["torch", "ring"] if args.ddp == "both" else [args.ddp]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -573,3 +573,29 @@ def test_gpu_check_summary_cpu(tmp_path):
                                  "alone": round(fm["alone"] / fm["gloo"], 3)}
     assert f["aim_0.5x_met"] is False
     assert "unreadable" in s["fsdp_step_cpu_w2_cut"]
+
+
+# ------------------------------------------------------------------ command lines
+@pytest.mark.parametrize("script, argv, says", [
+    ("allreduce", ["--iters", "0"], "argument -n/--iters: 0 is less than 1"),
+    ("allreduce", ["--world", "0"], "argument --world: 0 is less than 1"),
+    ("allreduce", ["--min-iters", "5", "--max-iters", "2"], "--min-iters 5 is above --max-iters 2"),
+    ("allreduce", ["--timeout", "0"], "argument --timeout: 0.0 is not above 0"),
+    ("ddp_step", ["--rounds", "0"], "argument --rounds: 0 is less than 1"),
+    ("ddp_step", ["--batch", "x"], "argument --batch: 'x' is not a whole number"),
+    ("ddp_step", ["--hidden", "1024,0"], "--hidden '1024,0': a comma list of whole numbers >= 1"),
+    ("fsdp_step", ["--iters", "0"], "argument --iters: 0 is less than 1"),
+    ("fsdp_step", ["--d-model", "12"], "--d-model 12: a multiple of 8"),
+    ("train", ["--world", "0"], "argument --world: 0 is less than 1"),
+    ("train", ["scaling", "--worlds", "1,a"], "--worlds '1,a': a comma list of whole numbers >= 1"),
+])
+def test_bad_counts_are_usage_errors(script, argv, says, capsys):
+    """A count out of range is a usage error naming the option (exit 2), where it crashed later
+    (--iters 0: ZeroDivisionError, --rounds 0: no median) or ran nothing (--world 0)."""
+    import importlib
+
+    module = _allreduce() if script == "allreduce" else importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        module.parse_args(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
