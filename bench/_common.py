@@ -46,14 +46,25 @@ def positive(text: str) -> float:
 
 
 def counts(text: str, low: int = 1) -> list[int]:
-    """A comma list of whole numbers >= low (hidden sizes, world sizes), or ValueError."""
+    """An argparse type (or a check): a comma list of whole numbers >= low (hidden sizes,
+    world sizes, host counts)."""
     try:
         out = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         out = []
     if not out or min(out) < low:
-        raise ValueError(f"{text!r}: a comma list of whole numbers >= {low}")
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma list of whole numbers >= {low}")
     return out
+
+
+def result_file(text: str) -> Path:
+    """An argparse type: a result file that exists (a shell pattern that matched nothing comes
+    through as itself)."""
+    path = Path(text)
+    if not path.is_file():
+        more = " (a pattern that matched no file?)" if any(c in text for c in "*?[") else ""
+        raise argparse.ArgumentTypeError(f"no such file: {text}{more}")
+    return path
 
 
 def checkout_fallback() -> None:

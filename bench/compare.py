@@ -22,6 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from _common import result_file
 from report import world_of
 
 FACTS = ("collective", "world", "dtype", "op", "device")  # what every compared file must share
@@ -109,8 +110,8 @@ def format_table(c: dict) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--before", nargs="+", type=Path, required=True, help="result files of the old code")
-    ap.add_argument("--after", nargs="+", type=Path, required=True, help="result files of the new code")
+    ap.add_argument("--before", nargs="+", type=result_file, required=True, help="result files of the old code")
+    ap.add_argument("--after", nargs="+", type=result_file, required=True, help="result files of the new code")
     ap.add_argument("--json", type=Path, help="also write the comparison here")
     args = ap.parse_args(argv)
     c = compare(args.before, args.after)

@@ -68,6 +68,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _common import count, counts, positive  # noqa: E402
 
 
 def _load_policy():
@@ -816,16 +818,16 @@ def parse_args(argv=None):
     ap.add_argument("--results", default="bench/results",
                     help="folder of the benchmark JSONs read (relative to the repository root)")
     ap.add_argument("--out-dir", default="bench/out", help="where the JSON and PNG go")
-    ap.add_argument("--min-piece-bytes", type=int, default=DEFAULTS["min_piece_bytes"],
+    ap.add_argument("--min-piece-bytes", type=count(1), default=DEFAULTS["min_piece_bytes"],
                     help="ringdp's minimum piece (RINGDP_HIER_PIECE_BYTES; default policy.HIER_PIECE_BYTES)")
-    ap.add_argument("--max-pieces", type=int, default=DEFAULTS["max_pieces"],
+    ap.add_argument("--max-pieces", type=count(1), default=DEFAULTS["max_pieces"],
                     help="ringdp's piece count (default policy.HIER_MAX_PIECES)")
-    ap.add_argument("--fixed-piece-bytes", type=int, default=DEFAULTS["fixed_piece_bytes"],
+    ap.add_argument("--fixed-piece-bytes", type=count(1), default=DEFAULTS["fixed_piece_bytes"],
                     help="the fixed piece compared against (the rule before policy.two_level_piece_bytes)")
-    ap.add_argument("--gpus-per-host", type=int, default=DEFAULTS["gpus_per_host"])
-    ap.add_argument("--hosts", type=lambda s: [int(x) for x in s.split(",")], default=DEFAULTS["hosts"])
-    ap.add_argument("--nvlink-busbw", type=float, default=DEFAULTS["nvlink_busbw_GBps"], help="GB/s")
-    ap.add_argument("--nic-GBps", type=float, default=DEFAULTS["nic_GBps"])
+    ap.add_argument("--gpus-per-host", type=count(1), default=DEFAULTS["gpus_per_host"])
+    ap.add_argument("--hosts", type=counts, default=DEFAULTS["hosts"])
+    ap.add_argument("--nvlink-busbw", type=positive, default=DEFAULTS["nvlink_busbw_GBps"], help="GB/s")
+    ap.add_argument("--nic-GBps", type=positive, default=DEFAULTS["nic_GBps"])
     ap.add_argument("--alpha-nvlink-us", type=float, default=DEFAULTS["alpha_nvlink_us"])
     ap.add_argument("--alpha-net-us", type=float, default=DEFAULTS["alpha_net_us"])
     ap.add_argument("--launch-us", type=float, default=DEFAULTS["launch_us"])

@@ -89,7 +89,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     try:
         a.hidden = counts(a.hidden)
-    except ValueError as e:
+    except argparse.ArgumentTypeError as e:
         p.error(f"--hidden {e}")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in ALL_MODES]

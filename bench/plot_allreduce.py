@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _common import result_file  # noqa: E402
 from report import crossovers, human_bytes, series_rows, world_of  # noqa: E402
 
 
@@ -78,7 +79,7 @@ def plot_runs(runs: list[tuple[str, dict]], png: Path | str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("json", nargs="+", help="result files from bench/allreduce.py")
+    ap.add_argument("json", nargs="+", type=result_file, help="result files from bench/allreduce.py")
     ap.add_argument("-o", "--out", help="PNG path (default: next to the first file)")
     a = ap.parse_args(argv)
     runs = []

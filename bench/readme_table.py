@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import RESULTS_DIR as RESULTS  # noqa: E402
+from _common import RESULTS_DIR as RESULTS, result_file  # noqa: E402
 from report import complete, load, summary_lines, world_of  # noqa: E402
 
 
@@ -119,7 +119,7 @@ def default_files(results: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("files", nargs="*", type=Path,
+    ap.add_argument("files", nargs="*", type=result_file,
                     help="result JSON files (default: allreduce_*.json and ddp_step*.json in --results)")
     ap.add_argument("--results", type=Path, default=RESULTS, help="folder of result files (default bench/results)")
     ap.add_argument("--no-summary", action="store_true", help="tables only, no summary lines")

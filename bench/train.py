@@ -119,7 +119,7 @@ def parse_args(argv=None):
     a = p.parse_args(argv)
     try:
         counts(a.worlds)
-    except ValueError as e:
+    except argparse.ArgumentTypeError as e:
         p.error(f"--worlds {e}")
     return a
 

@@ -588,6 +588,7 @@ def test_gpu_check_summary_cpu(tmp_path):
     ("fsdp_step", ["--d-model", "12"], "--d-model 12: a multiple of 8"),
     ("train", ["--world", "0"], "argument --world: 0 is less than 1"),
     ("train", ["scaling", "--worlds", "1,a"], "--worlds '1,a': a comma list of whole numbers >= 1"),
+    ("cost_model", ["--hosts", "2,0"], "argument --hosts: '2,0': a comma list of whole numbers >= 1"),
 ])
 def test_bad_counts_are_usage_errors(script, argv, says, capsys):
     """A count out of range is a usage error naming the option (exit 2), where it crashed later
@@ -597,5 +598,22 @@ def test_bad_counts_are_usage_errors(script, argv, says, capsys):
     module = _allreduce() if script == "allreduce" else importlib.import_module(script)
     with pytest.raises(SystemExit) as e:
         module.parse_args(argv)
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("compare", ["--before", "/nonexistent/old_*.json", "--after", "/nonexistent/new.json"],
+     "argument --before: no such file: /nonexistent/old_*.json (a pattern that matched no file?)"),
+    ("readme_table", ["/nonexistent/a.json"], "argument files: no such file: /nonexistent/a.json"),
+    ("plot_allreduce", ["/nonexistent/a.json"], "argument json: no such file: /nonexistent/a.json"),
+])
+def test_missing_result_files_are_usage_errors(script, argv, says, capsys):
+    """A result file that is not there (a shell pattern that matched nothing) is a usage error
+    naming it, not a FileNotFoundError traceback."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(script).main(argv)
     assert e.value.code == 2
     assert says in capsys.readouterr().err
