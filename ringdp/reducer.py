@@ -201,6 +201,8 @@ class Reducer:
         self._queued_task = -1  # on that graph task
         self._handed_to_hooks = False  # a nested backward ended: the next gradient hook may queue finalize
         self._handovers: list = []  # its post hooks on the outer backward's nodes (_finalize_callback)
+        self._hook_task = -1  # the graph task of the latest gradient hook (_grad_hook)
+        self._unfired: set[int] = set()  # hooks that never fired in the last synchronised backward, until a forward
         self._output_hooks: list = []  # on the synchronising forwards' outputs' autograd nodes (_watch_outputs)
         self.step = 0
         self.last_exposed_comm_ms: float | None = None
@@ -373,6 +375,7 @@ class Reducer:
         was handed over from a nested backward and never taken up (_finalize_callback): its
         gradients may have been used unaveraged, and nothing says whether it died."""
         self._queued = False  # (one queued on a backward that died is never called)
+        self._unfired = set()
         if self._in_backward and self._handed_to_hooks:  # (_finalize_callback: nothing queued it after)
             missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
             names = ", ".join(self.names[i] for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
@@ -469,23 +472,26 @@ class Reducer:
             self.ready_order = []
         self._usage_future = None
         self._handed_to_hooks = False
+        self._hook_task = graph_task_id()
         if not self._finalize_pending():  # (queued by _watch_outputs' hook: the usual case)
-            self._queue_finalize(from_outputs=False)
+            self._queue_finalize()
         self.observer.on_backward(self.step, now_us())
         if self.tracks_unused:
             self._mark_unreached(self._unused_now)
         elif self._static_unused_local:
             self._mark_unreached(self._static_unused_local)
 
-    def _queue_finalize(self, from_outputs: bool) -> None:
+    def _queue_finalize(self) -> None:
         """finalize() at the end of the backward running now (an autograd callback). Queued
         when the backward reaches the autograd node of an output of a synchronising forward
         (_watch_outputs): that graph task computes every gradient that comes from the outputs,
         and ends after them. Otherwise (a loss not made from the outputs) by the first gradient
-        hook, on its graph task: inside a reentrant checkpoint's backward that is an inner one,
-        which ends first; its callback then hands over to the outer one (_finalize_callback)."""
+        hook, on its graph task, and again by the first hook of another graph task where none
+        is queued (_grad_hook). A callback that runs at the end of a backward inside another
+        one (a reentrant checkpoint's, a nested one started from a hook) with gradients still
+        to come hands over to the outer one (_finalize_callback)."""
         self._queued, self._queued_task = True, graph_task_id()
-        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self), from_outputs))
+        torch.autograd.Variable._execution_engine.queue_callback(_finalize_callback(weakref.ref(self)))
 
     def _finalize_pending(self) -> bool:
         """Whether a finalize callback is queued on the backward running now: on its graph task,
@@ -744,6 +750,7 @@ class Reducer:
                 self._static_unused = globally_unused
                 self._static_unused_local = list(self._unused_now)
                 self._expected_fires = list(self._fires)  # (this rank's own: a parameter some ranks do not use)
+            self._unfired = {i for i, n in enumerate(self._fires) if n == 0 and self.params[i].requires_grad}
             self.last_exposed_comm_ms = (wait_us + sparse_us) / 1e3
             self.observer.on_finalize(self.step, self.buckets, t_bwd_end, now_us(), wait_us, wb_us)
             if not self.rebuilt:
@@ -831,6 +838,13 @@ class Reducer:
                 f"parameters changed dtype or device after it was wrapped (model.double(), .half(), .to(...)). "
                 f"Convert the model first, then wrap it in RingDDP (as torch's DistributedDataParallel expects)")
 
+    def _late_gradient_message(self, i: int) -> str:
+        return (f"RingDDP on rank {self.rank}: parameter {self.names[i]!r} received a gradient in a backward after "
+                f"the synchronised backward of the same forward had ended without it (its gradient was averaged "
+                f"as unused there, so this one would stay local to this rank). RingDDP averages the gradients "
+                f"of one backward per forward: when the loss is in parts (aux_loss.backward(); loss.backward()), "
+                f"sum them and call backward once, or run a forward before each backward")
+
     def _unused_message(self, missing: list[int]) -> str:
         names = ", ".join(self.names[i] for i in missing[:20])
         more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
@@ -845,7 +859,8 @@ class Reducer:
                    "parameters are always unused, static_graph=True also works.")
         return (f"RingDDP on rank {self.rank}: backward finished but {len(missing)} parameter(s) received no "
                 f"gradient, so their buckets (and every bucket after them) could not be reduced: {names}{more}. "
-                f"{why}")
+                f"{why} (RingDDP averages the gradients of one backward per forward: a loss in parts, "
+                f"aux_loss.backward(); loss.backward(), is summed and backpropagated once.)")
 
     # ------------------------------------------------------------------ join
     @torch.no_grad()
@@ -906,14 +921,18 @@ def _grad_hook(selfref, i: int, param: torch.Tensor):
         if r is None:
             return
         if not r._sync:
+            if i in r._unfired:  # (a later backward of the same forward: it was averaged as unused)
+                raise RuntimeError(r._late_gradient_message(i))
             if r.tracks_unused:  # (used under no_sync: the next synchronised backward counts it used)
                 r._used_since_sync.add(i)
             return
         if not r._in_backward:
             r._begin_backward()
-        elif r._handed_to_hooks:  # (_finalize_callback: a nested backward ended inside this one)
-            r._handed_to_hooks = False
-            r._queue_finalize(from_outputs=False)
+        elif graph_task_id() != r._hook_task:  # the first hook of another graph task (an inner or outer one)
+            r._hook_task = graph_task_id()
+            if r._handed_to_hooks or not r._finalize_pending():  # (a nested backward ended, or died)
+                r._handed_to_hooks = False
+                r._queue_finalize()
         if r.fired(i):
             r.mark_ready(i, param)
 
@@ -924,12 +943,12 @@ def _output_hook(selfref):
     def prehook(grad_outputs):  # (a pre-hook of the autograd node of an output: _watch_outputs)
         r = selfref()
         if r is not None and r._sync and not r._finalize_pending():
-            r._queue_finalize(from_outputs=True)
+            r._queue_finalize()
 
     return prehook
 
 
-def _finalize_callback(selfref, from_outputs: bool):
+def _finalize_callback(selfref):
     def finalize():
         r = selfref()
         if r is None:
@@ -937,15 +956,13 @@ def _finalize_callback(selfref, from_outputs: bool):
         r._queued = False
         if not r._in_backward:
             return
-        if from_outputs or r.all_ready():
-            r.finalize()
-            return
-        node = outer_node()
-        if node is None:  # (the outermost backward)
+        node = None if r.all_ready() else outer_node()
+        if node is None:  # (every gradient came, or this is the outermost backward)
             r.finalize()
             return
         # this backward ran inside an outer one, which has more gradients to come: a
-        # reentrant checkpoint's (use_reentrant=True), or one started from a hook. The end
+        # reentrant checkpoint's (use_reentrant=True), or one started from a hook (through
+        # the forward's outputs too: aux_output.sum().backward() in a hook). The end
         # goes over to the outer one: finalize is queued there when that node is done (its
         # post hook runs on the outer graph task), or by the next gradient hook, whichever
         # comes first: a post hook added while the node runs its own post hooks (a module's
@@ -961,6 +978,6 @@ def _hand_over(selfref):
         r = selfref()
         if r is not None and r._in_backward and r._handed_to_hooks:
             r._handed_to_hooks = False
-            r._queue_finalize(from_outputs=False)
+            r._queue_finalize()
 
     return post

@@ -592,26 +592,28 @@ class _NestedHook(nn.Module):
     ends first. keep: the loss is not made from the outputs (the output kept in an attribute,
     none returned)."""
 
-    def __init__(self, keep=False, module=False):
+    def __init__(self, keep=False, module=False, aux=False):
         super().__init__()
         self.trunk, self.head, self.side = nn.Linear(3, 4), nn.Linear(4, 2), nn.Linear(3, 1)
         self.keep, self.kept, self.module, self.x = keep, None, module, None
+        self.aux, self.aux_out = aux, None  # aux: the side loss is made from a second output
         if module:
             self.head.register_full_backward_pre_hook(lambda *args: self._side_loss())
 
     def _side_loss(self, *args):
         with torch.enable_grad():
-            self.side(self.x).square().sum().backward()
+            (self.aux_out if self.aux else self.side(self.x)).square().sum().backward()
 
     def forward(self, x):
         self.x = x.detach()
         out = self.head(torch.tanh(self.trunk(x)))
+        self.aux_out = self.side(x) if self.aux else None
         if out.requires_grad and not self.module:
             out.register_hook(self._side_loss)
         if self.keep:
             self.kept = out
             return None
-        return out
+        return (out, self.aux_out) if self.aux else out
 
 
 # torch 2.13's DDP with static_graph fails the second step of a model with an ignored output
@@ -637,6 +639,7 @@ USAGE_SCENARIOS = {  # name: (constructor arguments, checkpoint the head, what a
     "a nested backward from a hook on the output": ({}, False, "nested"),
     "and the loss not made from the outputs": ({}, False, "nested kept"),
     "a nested backward from a module's backward pre-hook": ({}, False, "nested module"),
+    "a nested backward through another output": ({}, False, "nested aux"),
 }
 
 
@@ -654,7 +657,7 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
     out = {}
     for name, cls in (("ringdp", RingDDP), ("torch", DDP)):
         torch.manual_seed(0)
-        net = (_SharedBlock(ckpt) if "shared" in how else _NestedHook("kept" in how, "module" in how) if "nested" in how
+        net = (_SharedBlock(ckpt) if "shared" in how else _NestedHook("kept" in how, "module" in how, "aux" in how) if "nested" in how
                else _Usage(ckpt))
         if "frozen" in how:  # (the head's checkpoint then runs first in backward)
             net.unused.requires_grad_(False)
@@ -698,7 +701,7 @@ def case_usage_like_torch(rank, world, scenario, steps=3):
                 (a.square().sum() + (g.norm(dim=1) - 1).square().sum()).backward()
             elif "nested" in how:
                 a = m(x)
-                (m.module.kept if "kept" in how else a).square().sum().backward()
+                (m.module.kept if "kept" in how else a[0] if "aux" in how else a).square().sum().backward()
             elif "twice" in how:
                 a, _ = m(x)
                 a.square().sum().backward()
@@ -789,7 +792,9 @@ def case_usage_edges(rank, world):
     gradient hook, and none comes, so the next forward raises, and every later one, as torch
     DDP's "expected to have finished reduction"; under static_graph (the unused parameter
     learnt) every step averages; (d) static_graph whose first iteration runs under no_sync: a
-    parameter never used keeps grad None."""
+    parameter never used keeps grad None; (e) a loss in two parts, two backwards after one
+    forward, with find_unused_parameters or static_graph: the second raises naming a parameter
+    the first counted unused (its gradient stayed local, silently)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ringdp import RingDDP
@@ -854,6 +859,16 @@ def case_usage_edges(rank, world):
             a, aux = m(torch.ones(2, 3) * (rank + step))
         (a.sum() + aux.sum()).backward()
     out["static unused grad"] = [p.grad for p in m.module.unused.parameters()]
+    for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
+        torch.manual_seed(0)
+        m = RingDDP(_Usage(), **kw)
+        out_, aux = m(torch.ones(2, 3) * (rank + 1))
+        aux.square().sum().backward(retain_graph=True)  # (trunk and aux; head not)
+        try:
+            out_.square().sum().backward()
+            out[f"split backward {kw}"] = None
+        except RuntimeError as e:
+            out[f"split backward {kw}"] = str(e)
     return out
 
 
@@ -1585,6 +1600,10 @@ def test_usage_edges(pool):
         assert all("unused.weight" in w and "side.weight" not in w for w in said[1:]), said
         assert out["nested, nothing after, static"] == ["backward: averaged True"] * 3, out
         assert out["static unused grad"] == [None, None], out["static unused grad"]
+        for kw in ({"find_unused_parameters": True}, {"static_graph": True}):
+            said = out[f"split backward {kw}"]
+            assert said is not None and "received a gradient in a backward after the synchronised" in said, said
+            assert "'head." in said, said
 
 
 def _check_unused(res):
