@@ -42,6 +42,10 @@ def outer_node():
     return current() if current is not None else enclosing_function_node()
 
 
+_GRAPH_TASK_ID = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
+
 def graph_task_id() -> int:
-    """The autograd engine's id of the graph task running on this thread (-1: none)."""
-    return torch._C._current_graph_task_id() if hasattr(torch._C, "_current_graph_task_id") else -1
+    """The autograd engine's id of the graph task running on this thread (-1: none; called in
+    every gradient hook, so torch's function is looked up once, here)."""
+    return _GRAPH_TASK_ID()

@@ -377,8 +377,7 @@ class Reducer:
         self._queued = False  # (one queued on a backward that died is never called)
         self._unfired = set()
         if self._in_backward and self._handed_to_hooks:  # (_finalize_callback: nothing queued it after)
-            missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
-            names = ", ".join(self.names[i] for i in missing[:20]) + (" ..." if len(missing) > 20 else "")
+            names = self._names(self._missing())
             self.abandon()
             self._broken = (
                 f"RingDDP on rank {self.rank}: expected to have finished reduction in the prior iteration before "
@@ -719,7 +718,7 @@ class Reducer:
                 self._unused_at_the_end()
             self._launch_ready()  # without overlap nothing was launched yet
             if self._next_launch < len(self.buckets):
-                missing = [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
+                missing = self._missing()
                 self.abandon()
                 raise RuntimeError(self._unused_message(missing))
             self._sparse.launch(self.divisor)  # beside the buckets' reductions, finished after them
@@ -845,9 +844,16 @@ class Reducer:
                 f"of one backward per forward: when the loss is in parts (aux_loss.backward(); loss.backward()), "
                 f"sum them and call backward once, or run a forward before each backward")
 
+    def _missing(self) -> list[int]:
+        """The parameters in buckets whose gradient has not come in this backward."""
+        return [i for i in range(len(self.params)) if not self._ready[i] and i not in self._sparse]
+
+    def _names(self, indices: list[int]) -> str:
+        """The first 20 of these parameters' names, and how many more."""
+        more = f" and {len(indices) - 20} more" if len(indices) > 20 else ""
+        return ", ".join(self.names[i] for i in indices[:20]) + more
+
     def _unused_message(self, missing: list[int]) -> str:
-        names = ", ".join(self.names[i] for i in missing[:20])
-        more = f" and {len(missing) - 20} more" if len(missing) > 20 else ""
         if self.find_unused or self.static_graph:
             why = ("These parameters were reachable from the forward outputs but received no gradient, "
                    "or were used without going through RingDDP's forward.")
@@ -858,7 +864,8 @@ class Reducer:
                    "zero in the average), or make sure every parameter takes part in the loss. If the same "
                    "parameters are always unused, static_graph=True also works.")
         return (f"RingDDP on rank {self.rank}: backward finished but {len(missing)} parameter(s) received no "
-                f"gradient, so their buckets (and every bucket after them) could not be reduced: {names}{more}. "
+                f"gradient, so their buckets (and every bucket after them) could not be reduced: "
+                f"{self._names(missing)}. "
                 f"{why} (RingDDP averages the gradients of one backward per forward: a loss in parts, "
                 f"aux_loss.backward(); loss.backward(), is summed and backpropagated once.)")
 
@@ -928,8 +935,8 @@ def _grad_hook(selfref, i: int, param: torch.Tensor):
             return
         if not r._in_backward:
             r._begin_backward()
-        elif graph_task_id() != r._hook_task:  # the first hook of another graph task (an inner or outer one)
-            r._hook_task = graph_task_id()
+        elif (task := graph_task_id()) != r._hook_task:  # the first hook of another graph task (inner or outer)
+            r._hook_task = task
             if r._handed_to_hooks or not r._finalize_pending():  # (a nested backward ended, or died)
                 r._handed_to_hooks = False
                 r._queue_finalize()
